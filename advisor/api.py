@@ -1,0 +1,256 @@
+"""Python API of the advisor: recommend layouts, predict one layout or a batch.
+
+    from advisor.api import recommend, predict_layout
+    result = recommend("llama3-70b", "h100x64")
+    result.recommendations[0].config.to_dict()
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Mapping
+
+from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model
+from advisor.models import DEFAULT, Constants, Prediction, predict
+from advisor.models.memory import stage_memory
+from advisor.search_spaces.layout import IllegalLayout, violations
+from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
+
+OBJECTIVES = ("throughput", "energy", "balanced")
+
+
+class NoFeasibleLayout(SpecError):
+    """The model fits nowhere on the cluster."""
+
+
+def default_workload(model: ModelSpec, cluster: ClusterSpec, seq: int | None = None,
+                     gbs: int | None = None, precision: str = "bf16") -> Workload:
+    """seq: the model's context up to 8192; gbs: 128 sequences, or world/8 rounded up to a power
+    of two on large clusters (Llama 3 405B: 2048 x 8192 tokens on 16K GPUs)."""
+    if seq is None:
+        seq = min(model.max_position_embeddings or 8192, 8192)
+    if gbs is None:
+        gbs = max(128, 2 ** math.ceil(math.log2(max(1, cluster.world_size // 8))))
+    return Workload(seq=seq, gbs=gbs, precision=precision)
+
+
+def resolve(model: str | ModelSpec, cluster: str | ClusterSpec, power_cap_w: float | None = None
+            ) -> tuple[ModelSpec, ClusterSpec]:
+    m = model if isinstance(model, ModelSpec) else load_model(model)
+    if isinstance(cluster, ClusterSpec):
+        c = cluster
+        if power_cap_w is not None:
+            from dataclasses import replace
+
+            c = replace(c, power_cap_w=power_cap_w)
+    else:
+        c = load_cluster(cluster, power_cap_w=power_cap_w)
+    return m, c
+
+
+@dataclass
+class Recommendation:
+    rank: int
+    config: TrainConfig
+    prediction: Prediction
+    megatron_args: str
+    reason: str
+    score: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
+                "megatron_args": self.megatron_args, "reason": self.reason}
+
+
+@dataclass
+class RecommendResult:
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: Workload
+    objective: str
+    candidates_evaluated: int
+    feasible: int
+    elapsed_s: float
+    recommendations: list[Recommendation] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name,
+            "cluster": self.cluster.to_dict(),
+            "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs,
+                         "precision": self.workload.precision, "objective": self.objective},
+            "candidates_evaluated": self.candidates_evaluated,
+            "feasible": self.feasible,
+            "elapsed_s": self.elapsed_s,
+            "recommendations": [r.to_dict() for r in self.recommendations],
+        }
+
+
+def _score(p: Prediction, objective: str, best_tps: float, best_energy: float) -> float:
+    """Higher is better."""
+    if objective == "throughput":
+        # within 1% of each other, prefer the layout less likely to throttle
+        return p.tokens_per_s_per_gpu * (1.0 - 0.01 * p.throttle_risk)
+    if objective == "energy":
+        return -p.energy_j_per_token * (1.0 + 0.01 * p.throttle_risk)
+    return (0.5 * math.log(p.tokens_per_s_per_gpu / best_tps) + 0.5 * math.log(best_energy / p.energy_j_per_token)
+            - 0.05 * p.throttle_risk)
+
+
+def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Prediction,
+            best: Prediction | None = None) -> str:
+    """Why this layout: the few facts that decide it, in one line."""
+    parts = []
+    if best is not None and best is not p:
+        parts.append(f"{(1 - p.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu) * 100:.1f}% slower than #1")
+    gpn = cluster.gpus_per_node
+    if cfg.tp > 1:
+        parts.append(f"TP={cfg.tp} inside a {gpn}-GPU NVLink node")
+    if cfg.pp > 1:
+        vp = f"×VP={cfg.vp} " if cfg.vp > 1 else ""
+        parts.append(f"PP={cfg.pp} {vp}with {cfg.num_microbatches} microbatches: {p.bubble_fraction * 100:.1f}% bubble")
+    if cfg.cp > 1:
+        parts.append(f"CP={cfg.cp} splits the {cfg.seq}-token sequence")
+    if cfg.ep > 1:
+        parts.append(f"EP={cfg.ep} spreads {model.num_experts} experts")
+    bd = p.breakdown
+    if cfg.dp > 1:
+        hidden = bd["dp_comm_total_s"] - bd["dp_comm_exposed_s"]
+        share = hidden / bd["dp_comm_total_s"] * 100 if bd["dp_comm_total_s"] else 100
+        parts.append(f"DP={cfg.dp} hides {share:.0f}% of gradient traffic")
+    if cfg.recompute != "none":
+        parts.append(f"{cfg.recompute} recompute to fit memory")
+    parts.append(f"{p.memory_gib_per_gpu:.0f} of {cluster.gpu.memory_gib:.0f} GiB on the fullest stage")
+    comm = bd["tp_comm_s"] + bd["cp_comm_s"] + bd["ep_comm_s"] + bd["pp_p2p_s"] + bd["dp_comm_exposed_s"]
+    parts.append(f"exposed communication {comm / p.step_time_s * 100:.0f}% of the step")
+    parts.append(f"{p.throttle_label} throttle risk" + (f" ({p.throttle_reason})" if p.throttle_reason != "none" else ""))
+    return "; ".join(parts)
+
+
+def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
+    from advisor.runners.megatron_args import megatron_lm_args_string
+
+    return megatron_lm_args_string(model, cfg)
+
+
+def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
+              gbs: int | None = None, precision: str = "bf16", top: int = 5,
+              objective: str = "throughput", power_cap_w: float | None = None,
+              constants: Constants = DEFAULT, options: SpaceOptions = SpaceOptions()) -> RecommendResult:
+    """Rank every legal layout that fits in memory by the objective."""
+    if objective not in OBJECTIVES:
+        raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if top < 1:
+        raise SpecError("--top must be at least 1")
+    t0 = time.perf_counter()
+    m, c = resolve(model, cluster, power_cap_w)
+    if precision == "fp8" and not c.gpu.fp8_tflops:
+        raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
+    wl = default_workload(m, c, seq, gbs, precision)
+    capacity = c.gpu.memory_gib
+    evaluated = 0
+    min_mem = (math.inf, None)
+    preds: list[tuple[TrainConfig, Prediction]] = []
+    for cfg in enumerate_layouts(m, c, wl, options):
+        evaluated += 1
+        mem = max(s.total_gib for s in stage_memory(m, cfg, constants))
+        if mem > capacity:
+            if mem < min_mem[0]:
+                min_mem = (mem, cfg)
+            continue
+        preds.append((cfg, predict(m, c, cfg, constants, check_legal=False)))
+    if evaluated == 0:
+        raise NoFeasibleLayout(
+            f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
+            f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
+    if not preds:
+        need, cfg = min_mem
+        raise NoFeasibleLayout(
+            f"{m.name} fits nowhere on {c.name}: the smallest layout needs {need:.1f} GiB per GPU "
+            f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB; use more GPUs or a bigger GPU")
+    best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
+    best_e = min(p.energy_j_per_token for _, p in preds)
+    ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    out = []
+    first = ranked[0][1]
+    for i, (cfg, p) in enumerate(ranked[:top]):
+        out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
+                                  reason=explain(m, c, cfg, p, first if i else None),
+                                  score=_score(p, objective, best_tps, best_e)))
+    return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
+                           feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out)
+
+
+# ------------------------------------------------------------------------------------------------
+# predict
+# ------------------------------------------------------------------------------------------------
+
+LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "recompute",
+               "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+               "tp_comm_overlap", "pp_first_layers", "pp_last_layers")
+
+
+def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any]) -> TrainConfig:
+    """A TrainConfig from user flags: DP derived from the cluster; unset knobs take the defaults
+    recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1)."""
+    v = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
+    tp, pp, cp = int(v.get("tp", 1)), int(v.get("pp", 1)), int(v.get("cp", 1))
+    for name, val in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if val < 1:
+            raise SpecError(f"{name} must be a positive integer, got {val}")
+    mp = tp * pp * cp
+    if cluster.world_size % mp:
+        raise IllegalLayout(f"illegal layout: tp·pp·cp = {mp} does not divide the {cluster.world_size} GPUs of {cluster.name}")
+    dp = cluster.world_size // mp
+    if "dp" in values and values["dp"] is not None and int(values["dp"]) != dp:
+        raise IllegalLayout(f"illegal layout: dp={values['dp']} but {cluster.world_size} GPUs / (tp·pp·cp) = {dp}")
+    if "seq" not in v:
+        v["seq"] = min(model.max_position_embeddings or 8192, 8192)
+    if "gbs" not in v:
+        v["gbs"] = default_workload(model, cluster, v["seq"]).gbs
+    v.setdefault("sequence_parallel", tp > 1)
+    v.setdefault("distributed_optimizer", dp * cp > 1)
+    v.setdefault("overlap_grad_reduce", dp * cp > 1)
+    v.setdefault("overlap_param_gather", bool(v["distributed_optimizer"]) and dp * cp > 1)
+    v["dp"] = dp
+    return TrainConfig.from_dict(v)
+
+
+def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],
+                   power_cap_w: float | None = None, constants: Constants = DEFAULT) -> tuple[TrainConfig, Prediction]:
+    m, c = resolve(model, cluster, power_cap_w)
+    cfg = layout_from_flags(m, c, values)
+    v = violations(m, c, cfg)
+    if v:
+        raise IllegalLayout(f"illegal layout: {v[0]}")
+    return cfg, predict(m, c, cfg, constants, check_legal=False)
+
+
+def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT) -> Iterator[dict[str, Any]]:
+    """One output object per input line: every input key echoed, plus `prediction` (with the
+    derived `config`) or `error`. A bad line never stops the batch."""
+    import json
+
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield {"line": n, "error": f"line {n}: not JSON ({e.msg})"}
+            continue
+        if not isinstance(row, dict):
+            yield {"line": n, "error": f"line {n}: expected a JSON object"}
+            continue
+        out = dict(row)
+        try:
+            if "model" not in row or "cluster" not in row:
+                raise SpecError("each line needs 'model' and 'cluster'")
+            cfg, p = predict_layout(str(row["model"]), str(row["cluster"]), row,
+                                    power_cap_w=row.get("power_cap_w"), constants=constants)
+            out["config"] = cfg.to_dict()
+            out["prediction"] = p.to_dict()
+        except (SpecError, ValueError, TypeError) as e:
+            out["error"] = str(e)
+        yield out

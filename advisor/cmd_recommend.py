@@ -1,0 +1,84 @@
+"""`advisor recommend` and `advisor predict`."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from advisor import report
+
+
+def register(app: typer.Typer) -> None:
+    app.command("recommend")(recommend_cmd)
+    app.command("predict")(predict_cmd)
+
+
+def recommend_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="catalog name (see 'advisor catalog models') or a HF config.json"),
+    cluster: str = typer.Option(..., "--cluster", "-c", help="<gpu>x<count> (h100x64), a catalog cluster, or a YAML file"),
+    seq: Optional[int] = typer.Option(None, "--seq", help="sequence length (default: the model's context, at most 8192)"),
+    gbs: Optional[int] = typer.Option(None, "--gbs", help="global batch in sequences (default 128, more on big clusters)"),
+    precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8"),
+    top: int = typer.Option(5, "--top", help="how many layouts to show"),
+    objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
+    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: TDP)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+) -> None:
+    """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
+    from advisor.api import recommend
+
+    if precision not in ("bf16", "fp8"):
+        raise typer.BadParameter("must be bf16 or fp8", param_hint="--precision")
+    res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
+                    power_cap_w=power_cap)
+    if as_json:
+        json.dump(res.to_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        report.print_recommendations(res)
+
+
+def predict_cmd(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog name or HF config.json"),
+    cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="<gpu>x<count>, catalog cluster or YAML"),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    cp: int = typer.Option(1, "--cp"),
+    ep: int = typer.Option(1, "--ep"),
+    etp: int = typer.Option(1, "--etp"),
+    vp: int = typer.Option(1, "--vp"),
+    mbs: int = typer.Option(1, "--mbs"),
+    gbs: Optional[int] = typer.Option(None, "--gbs"),
+    seq: Optional[int] = typer.Option(None, "--seq"),
+    precision: str = typer.Option("bf16", "--precision"),
+    recompute: str = typer.Option("none", "--recompute", help="none, selective or full"),
+    sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel"),
+    distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
+    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W"),
+    batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
+    as_json: bool = typer.Option(False, "--json", help="JSON on stdout"),
+) -> None:
+    """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
+    from advisor.api import predict_batch, predict_layout
+
+    if batch is not None:
+        stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
+        with stream:
+            for row in predict_batch(stream):
+                sys.stdout.write(json.dumps(row) + "\n")
+                sys.stdout.flush()
+        return
+    if model is None or cluster is None:
+        raise typer.BadParameter("--model and --cluster are required (or give --batch FILE)")
+    values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
+                  recompute=recompute, sequence_parallel=sequence_parallel,
+                  distributed_optimizer=distributed_optimizer)
+    cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap)
+    if as_json:
+        json.dump({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()},
+                  sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        report.print_prediction(model, cluster, cfg, p)

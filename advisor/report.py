@@ -1,0 +1,91 @@
+"""Human-readable reports (rich tables). JSON output lives with each command."""
+from __future__ import annotations
+
+import os
+import shutil
+
+from rich.console import Console
+from rich.table import Table
+
+from advisor.catalog import TrainConfig
+from advisor.models import Prediction
+
+
+def make_console() -> Console:
+    """A console as wide as the terminal, and 140 columns when output goes to a file or pipe."""
+    if os.isatty(1):
+        return Console()
+    return Console(width=shutil.get_terminal_size((140, 24)).columns if "COLUMNS" in os.environ else 140)
+
+
+def _layout(cfg: TrainConfig) -> str:
+    s = f"TP{cfg.tp}·PP{cfg.pp}·DP{cfg.dp}"
+    if cfg.cp > 1:
+        s += f"·CP{cfg.cp}"
+    if cfg.ep > 1:
+        s += f"·EP{cfg.ep}"
+    if cfg.etp > 1:
+        s += f"·ETP{cfg.etp}"
+    if cfg.vp > 1:
+        s += f"·VP{cfg.vp}"
+    if cfg.pp_first_layers or cfg.pp_last_layers:
+        s += f"·split{cfg.pp_first_layers or '-'}/{cfg.pp_last_layers or '-'}"
+    return s
+
+
+def print_recommendations(res, console: Console | None = None) -> None:
+    console = console or make_console()
+    wl = res.workload
+    c = res.cluster
+    console.print(
+        f"[bold]{res.model.name}[/] on [bold]{c.name}[/] ({c.num_nodes}×{c.gpus_per_node} {c.gpu.name}, "
+        f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
+    console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
+                  f"ranked in {res.elapsed_s:.2f} s (analytical model)")
+    t = Table(show_lines=False, pad_edge=False, box=None)
+    for col, just in (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
+                      ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),
+                      ("mean W", "right"), ("throttle", "left"), ("J/tok", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
+    for r in res.recommendations:
+        p = r.prediction
+        t.add_row(str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
+                  f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
+                  f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
+                  f"{p.energy_j_per_token:.3f}")
+    console.print(t)
+    best = res.recommendations[0]
+    console.print(f"[bold]#1 why:[/] {best.reason}")
+    console.print("[bold]#1 Megatron args:[/]")
+    console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)
+
+
+def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, console: Console | None = None) -> None:
+    console = console or make_console()
+    console.print(f"[bold]{model}[/] on [bold]{cluster}[/]: {_layout(cfg)}, mbs {cfg.mbs}, gbs {cfg.gbs}, "
+                  f"seq {cfg.seq}, {cfg.precision}, recompute {cfg.recompute}")
+    if not p.feasible:
+        console.print(f"[red]does not fit:[/] {p.reason}")
+    t = Table(show_header=False)
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    rows = [
+        ("tokens/s/GPU", f"{p.tokens_per_s_per_gpu:,.0f}"),
+        ("step time", f"{p.step_time_s:.3f} s"),
+        ("MFU", f"{p.mfu * 100:.1f}%"),
+        ("memory (fullest stage)", f"{p.memory_gib_per_gpu:.1f} GiB"),
+        ("memory per stage", ", ".join(f"{m:.1f}" for m in p.memory_per_stage_gib) + " GiB"),
+        ("peak / mean power", f"{p.peak_power_w:.0f} / {p.mean_power_w:.0f} W"),
+        ("throttle risk", f"{p.throttle_label} ({p.throttle_risk:.2f}): {p.throttle_reason}"),
+        ("steady temperature", f"{p.steady_temp_c:.0f} °C"),
+        ("energy", f"{p.energy_j_per_token:.3f} J/token"),
+        ("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    bd = p.breakdown
+    for k in ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
+              "pp_p2p_s", "pipeline_bubble_s", "dp_comm_exposed_s", "optimizer_s"):
+        if bd.get(k):
+            t.add_row(f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s")
+    console.print(t)

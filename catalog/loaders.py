@@ -1,0 +1,304 @@
+"""Loaders for the built-in catalog (``catalog/data``), HF ``config.json`` files and cluster strings.
+
+Models and GPUs are found by name, case-insensitively, ignoring punctuation, an ``org/`` prefix,
+a leading ``meta-`` / ``nvidia`` / ``amd instinct``, and trailing ``-base`` / ``-instruct`` / ``-hf``
+/ ``-v0.1``-style suffixes; each YAML file may list extra ``aliases``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from advisor.catalog.errors import CatalogError
+from advisor.catalog.hf import model_from_hf_config
+from advisor.catalog.specs import ClusterSpec, GPUSpec, MLASpec, ModelSpec, MoESpec
+
+_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} | {"aliases"}
+_MOE_KEYS = {f.name for f in dataclasses.fields(MoESpec)}
+_MLA_KEYS = {f.name for f in dataclasses.fields(MLASpec)}
+_GPU_KEYS = {f.name for f in dataclasses.fields(GPUSpec)} | {"aliases"}
+_CLUSTER_KEYS = {"name", "gpu", "nodes", "gpus_per_node", "intra_node_bw_gbs", "inter_node_bw_gbs",
+                 "power_cap_w", "source", "description"}
+
+CLUSTER_FORMS = ("<gpu>x<count> (e.g. h100x64), <gpu>x<per-node>x<nodes> (e.g. h100x8x16), "
+                 "a catalog cluster name, or a path to a cluster YAML file")
+
+
+# ---------------------------------------------------------------------------------------- names
+_SUFFIX = re.compile(r"(-(base|instruct|chat|hf)|-v\d+\.\d+)+$")
+_PREFIX = re.compile(r"^(meta-|nvidia[ -]|amd[ -]instinct[ -]|amd[ -])")
+
+
+def normalize_name(name: str) -> str:
+    """The lookup key of a model or GPU name: 'Meta-Llama-3-70B' and 'llama3-70b' both -> 'llama370b'."""
+    n = name.strip().lower().rsplit("/", 1)[-1]
+    n = _PREFIX.sub("", n)
+    n = _SUFFIX.sub("", n)
+    return re.sub(r"[^a-z0-9]", "", n)
+
+
+def _unknown(kind: str, name: str, names: list[str], hint: str) -> CatalogError:
+    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.6)
+    if not close:  # try on the normalized keys too ('Llama-3-7B' vs 'llama3-8b')
+        by_key = {normalize_name(n): n for n in names}
+        close = [by_key[k] for k in difflib.get_close_matches(normalize_name(name), list(by_key), n=3,
+                                                              cutoff=0.6)]
+    did = f"; did you mean: {', '.join(close)}?" if close else ""
+    return CatalogError(f"unknown {kind} {name!r}{did} (see '{hint}')")
+
+
+# ---------------------------------------------------------------------------------------- files
+def _data_dir(kind: str):
+    return resources.files(__package__) / "data" / kind
+
+
+def _read_yaml(path, what: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise CatalogError(f"{what}: invalid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise CatalogError(f"{what}: expected a mapping of fields, got {type(data).__name__}")
+    return data
+
+
+def _check_keys(data: Mapping[str, Any], allowed: set[str], what: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise CatalogError(f"{what}: unknown field(s) {', '.join(unknown)}")
+
+
+def _model_from_yaml(data: dict[str, Any], what: str) -> ModelSpec:
+    _check_keys(data, _MODEL_KEYS, what)
+    for sub, keys in (("moe", _MOE_KEYS), ("mla", _MLA_KEYS)):
+        if data.get(sub) is not None:
+            if not isinstance(data[sub], dict):
+                raise CatalogError(f"{what}: {sub} must be a mapping")
+            _check_keys(data[sub], keys, f"{what}: {sub}")
+    return ModelSpec.from_dict(data)
+
+
+_GPU_FLOATS = ("memory_gib", "hbm_bandwidth_gbs", "bf16_tflops", "fp8_tflops", "tdp_w", "idle_w",
+               "slowdown_temp_c", "intra_node_bw_gbs", "network_bw_gbps", "max_operating_temp_c")
+
+
+def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
+    _check_keys(data, _GPU_KEYS, what)
+    d = dict(data)
+    for k in _GPU_FLOATS:
+        v = d.get(k)
+        if v is None and k == "max_operating_temp_c":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise CatalogError(f"{what}: {k} must be a non-negative number, got {v!r}")
+        d[k] = float(v)
+    if d.get("vendor") not in ("nvidia", "amd"):
+        raise CatalogError(f"{what}: vendor must be nvidia or amd, got {d.get('vendor')!r}")
+    gpn = d.get("gpus_per_node")
+    if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
+        raise CatalogError(f"{what}: gpus_per_node must be a positive integer, got {gpn!r}")
+    d["sources"] = dict(d.get("sources") or {})
+    return GPUSpec.from_dict(d)
+
+
+def _table(kind: str, build: Callable[[dict, str], Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(name -> spec, lookup key -> name) for one catalog folder."""
+    specs: dict[str, Any] = {}
+    index: dict[str, str] = {}
+    for f in sorted(_data_dir(kind).iterdir(), key=lambda p: p.name):
+        if not f.name.endswith(".yaml"):
+            continue
+        what = f"catalog {kind}/{f.name}"
+        data = _read_yaml(f, what)
+        aliases = data.get("aliases") or []
+        spec = build(data, what)
+        specs[spec.name] = spec
+        for key in {normalize_name(spec.name), *(normalize_name(a) for a in aliases)}:
+            if index.get(key, spec.name) != spec.name:
+                raise CatalogError(f"{what}: name or alias {key!r} also belongs to {index[key]}")
+            index[key] = spec.name
+    return specs, index
+
+
+@lru_cache(maxsize=None)
+def _models() -> tuple[dict[str, ModelSpec], dict[str, str]]:
+    return _table("models", _model_from_yaml)
+
+
+@lru_cache(maxsize=None)
+def _gpus() -> tuple[dict[str, GPUSpec], dict[str, str]]:
+    return _table("gpus", _gpu_from_yaml)
+
+
+@lru_cache(maxsize=None)
+def _clusters() -> dict[str, ClusterSpec]:
+    out = {}
+    for f in sorted(_data_dir("clusters").iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".yaml"):
+            c = _cluster_from_yaml(_read_yaml(f, f"catalog clusters/{f.name}"),
+                                   f"catalog clusters/{f.name}", None)
+            out[c.name] = c
+    return out
+
+
+# ---------------------------------------------------------------------------------------- models
+def _model_from_path(path: Path) -> ModelSpec:
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise CatalogError(f"{path}: no such file")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        return _model_from_yaml(_read_yaml(path, str(path)), str(path))
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CatalogError(f"{path}: invalid JSON ({e})") from None
+    name = path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    return model_from_hf_config(cfg, name, origin=str(path))
+
+
+def load_model(name_or_path: str) -> ModelSpec:
+    """A catalog model by name or alias (case-insensitive), or a HF ``config.json`` / a folder
+    holding one / a model YAML file (the catalog's schema)."""
+    s = str(name_or_path).strip()
+    specs, index = _models()
+    p = Path(s).expanduser()
+    pathy = s.lower().endswith((".json", ".yaml", ".yml")) or "/" in s or "\\" in s
+    if pathy and p.exists():
+        return _model_from_path(p)
+    key = normalize_name(s)
+    if key in index:
+        return specs[index[key]]
+    if s.lower().endswith((".json", ".yaml", ".yml")):
+        raise CatalogError(f"{p}: no such file")
+    raise _unknown("model", s, list(specs), "advisor catalog models")
+
+
+def list_models() -> list[ModelSpec]:
+    return list(_models()[0].values())
+
+
+# ---------------------------------------------------------------------------------------- GPUs
+def load_gpu(name: str) -> GPUSpec:
+    """A catalog GPU by name or alias (case-insensitive; NVML / AMD SMI product names work too)."""
+    specs, index = _gpus()
+    key = normalize_name(str(name))
+    if key in index:
+        return specs[index[key]]
+    raise _unknown("GPU", str(name), list(specs), "advisor catalog gpus")
+
+
+def list_gpus() -> list[GPUSpec]:
+    return list(_gpus()[0].values())
+
+
+# ---------------------------------------------------------------------------------------- clusters
+_COUNT = re.compile(r"^(?P<gpu>[a-z0-9][a-z0-9._-]*?)x(?P<a>\d+)(?:x(?P<b>\d+))?$")
+
+
+def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
+                  inter: float | None, cap: float | None, what: str) -> ClusterSpec:
+    cap = gpu.tdp_w if cap is None else float(cap)
+    if cap > gpu.tdp_w:
+        raise CatalogError(f"{what}: power cap {cap:g} W is above the {gpu.name} TDP {gpu.tdp_w:g} W")
+    return ClusterSpec(
+        name=name,
+        gpu=gpu,
+        num_nodes=nodes,
+        gpus_per_node=per_node,
+        intra_node_bw_gbs=float(gpu.intra_node_bw_gbs if intra is None else intra),
+        inter_node_bw_gbs=float(gpu.network_bw_gbs if inter is None else inter),
+        power_cap_w=cap,
+    )
+
+
+def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | None) -> ClusterSpec:
+    _check_keys(data, _CLUSTER_KEYS, what)
+    for k in ("gpu", "nodes"):
+        if data.get(k) is None:
+            raise CatalogError(f"{what}: missing required field {k!r}")
+    gpu = load_gpu(str(data["gpu"]))
+    ints = {}
+    for k in ("nodes", "gpus_per_node"):
+        v = data.get(k, gpu.gpus_per_node if k == "gpus_per_node" else None)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise CatalogError(f"{what}: {k} must be a positive integer, got {v!r}")
+        ints[k] = v
+    for k in ("intra_node_bw_gbs", "inter_node_bw_gbs", "power_cap_w"):
+        v = data.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise CatalogError(f"{what}: {k} must be a positive number, got {v!r}")
+    name = str(data.get("name") or what)
+    cap = power_cap_w if power_cap_w is not None else data.get("power_cap_w")
+    return _make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], data.get("intra_node_bw_gbs"),
+                         data.get("inter_node_bw_gbs"), cap, what)
+
+
+def _cluster_from_string(s: str, power_cap_w: float | None) -> ClusterSpec | None:
+    m = _COUNT.match(s.lower())
+    if not m:
+        return None
+    gpu = load_gpu(m["gpu"])
+    a = int(m["a"])
+    gpn = gpu.gpus_per_node
+    if m["b"] is not None:  # <gpu>x<per-node>x<nodes>
+        per_node, nodes = a, int(m["b"])
+        if per_node < 1 or nodes < 1:
+            raise CatalogError(f"cluster {s!r}: GPUs per node and nodes must be >= 1")
+        if per_node > gpn:
+            raise CatalogError(f"cluster {s!r}: a {gpu.name} node holds at most {gpn} GPUs")
+    elif a < 1:
+        raise CatalogError(f"cluster {s!r}: the GPU count must be >= 1")
+    elif a <= gpn:
+        per_node, nodes = a, 1
+    elif a % gpn == 0:
+        per_node, nodes = gpn, a // gpn
+    else:
+        raise CatalogError(
+            f"cluster {s!r}: {a} GPUs is not a multiple of {gpn} GPUs per {gpu.name} node "
+            f"(use {m['gpu']}x<per-node>x<nodes> for partial nodes)"
+        )
+    return _make_cluster(s.lower(), gpu, nodes, per_node, None, None, power_cap_w, f"cluster {s!r}")
+
+
+def load_cluster(spec: str, power_cap_w: float | None = None) -> ClusterSpec:
+    """A cluster from ``<gpu>x<count>`` (``h100x64`` = 8 nodes x 8), ``<gpu>x<per-node>x<nodes>``,
+    a catalog cluster name, or a YAML file. ``power_cap_w`` (per GPU) overrides the default TDP."""
+    s = str(spec).strip()
+    if s.lower().endswith((".yaml", ".yml")) or Path(s).is_file():
+        p = Path(s).expanduser()
+        if not p.is_file():
+            raise CatalogError(f"{p}: no such file")
+        return _cluster_from_yaml(_read_yaml(p, str(p)), str(p), power_cap_w)
+    named = _clusters()
+    key = normalize_name(s)
+    for c in named.values():
+        if normalize_name(c.name) == key:
+            return c if power_cap_w is None else _make_cluster(
+                c.name, c.gpu, c.num_nodes, c.gpus_per_node, c.intra_node_bw_gbs, c.inter_node_bw_gbs,
+                power_cap_w, f"cluster {c.name!r}")
+    c = _cluster_from_string(s, power_cap_w)
+    if c is not None:
+        return c
+    hint = ""
+    if normalize_name(s) in _gpus()[1]:
+        gpu = load_gpu(s)
+        hint = f"; did you mean: {s.lower()}x{gpu.gpus_per_node}?"
+    else:
+        close = difflib.get_close_matches(s.lower(), list(named), n=3, cutoff=0.6)
+        hint = f"; did you mean: {', '.join(close)}?" if close else ""
+    raise CatalogError(f"cannot read cluster {s!r}{hint} (expected {CLUSTER_FORMS})")
+
+
+def list_clusters() -> list[ClusterSpec]:
+    return list(_clusters().values())

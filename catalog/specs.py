@@ -1,0 +1,302 @@
+"""The spec types shared by every layer: model architecture, GPU, cluster, training layout.
+
+Everything here is plain data (frozen dataclasses) with ``to_dict`` / ``from_dict`` so that the
+same objects travel through the CLI, JSONL datasets, Optuna user attributes and Ray tasks.
+Validation of *legality* (does TP divide the heads, ...) lives in ``advisor.search_spaces``;
+these types only check that values have the right kind and range.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+Precision = Literal["bf16", "fp8"]
+Recompute = Literal["none", "selective", "full"]
+
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+class SpecError(ValueError):
+    """A spec (model, GPU, cluster or layout) is malformed. The message is one line for the user."""
+
+
+def _from_known_fields(cls, data: Mapping[str, Any]):
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3)."""
+
+    q_lora_rank: int  # 0 means no query compression (plain q projection)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Mixture of experts on the MLP of (some) layers."""
+
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int  # per routed expert
+    num_shared_experts: int = 0
+    shared_ffn_hidden_size: int = 0  # total hidden size of the shared expert(s); 0 = none
+    first_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek-V3: 3)
+    dense_ffn_hidden_size: int = 0  # MLP size of those dense layers
+    layer_freq: int = 1  # every layer_freq-th layer (after the dense ones) is MoE
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, in Megatron's terms."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_query_groups: int | None = None  # KV heads (GQA); None = MHA
+    kv_channels: int | None = None  # head dim; None = hidden / heads
+    activation: Literal["swiglu", "gelu", "relu2"] = "swiglu"
+    normalization: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    position_embedding: Literal["rope", "learned"] = "rope"
+    max_position_embeddings: int = 4096
+    tied_embeddings: bool = False
+    add_bias_linear: bool = False
+    qkv_bias: bool = False
+    moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    family: str = "llama"
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for n in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise SpecError(f"model {self.name!r}: {n} must be a positive integer, got {v!r}")
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise SpecError(
+                f"model {self.name!r}: num_attention_heads ({self.num_attention_heads}) is not a "
+                f"multiple of num_query_groups ({self.num_query_groups})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None and self.moe.num_experts > 1
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe.num_experts if self.moe else 1
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer index (0-based) carries routed experts."""
+        if not self.is_moe:
+            return False
+        m = self.moe
+        if layer < m.first_dense_layers:
+            return False
+        return (layer - m.first_dense_layers) % m.layer_freq == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def with_layers(self, num_layers: int) -> "ModelSpec":
+        """A proxy with fewer layers (as NVIDIA's benchmarks do); dense-first layers kept in ratio."""
+        moe = self.moe
+        if moe is not None and moe.first_dense_layers:
+            keep = min(moe.first_dense_layers, max(0, num_layers - 1))
+            moe = dataclasses.replace(moe, first_dense_layers=keep)
+        return dataclasses.replace(self, num_layers=num_layers, moe=moe,
+                                   name=f"{self.name}[{num_layers}L]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelSpec":
+        d = dict(data)
+        if d.get("moe"):
+            d["moe"] = _from_known_fields(MoESpec, d["moe"])
+        else:
+            d["moe"] = None
+        if d.get("mla"):
+            d["mla"] = _from_known_fields(MLASpec, d["mla"])
+        else:
+            d["mla"] = None
+        try:
+            return _from_known_fields(cls, d)
+        except TypeError as e:  # missing required field
+            raise SpecError(f"model {d.get('name', '?')!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator model. Bandwidths in GB/s (10^9 bytes/s), one direction, per GPU."""
+
+    name: str
+    vendor: Literal["nvidia", "amd"]
+    memory_gib: float
+    hbm_bandwidth_gbs: float
+    bf16_tflops: float  # dense peak
+    fp8_tflops: float  # dense peak; 0 = unsupported
+    tdp_w: float
+    idle_w: float
+    slowdown_temp_c: float
+    intra_node_bw_gbs: float  # NVLink / xGMI, one direction, per GPU
+    gpus_per_node: int
+    network_bw_gbps: float  # scale-out NIC bandwidth per GPU in Gb/s
+    max_operating_temp_c: float | None = None
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def network_bw_gbs(self) -> float:
+        return self.network_bw_gbps / 8.0
+
+    def peak_tflops(self, precision: str) -> float:
+        if precision == "fp8":
+            if not self.fp8_tflops:
+                raise SpecError(f"GPU {self.name} has no fp8 tensor cores")
+            return self.fp8_tflops
+        return self.bf16_tflops
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "GPUSpec":
+        try:
+            return _from_known_fields(cls, data)
+        except TypeError as e:
+            raise SpecError(f"GPU {data.get('name', '?')!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Homogeneous nodes of one GPU type. Bandwidths per GPU, one direction, GB/s."""
+
+    name: str
+    gpu: GPUSpec
+    num_nodes: int
+    gpus_per_node: int
+    intra_node_bw_gbs: float
+    inter_node_bw_gbs: float
+    power_cap_w: float  # per GPU; the GPU's TDP unless a lower cap is set
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise SpecError(f"cluster {self.name!r}: nodes and GPUs per node must be >= 1")
+        if self.power_cap_w <= self.gpu.idle_w:
+            raise SpecError(
+                f"cluster {self.name!r}: power cap {self.power_cap_w:g} W is not above the GPU's "
+                f"idle power {self.gpu.idle_w:g} W"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["gpu"] = self.gpu.name
+        d["world_size"] = self.world_size
+        return d
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training layout plus workload, Megatron-style. DP is derived from the world size.
+
+    ``pp_first_layers`` / ``pp_last_layers`` give an uneven pipeline split (Megatron's
+    ``--decoder-first/last-pipeline-num-layers``); None means an even split.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vp: int = 1  # virtual pipeline chunks per rank (1 = no interleaving)
+    mbs: int = 1
+    gbs: int = 1
+    seq: int = 4096
+    precision: Precision = "bf16"
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    tp_comm_overlap: bool = False
+    pp_first_layers: int | None = None
+    pp_last_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for n in ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq"):
+            v = getattr(self, n)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpecError(f"{n} must be a positive integer, got {v!r}")
+        if self.precision not in PRECISIONS:
+            raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise SpecError(
+                f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per pipeline per step (gbs / (mbs * dp)); legality checked elsewhere."""
+        return max(1, self.gbs // (self.mbs * self.dp))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.gbs * self.seq
+
+    @property
+    def expert_dp(self) -> int:
+        """Data-parallel size of the expert weights: (dp * cp * tp) / (ep * etp)."""
+        return max(1, (self.dp * self.cp * self.tp) // (self.ep * self.etp))
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise SpecError(f"unknown layout key(s): {', '.join(unknown)}")
+        return cls(**dict(data))
+
+    def key(self) -> str:
+        """A short stable label, e.g. 'tp2-pp4-dp8-cp1-ep1-vp1-mbs1-gbs512-selective'."""
+        return (
+            f"tp{self.tp}-pp{self.pp}-dp{self.dp}-cp{self.cp}-ep{self.ep}-etp{self.etp}-vp{self.vp}"
+            f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.precision}-{self.recompute}"
+        )

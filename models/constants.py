@@ -1,0 +1,105 @@
+"""Every constant of the analytical model, in one place, with where it comes from.
+
+"measured" means measured by this project on its GPU machines (data under data/ or
+../shared/gpu/FACTS.md at the time of writing); "Megatron" means the convention of Megatron-LM's
+code; everything else names its published source. `advisor fit` re-fits the ones marked
+(fitted) against measurements; the values here are the defaults before any calibration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Constants:
+    # ---- memory -------------------------------------------------------------------------------
+    # Bytes per parameter, mixed precision with fp32 master weights and Adam (Megatron; ZeRO paper
+    # Rajbhandari et al. 2020 §3.1): bf16 weights 2 + fp32 main grads 4 + fp32 master 4 + m 4 + v 4.
+    bytes_weight: float = 2.0
+    bytes_grad: float = 4.0
+    bytes_optimizer: float = 12.0
+    # fp8 training keeps an fp8 copy (and its transpose) of each GEMM weight (Transformer Engine).
+    bytes_fp8_weight_copy: float = 2.0
+    # Bytes per activation element (bf16).
+    bytes_activation: float = 2.0
+    # CUDA context, cuBLAS/NCCL workspaces and buffers per GPU, GiB (fitted; start: the CUDA
+    # context of torch 2.x on Hopper is ~0.5 GiB, NCCL ~0.5-1 GiB per communicator size class).
+    runtime_overhead_gib: float = 2.0
+    # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted).
+    fragmentation: float = 0.08
+
+    # ---- compute ------------------------------------------------------------------------------
+    # Best sustained fraction of dense bf16 peak for large GEMMs before power capping:
+    # measured 788-798 TFLOP/s of 989 on H100/H200 for 8192^3 bf16 (device KINDS.md) = 0.80.
+    gemm_efficiency_max: float = 0.80
+    # fp8 GEMMs reach a lower fraction of their (2x) peak (Transformer Engine reports ~0.65).
+    gemm_efficiency_max_fp8: float = 0.65
+    # GEMM efficiency saturates with each dimension d as d / (d + gemm_half_dim) (fitted).
+    gemm_half_dim: float = 96.0
+    # Flash-attention forward efficiency relative to dense peak (FlashAttention-2 paper reports
+    # 50-73% of peak forward on A100/H100); backward does 2.5x the forward FLOPs.
+    attention_efficiency: float = 0.55
+    attention_backward_factor: float = 2.5
+    # Fraction of peak HBM bandwidth that elementwise / normalisation kernels reach (fitted;
+    # measured device-to-device copy: 4.3 of 4.8 TB/s on H200 = 0.9, kernels reach less).
+    hbm_efficiency: float = 0.70
+    # Bytes of HBM traffic per token per layer for the memory-bound ops (norms, residual adds,
+    # rotary, activation function, bias/dropout), in units of hidden_size x bytes_activation,
+    # forward; backward costs 2x. Counted from Megatron's local spec kernels: 2 norms (r+w 2 each),
+    # 2 residual adds (3 each), rotary on q,k (~2), activation on ffn handled separately.
+    elementwise_hidden_passes: float = 16.0
+    elementwise_ffn_passes: float = 3.0  # swiglu / gelu: read gate (+up), write out
+    # Fixed per-layer per-microbatch kernel-launch and framework overhead, seconds (fitted).
+    layer_overhead_s: float = 60e-6
+    # Fixed per-step overhead (optimizer bookkeeping, python, synchronisation), seconds (fitted).
+    step_overhead_s: float = 0.02
+    # Optimizer step: HBM bytes per parameter of the local optimizer shard (Adam, fp32):
+    # read grad 4, master 4, m 4, v 4; write master 4, m 4, v 4, bf16 weight 2 = 30.
+    optimizer_bytes_per_param: float = 30.0
+
+    # ---- communication ------------------------------------------------------------------------
+    # Achieved fraction of link bandwidth for large collectives (NCCL busbw / link bw; nccl-tests
+    # on H100 NVLink4 report ~360-390 GB/s all-reduce busbw of 450 = ~0.8; 400G IB ~0.85).
+    nvlink_efficiency: float = 0.80
+    network_efficiency: float = 0.85
+    # Per-collective latency, seconds (NCCL small-message latency ~10-30 us inside a node, more
+    # across nodes).
+    intra_latency_s: float = 15e-6
+    inter_latency_s: float = 40e-6
+    # Fraction of TP communication hidden when tp_comm_overlap is on (needs Transformer Engine
+    # user buffers; Megatron reports most of it hidden).
+    tp_overlap_fraction: float = 0.7
+    # Fraction of the eligible window actually used to hide DP communication (fitted).
+    dp_overlap_efficiency: float = 0.8
+
+    # ---- power and thermals -------------------------------------------------------------------
+    # Sustained-GEMM slowdown under a TDP power cap: measured 651 TFLOP/s sustained over 300 s on
+    # 4 x H200 at the 700 W cap vs ~790 for short bursts = 0.824 (../shared/gpu/FACTS.md burn).
+    capped_gemm_speed: float = 0.824
+    # Relative dynamic power of each phase against a saturating GEMM (fitted; start values from
+    # the H200 probes: memory-bound kernels ~55%, NCCL ~35%, waiting in a bubble ~15%).
+    power_memory_bound: float = 0.55
+    power_communication: float = 0.35
+    power_bubble: float = 0.15
+    # Instantaneous peaks above the cap when capped: measured max 746-758 W at a 700 W cap
+    # (H200 burn) = 1.07-1.08.
+    power_overshoot: float = 1.075
+    # Instantaneous ripple above the steady value when not capped.
+    power_ripple: float = 1.03
+    # Steady temperature T = idle_temp + c_per_w * (P - P_idle): measured 0.041-0.051 C/W with an
+    # idle temperature of 36-39 C on 4 x H200 (FACTS.md burn table).
+    idle_temp_c: float = 38.0
+    c_per_w: float = 0.046
+    # Margin below the slowdown temperature where thermal throttling risk starts, C.
+    thermal_margin_c: float = 15.0
+
+    def replace(self, **changes) -> "Constants":
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DEFAULT = Constants()

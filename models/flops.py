@@ -1,0 +1,150 @@
+"""Parameter counts and FLOPs of a decoder-only transformer (pure functions of a ModelSpec).
+
+Conventions: a matrix multiply of an (M x K) by (K x N) matrix costs 2·M·K·N FLOPs. Training
+costs forward + backward = 3x forward for every weight GEMM (the backward computes the input and
+the weight gradients). Core attention is counted causally (half of the full s x s score matrix),
+which is what flash attention actually computes; `causal=False` gives the PaLM/Megatron-classic
+count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from advisor.catalog.specs import ModelSpec
+
+
+def _attn_weight_params(m: ModelSpec) -> int:
+    h = m.hidden_size
+    if m.mla is not None:
+        a = m.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        heads = m.num_attention_heads
+        if a.q_lora_rank:
+            q = h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * heads * qk  # down, norm, up
+        else:
+            q = h * heads * qk
+        kv = h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank  # down + norm
+        kv += a.kv_lora_rank * heads * (a.qk_nope_head_dim + a.v_head_dim)  # up
+        o = heads * a.v_head_dim * h
+        return q + kv + o
+    hd = m.head_dim
+    q = h * m.num_attention_heads * hd
+    kv = 2 * h * m.kv_heads * hd
+    o = m.num_attention_heads * hd * h
+    bias = 0
+    if m.add_bias_linear or m.qkv_bias:
+        bias += (m.num_attention_heads + 2 * m.kv_heads) * hd
+    if m.add_bias_linear:
+        bias += h
+    return q + kv + o + bias
+
+
+def _mlp_params(m: ModelSpec, ffn: int) -> int:
+    h = m.hidden_size
+    mats = 3 if m.activation == "swiglu" else 2
+    bias = (ffn * (2 if m.activation == "swiglu" else 1) + h) if m.add_bias_linear else 0
+    return mats * h * ffn + bias
+
+
+def _norm_params(m: ModelSpec) -> int:
+    return m.hidden_size * (2 if m.normalization == "layernorm" else 1)
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one transformer layer, split the way parallelism shards them."""
+
+    attention: int  # sharded by TP
+    dense_mlp: int  # sharded by TP (0 on MoE layers)
+    experts: int  # routed experts, all of them: sharded by EP x ETP
+    shared_experts: int  # sharded by TP
+    router: int  # replicated
+    norms: int  # replicated
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.dense_mlp + self.experts + self.shared_experts + self.router + self.norms
+
+
+def layer_params(m: ModelSpec, layer: int) -> LayerParams:
+    attn = _attn_weight_params(m)
+    norms = 2 * _norm_params(m)
+    if m.is_moe_layer(layer):
+        moe = m.moe
+        experts = moe.num_experts * _mlp_params(m, moe.ffn_hidden_size)
+        shared = _mlp_params(m, moe.shared_ffn_hidden_size) if moe.shared_ffn_hidden_size else 0
+        return LayerParams(attn, 0, experts, shared, m.hidden_size * moe.num_experts, norms)
+    ffn = m.ffn_hidden_size
+    if m.moe is not None and m.moe.dense_ffn_hidden_size and layer < m.moe.first_dense_layers:
+        ffn = m.moe.dense_ffn_hidden_size
+    return LayerParams(attn, _mlp_params(m, ffn), 0, 0, 0, norms)
+
+
+def embedding_params(m: ModelSpec) -> int:
+    pos = m.max_position_embeddings * m.hidden_size if m.position_embedding == "learned" else 0
+    return m.vocab_size * m.hidden_size + pos
+
+
+def output_params(m: ModelSpec) -> int:
+    """Output layer (LM head) plus the final norm. Zero extra weights when tied, except the norm."""
+    return (0 if m.tied_embeddings else m.vocab_size * m.hidden_size) + _norm_params(m)
+
+
+def total_params(m: ModelSpec) -> int:
+    return embedding_params(m) + output_params(m) + sum(layer_params(m, i).total for i in range(m.num_layers))
+
+
+def active_params(m: ModelSpec) -> int:
+    """Parameters touched per token (routed experts counted top_k times, not num_experts)."""
+    n = embedding_params(m) + output_params(m)
+    for i in range(m.num_layers):
+        lp = layer_params(m, i)
+        experts = lp.experts // m.moe.num_experts * m.moe.top_k if lp.experts else 0
+        n += lp.total - lp.experts + experts
+    return n
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs
+# ------------------------------------------------------------------------------------------------
+
+def attention_core_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) -> float:
+    """Forward FLOPs per token per layer of softmax(QK^T)V (scores + weighted sum)."""
+    if m.mla is not None:
+        qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+        v = m.mla.v_head_dim
+    else:
+        qk = v = m.head_dim
+    full = 2.0 * seq * m.num_attention_heads * (qk + v)
+    return full * (0.5 if causal else 1.0)
+
+
+def matmul_params_per_token(m: ModelSpec) -> int:
+    """Weights that a token multiplies through (active, excluding the embedding lookup, norms,
+    biases and routers are included since they are tiny)."""
+    n = 0
+    for i in range(m.num_layers):
+        lp = layer_params(m, i)
+        experts = lp.experts // m.moe.num_experts * m.moe.top_k if lp.experts else 0
+        n += lp.attention + lp.dense_mlp + experts + lp.shared_experts + lp.router
+    n += m.vocab_size * m.hidden_size  # logits, tied or not
+    return n
+
+
+def forward_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) -> float:
+    return 2.0 * matmul_params_per_token(m) + m.num_layers * attention_core_flops_per_token(m, seq, causal)
+
+
+def training_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) -> float:
+    """Model FLOPs per token for one training step (forward + backward, no recompute): the
+    numerator of MFU. Equals 6·N_matmul + 3·L·attention."""
+    return 3.0 * forward_flops_per_token(m, seq, causal)
+
+
+def recompute_flops_per_token(m: ModelSpec, seq: int, recompute: str, causal: bool = True) -> float:
+    """Extra forward FLOPs per token spent re-computing activations (hardware FLOPs - model FLOPs)."""
+    if recompute == "full":
+        return forward_flops_per_token(m, seq, causal) - 2.0 * m.vocab_size * m.hidden_size
+    if recompute == "selective":
+        return m.num_layers * attention_core_flops_per_token(m, seq, causal)
+    return 0.0

@@ -1,0 +1,352 @@
+"""Step time of one training iteration, with its breakdown. Pure functions.
+
+Per pipeline stage and microbatch: the GEMMs of every layer (efficiency by shape), flash
+attention, memory-bound kernels, recompute, and the TP / CP / EP collectives on NVLink or the
+network depending on where the group lands (Megatron's rank order tp-cp-ep-dp-pp). Then the
+pipeline schedule (1F1B or interleaved: bubble (p-1)/(v·m) for equal stages), PP send/recv, the
+DP gradient reduce-scatter / all-reduce and parameter all-gather with the part that overlaps
+with backward / forward, and the optimizer step.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+from advisor.models.constants import DEFAULT, Constants
+from advisor.models.flops import attention_core_flops_per_token
+from advisor.models.memory import stage_params
+from advisor.search_spaces.layout import layer_kind_counts, stage_layers
+
+
+def _sat(d: float, half: float) -> float:
+    return d / (d + half)
+
+
+def gemm_time(m: float, k: float, n: float, peak_flops: float, hbm_bw: float, c: Constants,
+              eff_max: float) -> tuple[float, float]:
+    """(seconds, achieved fraction of eff_max) of one (m x k) @ (k x n) GEMM in 2-byte elements."""
+    if m <= 0 or k <= 0 or n <= 0:
+        return 0.0, 0.0
+    shape = _sat(m, c.gemm_half_dim) * _sat(k, c.gemm_half_dim) * _sat(n, c.gemm_half_dim)
+    flops = 2.0 * m * k * n
+    t_compute = flops / (peak_flops * eff_max * shape)
+    t_memory = 2.0 * (m * k + k * n + m * n) / (hbm_bw * c.hbm_efficiency)
+    t = max(t_compute, t_memory)
+    return t, flops / (t * peak_flops * eff_max)
+
+
+def collective_time(kind: str, nbytes: float, n: int, bw_gbs: float, latency: float) -> float:
+    """NCCL ring-style cost of a collective over n ranks moving nbytes per rank (the full buffer)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bw = bw_gbs * 1e9
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes / bw + 2 * latency * (n - 1) ** 0.5
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes / bw + latency * (n - 1) ** 0.5
+    if kind == "p2p":
+        return nbytes / bw + latency
+    raise ValueError(kind)
+
+
+@dataclass
+class Link:
+    bw_gbs: float
+    latency: float
+    inter_node: bool
+
+
+def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
+    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in a node."""
+    span = stride * size
+    if size <= 1 or span <= cluster.gpus_per_node:
+        return Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False)
+    return Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True)
+
+
+@dataclass
+class StageTime:
+    """Seconds per microbatch on one GPU of a stage (all its virtual chunks together)."""
+
+    stage: int
+    gemm_s: float = 0.0
+    attention_s: float = 0.0
+    memory_bound_s: float = 0.0
+    recompute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    cp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
+    pp_p2p_s: float = 0.0
+    overhead_s: float = 0.0
+    forward_s: float = 0.0  # compute part of the forward pass (for DP overlap windows)
+    backward_s: float = 0.0
+    gemm_utilization: float = 0.0  # achieved / best GEMM rate, time-weighted (drives power)
+
+    @property
+    def total_s(self) -> float:
+        return (self.gemm_s + self.attention_s + self.memory_bound_s + self.recompute_s + self.tp_comm_s
+                + self.cp_comm_s + self.ep_comm_s + self.pp_p2p_s + self.overhead_s)
+
+    @property
+    def compute_s(self) -> float:
+        return self.gemm_s + self.attention_s + self.recompute_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.pp_p2p_s
+
+
+_ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s")
+
+
+@dataclass
+class StepTime:
+    step_time_s: float
+    pipeline_s: float
+    bubble_s: float
+    dp_comm_s: float  # total DP communication
+    dp_exposed_s: float  # the part not hidden behind compute
+    optimizer_s: float
+    overhead_s: float
+    stages: list[StageTime] = field(default_factory=list)
+    num_microbatches: int = 1
+
+    def breakdown(self) -> dict:
+        """Seconds per step by category, summed over microbatches of the slowest stage."""
+        slow = max(self.stages, key=lambda s: s.total_s)
+        m = self.num_microbatches
+        return {
+            "gemm_s": slow.gemm_s * m,
+            "attention_s": slow.attention_s * m,
+            "memory_bound_s": slow.memory_bound_s * m,
+            "recompute_s": slow.recompute_s * m,
+            "tp_comm_s": slow.tp_comm_s * m,
+            "cp_comm_s": slow.cp_comm_s * m,
+            "ep_comm_s": slow.ep_comm_s * m,
+            "pp_p2p_s": slow.pp_p2p_s * m,
+            "layer_overhead_s": slow.overhead_s * m,
+            "pipeline_bubble_s": self.bubble_s,
+            "dp_comm_total_s": self.dp_comm_s,
+            "dp_comm_exposed_s": self.dp_exposed_s,
+            "optimizer_s": self.optimizer_s,
+            "step_overhead_s": self.overhead_s,
+            "slowest_stage": slow.stage,
+            "stage_time_per_microbatch_s": [s.total_s for s in self.stages],
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["breakdown"] = self.breakdown()
+        return d
+
+
+def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
+                   st: StageTime, tp_link: Link, cp_link: Link, ep_link: Link, etp_link: Link,
+                   util_acc: list[float]) -> float:
+    """Add one layer's forward costs for one microbatch to `st`; returns forward compute seconds."""
+    gpu = cluster.gpu
+    peak = gpu.peak_tflops(cfg.precision) * 1e12
+    eff = c.gemm_efficiency_max_fp8 if cfg.precision == "fp8" else c.gemm_efficiency_max
+    hbm = gpu.hbm_bandwidth_gbs * 1e9
+    t = cfg.tp
+    T = cfg.seq / cfg.cp * cfg.mbs  # tokens per microbatch on this GPU
+    h = model.hidden_size
+    a = model.num_attention_heads
+    e = c.bytes_activation
+    gated = model.activation == "swiglu"
+
+    def gemm(m, k, n, count=1):
+        tt, u = gemm_time(m, k, n, peak, hbm, c, eff)
+        util_acc[0] += tt * u * count
+        util_acc[1] += tt * count
+        return tt * count
+
+    g = 0.0
+    if model.mla is not None:
+        ml = model.mla
+        qk = ml.qk_nope_head_dim + ml.qk_rope_head_dim
+        if ml.q_lora_rank:
+            g += gemm(T, h, ml.q_lora_rank) + gemm(T, ml.q_lora_rank, a * qk / t)
+        else:
+            g += gemm(T, h, a * qk / t)
+        g += gemm(T, h, ml.kv_lora_rank + ml.qk_rope_head_dim)
+        g += gemm(T, ml.kv_lora_rank, a * (ml.qk_nope_head_dim + ml.v_head_dim) / t)
+        g += gemm(T, a * ml.v_head_dim / t, h)
+    else:
+        hd = model.head_dim
+        g += gemm(T, h, (a + 2 * model.kv_heads) * hd / t) + gemm(T, a * hd / t, h)
+    ffn_for_elementwise = 0.0
+    if model.is_moe_layer(layer):
+        moe = model.moe
+        k = moe.top_k
+        local_experts = moe.num_experts / cfg.ep
+        tokens_per_expert = T * k * cfg.ep * cfg.etp / moe.num_experts
+        f = moe.ffn_hidden_size / cfg.etp
+        g += gemm(T, h, moe.num_experts)  # router
+        g += gemm(tokens_per_expert, h, (2 if gated else 1) * f, local_experts)
+        g += gemm(tokens_per_expert, f, h, local_experts)
+        if moe.shared_ffn_hidden_size:
+            fs = moe.shared_ffn_hidden_size / t
+            g += gemm(T, h, (2 if gated else 1) * fs) + gemm(T, fs, h)
+            ffn_for_elementwise += fs
+        ffn_for_elementwise += T * k * f / max(T, 1)
+        routed_bytes = T * k * h * e
+        st.memory_bound_s += 4 * routed_bytes / (hbm * c.hbm_efficiency)  # permute / unpermute
+        st.ep_comm_s += 2 * collective_time("all_to_all", routed_bytes, cfg.ep, ep_link.bw_gbs, ep_link.latency)
+        if cfg.etp > 1:
+            st.ep_comm_s += 2 * collective_time("all_gather", routed_bytes * cfg.etp, cfg.etp,
+                                                etp_link.bw_gbs, etp_link.latency)
+    else:
+        ffn = model.ffn_hidden_size
+        if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
+            ffn = model.moe.dense_ffn_hidden_size
+        f = ffn / t
+        g += gemm(T, h, (2 if gated else 1) * f) + gemm(T, f, h)
+        ffn_for_elementwise = f
+    st.gemm_s += g
+    # flash attention
+    attn_flops = attention_core_flops_per_token(model, cfg.seq) * T / t / cfg.cp
+    attn = attn_flops / (peak if cfg.precision == "bf16" else gpu.bf16_tflops * 1e12) / c.attention_efficiency
+    st.attention_s += attn
+    # memory-bound kernels
+    sp = t if cfg.sequence_parallel else 1
+    mb_bytes = e * T * (c.elementwise_hidden_passes * h / sp + c.elementwise_ffn_passes * ffn_for_elementwise)
+    mb = mb_bytes / (hbm * c.hbm_efficiency)
+    st.memory_bound_s += mb
+    # TP collectives: 2 per layer (all-reduce, or all-gather + reduce-scatter with SP)
+    tp_bytes = T * h * e
+    tp = 2 * collective_time("all_reduce", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
+    if cfg.tp_comm_overlap:
+        tp *= 1.0 - c.tp_overlap_fraction
+    st.tp_comm_s += tp
+    # CP: ring exchange of K and V, overlapped with the attention compute
+    if cfg.cp > 1:
+        if model.mla is not None:
+            kv_elems = T * a * (model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim + model.mla.v_head_dim) / t
+        else:
+            kv_elems = T * 2 * model.kv_heads * model.head_dim / t
+        ring = (cfg.cp - 1) * collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
+        st.cp_comm_s += max(0.0, ring - attn)
+    st.overhead_s += c.layer_overhead_s
+    return g + attn + mb
+
+
+def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageTime]:
+    tp_link = group_link(cluster, 1, cfg.tp, c)
+    cp_link = group_link(cluster, cfg.tp, cfg.cp, c)
+    ep_link = group_link(cluster, cfg.etp, cfg.ep, c)
+    etp_link = group_link(cluster, 1, cfg.etp, c)
+    stage_span = cfg.tp * cfg.cp * cfg.dp
+    gpu = cluster.gpu
+    hbm = gpu.hbm_bandwidth_gbs * 1e9
+    peak = gpu.peak_tflops(cfg.precision) * 1e12
+    eff = c.gemm_efficiency_max_fp8 if cfg.precision == "fp8" else c.gemm_efficiency_max
+    e = c.bytes_activation
+    T = cfg.seq / cfg.cp * cfg.mbs
+    out = []
+    for stage, layers in enumerate(stage_layers(model, cfg)):
+        st = StageTime(stage=stage)
+        util = [0.0, 0.0]
+        for i, n in layer_kind_counts(model, layers).items():
+            one = StageTime(stage=stage)
+            u1 = [0.0, 0.0]
+            _layer_forward(model, i, cfg, cluster, c, one, tp_link, cp_link, ep_link, etp_link, u1)
+            for name in _ADDITIVE:
+                setattr(st, name, getattr(st, name) + n * getattr(one, name))
+            util[0] += n * u1[0]
+            util[1] += n * u1[1]
+        # backward: 2x the GEMMs (data and weight gradients), attention x2.5, memory-bound x2,
+        # communication again (TP, CP, EP are symmetric); forward-only costs of recompute on top.
+        attn_f, gemm_f, mb_f = st.attention_s, st.gemm_s, st.memory_bound_s
+        comm_f = st.tp_comm_s + st.cp_comm_s + st.ep_comm_s
+        st.forward_s = gemm_f + attn_f + mb_f
+        st.backward_s = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f
+        st.gemm_s = 3 * gemm_f
+        st.attention_s = attn_f * (1 + c.attention_backward_factor)
+        st.memory_bound_s = 3 * mb_f
+        st.tp_comm_s *= 2
+        st.cp_comm_s *= 2
+        st.ep_comm_s *= 2
+        if cfg.recompute == "full":
+            st.recompute_s = gemm_f + attn_f + mb_f + comm_f
+        elif cfg.recompute == "selective":
+            st.recompute_s = attn_f  # core attention (Megatron's default selective module)
+        st.backward_s += st.recompute_s
+        if stage == 0:  # embedding lookup and its gradient (memory-bound)
+            st.memory_bound_s += 3 * T * model.hidden_size * e / (hbm * c.hbm_efficiency)
+        if stage == cfg.pp - 1:  # output layer, logits and cross entropy
+            tt, u = gemm_time(T, model.hidden_size, model.vocab_size / cfg.tp, peak, hbm, c, eff)
+            st.gemm_s += 3 * tt
+            st.forward_s += tt
+            st.backward_s += 2 * tt
+            util[0] += 3 * tt * u
+            util[1] += 3 * tt
+            st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * 6 / (hbm * c.hbm_efficiency)
+            st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
+        # PP send/recv: activations forward, gradients backward, once per virtual chunk
+        if cfg.pp > 1:
+            boundary_bytes = T * model.hidden_size * e / (cfg.tp if cfg.sequence_parallel else 1)
+            crosses = stage_span >= cluster.gpus_per_node or ((stage + 1) * stage_span) % cluster.gpus_per_node == 0
+            link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if crosses
+                    else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))
+            st.pp_p2p_s = 2 * cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
+        st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
+        out.append(st)
+    return out
+
+
+def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT,
+              compute_slowdown: float = 1.0) -> StepTime:
+    """Step time. `compute_slowdown` (>= 1) stretches compute and memory-bound kernels, e.g. when
+    the power cap lowers the clocks (see advisor.models.power)."""
+    stages = stage_times(model, cluster, cfg, c)
+    if compute_slowdown != 1.0:
+        for st in stages:
+            st.gemm_s *= compute_slowdown
+            st.attention_s *= compute_slowdown
+            st.memory_bound_s *= compute_slowdown
+            st.recompute_s *= compute_slowdown
+            st.forward_s *= compute_slowdown
+            st.backward_s *= compute_slowdown
+    m = cfg.num_microbatches
+    totals = [s.total_s for s in stages]
+    slow = max(totals)
+    fill_drain = (sum(totals) - slow) / cfg.vp
+    pipeline = m * slow + fill_drain
+    bubble = fill_drain
+    # DP: gradients (fp32 main grads) and, with the distributed optimizer, the parameter all-gather
+    dp_link = group_link(cluster, cfg.tp * cfg.cp, cfg.dp, c)
+    edp = cfg.expert_dp
+    edp_link = group_link(cluster, cfg.ep * cfg.etp, edp, c)
+    layers_of = stage_layers(model, cfg)
+    dp_total = dp_exposed = opt = 0.0
+    for st, layers in zip(stages, layers_of):
+        dense, experts = stage_params(model, cfg, layers, st.stage)
+        d = cfg.dp * cfg.cp
+        if cfg.distributed_optimizer:
+            grad = (collective_time("reduce_scatter", dense * 4, d, dp_link.bw_gbs, dp_link.latency)
+                    + collective_time("reduce_scatter", experts * 4, edp, edp_link.bw_gbs, edp_link.latency))
+            gather = (collective_time("all_gather", dense * 2, d, dp_link.bw_gbs, dp_link.latency)
+                      + collective_time("all_gather", experts * 2, edp, edp_link.bw_gbs, edp_link.latency))
+            shard = dense / d + experts / edp
+        else:
+            grad = (collective_time("all_reduce", dense * 4, d, dp_link.bw_gbs, dp_link.latency)
+                    + collective_time("all_reduce", experts * 4, edp, edp_link.bw_gbs, edp_link.latency))
+            gather = 0.0
+            shard = dense + experts
+        per_mb_bwd = st.backward_s + st.tp_comm_s / 2
+        per_mb_fwd = st.forward_s + st.tp_comm_s / 2
+        exp_grad = max(0.0, grad - per_mb_bwd * c.dp_overlap_efficiency) if cfg.overlap_grad_reduce else grad
+        exp_gather = (max(0.0, gather - per_mb_fwd * c.dp_overlap_efficiency)
+                      if cfg.overlap_param_gather else gather)
+        dp_total = max(dp_total, grad + gather)
+        dp_exposed = max(dp_exposed, exp_grad + exp_gather)
+        opt = max(opt, shard * c.optimizer_bytes_per_param / (hbm_bw(cluster) * c.hbm_efficiency) * compute_slowdown)
+    total = pipeline + dp_exposed + opt + c.step_overhead_s
+    return StepTime(step_time_s=total, pipeline_s=pipeline, bubble_s=bubble, dp_comm_s=dp_total,
+                    dp_exposed_s=dp_exposed, optimizer_s=opt, overhead_s=c.step_overhead_s,
+                    stages=stages, num_microbatches=m)
+
+
+def hbm_bw(cluster: ClusterSpec) -> float:
+    return cluster.gpu.hbm_bandwidth_gbs * 1e9

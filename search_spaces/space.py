@@ -1,0 +1,169 @@
+"""All legal layouts for a model x cluster x workload, and the same space for Optuna.
+
+The enumeration is exhaustive over TP (within a node; divides heads and KV groups), CP, PP (even
+splits, or Megatron's uneven first/last split when the layers do not divide), virtual pipeline,
+EP / expert TP for MoE models, micro-batch and recompute; DP is derived. Sequence parallelism is on
+whenever TP > 1, the distributed optimizer whenever there is data parallelism, and gradient
+reduce / parameter gather overlap with it (the settings every Megatron recipe uses); the space
+can be widened through `SpaceOptions`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.search_spaces.layout import violations
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def powers_of_two_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq: int
+    gbs: int
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.seq < 1 or self.gbs < 1:
+            raise SpecError("seq and gbs must be positive")
+
+
+@dataclass(frozen=True)
+class SpaceOptions:
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    max_vp: int = 8
+    max_cp: int = 16
+    min_tokens_per_cp_rank: int = 2048
+    uneven_pipeline: bool = True
+    tp_comm_overlap: bool = False  # needs Transformer Engine
+    distributed_optimizer: tuple[bool, ...] = (True,)
+    extra: dict = field(default_factory=dict)
+
+
+def pipeline_splits(num_layers: int, pp: int, allow_uneven: bool) -> list[tuple[int | None, int | None]]:
+    """(first, last) layer counts for pp stages: (None, None) for an even split; otherwise the
+    middle stages take ceil(L/pp) layers and the first and last share the rest."""
+    if pp == 1 or num_layers % pp == 0:
+        return [(None, None)] if num_layers >= pp else []
+    if not allow_uneven or pp < 3:
+        if allow_uneven and pp == 2:
+            first = num_layers // 2
+            return [(first, None)]
+        return []
+    k = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * k
+    first = rest // 2
+    last = rest - first
+    if first < 1:
+        return []
+    return [(first, last)]
+
+
+def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
+                      options: SpaceOptions = SpaceOptions(),
+                      keep: Callable[[TrainConfig], bool] | None = None) -> Iterator[TrainConfig]:
+    """Every legal layout (optionally filtered by `keep`, e.g. a memory check)."""
+    world = cluster.world_size
+    gpn = cluster.gpus_per_node
+    heads, kv = model.num_attention_heads, model.kv_heads
+    tps = [t for t in divisors(gpn) if heads % t == 0 and (model.mla is not None or kv % t == 0)]
+    cps = [c for c in powers_of_two_upto(options.max_cp)
+           if c == 1 or (workload.seq % (2 * c) == 0 and workload.seq // c >= options.min_tokens_per_cp_rank)]
+    for tp in tps:
+        for cp in cps:
+            if world % (tp * cp):
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if pp > model.num_layers:
+                    continue
+                dp = world // (tp * cp * pp)
+                if workload.gbs % dp:
+                    continue
+                for first, last in pipeline_splits(model.num_layers, pp, options.uneven_pipeline):
+                    yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, first, last, keep)
+
+
+def _inner(model, cluster, workload, options, tp, cp, pp, dp, first, last, keep):
+    if model.is_moe:
+        eps = [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0]
+        etps = sorted({1, tp})
+    else:
+        eps, etps = [1], [1]
+    if pp > 1:
+        from advisor.search_spaces.layout import stage_layer_counts
+
+        counts = stage_layer_counts(model.num_layers, pp, first, last)
+        vps = [v for v in divisors(min(counts)) if v <= options.max_vp and all(c % v == 0 for c in counts)]
+    else:
+        vps = [1]
+    per_dp = workload.gbs // dp
+    for mbs in options.mbs:
+        if per_dp % mbs:
+            continue
+        m = per_dp // mbs
+        for vp in vps:
+            if vp > 1 and m % pp:
+                continue
+            for ep in eps:
+                for etp in etps:
+                    if (dp * cp * tp) % (ep * etp):
+                        continue
+                    if model.is_moe and model.moe.ffn_hidden_size % etp:
+                        continue
+                    for dist in options.distributed_optimizer:
+                        for rc in options.recompute:
+                            cfg = TrainConfig(
+                                tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs,
+                                gbs=workload.gbs, seq=workload.seq, precision=workload.precision,
+                                recompute=rc, sequence_parallel=tp > 1,
+                                distributed_optimizer=dist and dp * cp > 1,
+                                overlap_grad_reduce=dp * cp > 1,
+                                overlap_param_gather=dist and dp * cp > 1,
+                                tp_comm_overlap=options.tp_comm_overlap and tp > 1,
+                                pp_first_layers=first, pp_last_layers=last,
+                            )
+                            if keep is None or keep(cfg):
+                                yield cfg
+
+
+def is_legal(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig) -> bool:
+    return not violations(model, cluster, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Optuna
+# ------------------------------------------------------------------------------------------------
+
+def layout_choices(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
+                   options: SpaceOptions = SpaceOptions()) -> list[TrainConfig]:
+    return list(enumerate_layouts(model, cluster, workload, options))
+
+
+def optuna_suggest(trial, layouts: list[TrainConfig]) -> TrainConfig:
+    """Suggest one layout from `layouts` with one categorical parameter per knob, so samplers see
+    the structure (TPE models each knob); combinations that are not legal are resolved to the
+    nearest legal layout and recorded as the trial's `layout` user attribute."""
+    keys = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "recompute")
+    choices = {k: sorted({getattr(c, k) for c in layouts}, key=str) for k in keys}
+    picked = {k: trial.suggest_categorical(k, choices[k]) for k in keys}
+
+    def distance(c: TrainConfig) -> tuple:
+        return tuple(0 if getattr(c, k) == picked[k] else 1 for k in keys)
+
+    best = min(layouts, key=lambda c: (sum(distance(c)), distance(c), c.key()))
+    trial.set_user_attr("layout", best.to_dict())
+    return best
