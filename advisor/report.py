@@ -15,7 +15,7 @@ def make_console() -> Console:
     """A console as wide as the terminal, and 140 columns when output goes to a file or pipe."""
     if os.isatty(1):
         return Console()
-    return Console(width=shutil.get_terminal_size((140, 24)).columns if "COLUMNS" in os.environ else 140)
+    return Console(width=max(140, shutil.get_terminal_size((140, 24)).columns))
 
 
 def _layout(cfg: TrainConfig) -> str:

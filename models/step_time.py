@@ -283,13 +283,21 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             util[1] += 3 * tt
             st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * 6 / (hbm * c.hbm_efficiency)
             st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
-        # PP send/recv: activations forward, gradients backward, once per virtual chunk
+        # PP send/recv: activations to the next stage, gradients to the previous one, once per
+        # virtual chunk (with interleaving the last stage also feeds stage 0's next chunk)
         if cfg.pp > 1:
             boundary_bytes = T * model.hidden_size * e / (cfg.tp if cfg.sequence_parallel else 1)
-            crosses = stage_span >= cluster.gpus_per_node or ((stage + 1) * stage_span) % cluster.gpus_per_node == 0
-            link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if crosses
-                    else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))
-            st.pp_p2p_s = 2 * cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
+            nxt = stage + 1 if stage + 1 < cfg.pp else (0 if cfg.vp > 1 else None)
+            prv = stage - 1 if stage > 0 else (cfg.pp - 1 if cfg.vp > 1 else None)
+            for other in (nxt, prv):
+                if other is None:
+                    continue
+                # the same position in both stages: rank k·span + j, on node rank // gpus_per_node
+                gpn = cluster.gpus_per_node
+                inter = (stage * stage_span) // gpn != (other * stage_span) // gpn
+                link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if inter
+                        else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))
+                st.pp_p2p_s += cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
         st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
         out.append(st)
     return out

