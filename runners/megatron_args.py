@@ -82,6 +82,9 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
             return (f"interleaved pipeline needs the number of microbatches ({m}) to be a multiple "
                     f"of pp ({cfg.pp})")
     if model.is_moe:
+        if cfg.tp > 1:
+            return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
+                    "which needs Transformer Engine")
         if model.num_experts % cfg.ep:
             return f"{model.num_experts} experts are not divisible by ep {cfg.ep}"
         if (cfg.tp * cfg.cp * cfg.dp) % (cfg.ep * cfg.etp):

@@ -1,0 +1,195 @@
+"""Measurement campaign: write the config batches, run one on the local GPUs, summarise a dataset.
+
+    python bench/campaign.py write                      # bench/campaign_configs/*.jsonl
+    python bench/campaign.py run h200x4-a --out DIR     # advisor measure --batch ... (on GPUs)
+    python bench/campaign.py table data/measurements/h200x4-campaign.jsonl
+
+Each batch line is {"model": name | ModelSpec dict, "layers": n, <TrainConfig keys>, steps,
+warmup, min_seconds, save_trace}; all lines of one batch use the same world size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = HERE / "campaign_configs"
+
+# gpt3-2.7b (Brown et al. 2020, Table 2.1): not in the catalog, given inline.
+GPT3_2_7B = {"name": "gpt3-2.7b", "num_layers": 32, "hidden_size": 2560, "ffn_hidden_size": 10240,
+             "num_attention_heads": 32, "vocab_size": 50257, "activation": "gelu",
+             "normalization": "layernorm", "position_embedding": "learned",
+             "max_position_embeddings": 2048, "add_bias_linear": True, "tied_embeddings": True,
+             "family": "gpt", "source": "Brown et al. 2020 (GPT-3 paper), Table 2.1"}
+
+QUICK = {"warmup": 2, "steps": 4}
+SWEEP = {"warmup": 2, "steps": 6, "min_seconds": 18.0, "max_steps": 200, "save_trace": True}
+
+
+def h200x4_a() -> list[dict]:
+    """Feature coverage and a layout grid on a llama3-8b proxy (full width, 8 layers)."""
+    L = {"model": "llama3-8b", "layers": 8, "seq": 4096, "gbs": 32, **QUICK}
+    rows = [
+        dict(L, dp=4, mbs=1),
+        dict(L, dp=4, mbs=1, distributed_optimizer=False),
+        dict(L, dp=4, mbs=2),
+        dict(L, dp=4, mbs=4),
+        dict(L, tp=2, dp=2, mbs=1),
+        dict(L, tp=2, dp=2, mbs=2),
+        dict(L, tp=4, dp=1, mbs=1),
+        dict(L, tp=4, dp=1, mbs=4),
+        dict(L, pp=2, dp=2, mbs=1),
+        dict(L, pp=2, dp=2, mbs=1, vp=2),
+        dict(L, pp=4, dp=1, mbs=1),
+        dict(L, pp=4, dp=1, mbs=1, vp=2),
+        dict(L, tp=2, pp=2, dp=1, mbs=1, save_trace=True),
+        dict(L, tp=2, pp=2, dp=1, mbs=2, vp=2),
+        dict(L, dp=4, mbs=2, recompute="selective"),
+        dict(L, dp=4, mbs=2, recompute="full"),
+        dict(L, tp=2, pp=2, dp=1, mbs=2, recompute="full"),
+        dict(L, tp=2, dp=2, mbs=1, recompute="selective"),
+        dict(L, dp=4, mbs=1, seq=8192, gbs=16),
+        # refused before launch (megatron-core without TE)
+        dict(L, tp=2, dp=2, mbs=1, sequence_parallel=True),
+        dict(L, cp=2, dp=2, mbs=1),
+        # OOM provocation: full 32-layer llama3-8b, plain Adam (16 B/param = 128 GB) + activations
+        {"model": "llama3-8b", "seq": 4096, "dp": 4, "mbs": 2, "gbs": 8,
+         "distributed_optimizer": False, **QUICK},
+        # the run goes on after the OOM (restart at the next job)
+        dict(L, tp=2, pp=2, dp=1, mbs=2),
+        # MoE: mixtral-8x7b proxy (4 layers, 8 experts top-2), expert parallel
+        {"model": "mixtral-8x7b", "layers": 4, "seq": 4096, "gbs": 16, "dp": 4, "ep": 4, "mbs": 1,
+         "save_trace": True, **QUICK},
+        {"model": "mixtral-8x7b", "layers": 4, "seq": 4096, "gbs": 16, "dp": 4, "ep": 2, "mbs": 1, **QUICK},
+        {"model": "mixtral-8x7b", "layers": 4, "seq": 4096, "gbs": 16, "tp": 2, "dp": 2, "ep": 2, "mbs": 1, **QUICK},
+    ]
+    return rows
+
+
+def h200x4_b() -> list[dict]:
+    """A GPT-3-style shape (gelu, LayerNorm, MHA, learned positions, tied embeddings) and long
+    micro-batch sweeps (>= 18 s of steady load each) that show power-cap throttling."""
+    G = {"model": GPT3_2_7B, "layers": 8, "seq": 2048, "gbs": 64, **QUICK}
+    rows = [
+        dict(G, dp=4, mbs=1), dict(G, dp=4, mbs=2), dict(G, dp=4, mbs=4), dict(G, dp=4, mbs=8),
+        dict(G, tp=2, dp=2, mbs=2), dict(G, tp=2, dp=2, mbs=4), dict(G, tp=4, dp=1, mbs=4),
+        dict(G, pp=2, dp=2, mbs=2), dict(G, pp=2, dp=2, mbs=2, vp=2), dict(G, pp=4, dp=1, mbs=2, vp=2),
+        dict(G, dp=4, mbs=4, recompute="selective"), dict(G, dp=4, mbs=4, recompute="full"),
+    ]
+    S = {"model": "llama3-8b", "layers": 8, "seq": 4096, "gbs": 64, **SWEEP}
+    sweeps = [dict(S, dp=4, mbs=m) for m in (1, 2, 4, 8)] + [dict(S, tp=2, dp=2, mbs=m) for m in (1, 4)]
+    return sweeps + rows
+
+
+def h100x1() -> list[dict]:
+    """One H100: llama3-8b proxy (4 layers) micro-batch sweep; the largest may OOM in-process."""
+    S = {"model": "llama3-8b", "layers": 4, "seq": 4096, "gbs": 16, "dp": 1,
+         "distributed_optimizer": False, "overlap_grad_reduce": False, **SWEEP, "min_seconds": 12.0}
+    rows = [dict(S, mbs=m) for m in (1, 2, 4, 8)]
+    rows += [dict(S, mbs=4, recompute="selective"), dict(S, mbs=8, recompute="full"),
+             dict(S, mbs=16, save_trace=False)]
+    return rows
+
+
+RERUN = ["a-23", "a-24", "a-25", "a-22", "b-13", "b-14", "b-15", "b-16", "b-17", "a-01", "a-03",
+         "a-04", "a-06", "a-07", "a-09", "a-11", "a-12", "a-14", "a-16", "a-18", "b-08", "b-11"]
+
+
+def h200x4_rerun() -> list[dict]:
+    """Second call: jobs the first call did not reach, and the jobs whose peak memory included
+    memory leaked by earlier jobs of the same worker (fixed in megatron_worker.release)."""
+    rows = {f"a-{i:02d}": r for i, r in enumerate(h200x4_a())}
+    rows.update({f"b-{i:02d}": r for i, r in enumerate(h200x4_b())})
+    return [dict(rows[k], id=f"h200x4-{k}") for k in RERUN]
+
+
+BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1}
+
+
+def write() -> None:
+    CONFIGS.mkdir(exist_ok=True)
+    for name, fn in BATCHES.items():
+        rows = fn()
+        with open(CONFIGS / f"{name}.jsonl", "w") as f:
+            for i, r in enumerate(rows):
+                f.write(json.dumps({"id": f"{name}-{i:02d}", **r}) + "\n")  # rerun rows keep theirs
+        print(f"{CONFIGS / f'{name}.jsonl'}: {len(rows)} configs")
+
+
+def run(name: str, out: Path, max_seconds: float | None, timeout: float,
+        skip: list[Path] | None = None) -> int:
+    """Run one batch through the launcher's Python API (the CLI's `measure --batch` does the same)."""
+    from advisor.runners import measure as M
+
+    out.mkdir(parents=True, exist_ok=True)
+    world = M.local_gpu_count()
+    entries = M.load_batch(CONFIGS / f"{name}.jsonl", world)
+    done = {r["id"] for p in (skip or []) if p.exists() for r in M.read_jsonl(p)}
+    entries = [e for e in entries if e.id not in done]
+    t0 = time.time()
+
+    def show(r):
+        th, m, t = r.get("throughput") or {}, r.get("memory") or {}, r.get("telemetry") or {}
+        print(f"[{time.time() - t0:5.0f}s] {r['status']:8s} {r['model']['name']:16s} {r['config']['tp']}/"
+              f"{r['config']['pp']}/{r['config']['vp']}/{r['config']['dp']}/{r['config']['ep']} "
+              f"mbs{r['config']['mbs']} {r['config']['recompute']:9s} "
+              f"tok/s={th.get('tokens_per_s') or 0:9.0f} mfu={th.get('mfu') or 0:.3f} "
+              f"mem={m.get('max_gib') or 0:6.1f} W={t.get('mean_power_w') or 0:4.0f} "
+              f"minclk={t.get('min_sm_clock_mhz') or 0:5.0f} {(r.get('error') or '')[:150]}", flush=True)
+
+    recs = M.run_batch(entries, out / f"{name}.jsonl", world, run_dir=out / "run", timeout=timeout,
+                       trace_dir=out / "traces", max_seconds=max_seconds, on_record=show)
+    print(f"[campaign] {name}: {len(recs)} records in {time.time() - t0:.0f} s", flush=True)
+    with tarfile.open(out / f"{name}-files.tar.gz", "w:gz") as tar:
+        for sub in ("run", "traces"):
+            if (out / sub).exists():
+                tar.add(out / sub, arcname=f"{name}/{sub}")
+    return 0
+
+
+def table(path: Path) -> None:
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    print("| model | tp | pp | vp | dp | ep | mbs | gbs | seq | recompute | status | step s | tokens/s | MFU | max GiB | mean W/GPU | peak W | min SM MHz | power-cap frac |")
+    print("|" + "---|" * 19)
+    for r in rows:
+        c, th, m, t = r["config"], r.get("throughput") or {}, r.get("memory") or {}, r.get("telemetry") or {}
+        st = r.get("steps") or {}
+        thr = (t.get("throttle_fraction") or {}).get("sw_power_cap")
+
+        def f(x, fmt):
+            return format(x, fmt) if isinstance(x, (int, float)) else "-"
+        print(f"| {r['model']['name']} | {c['tp']} | {c['pp']} | {c['vp']} | {c['dp']} | {c['ep']} | {c['mbs']} | "
+              f"{c['gbs']} | {c['seq']} | {c['recompute']} | {r['status']} | {f(st.get('median_s'), '.3f')} | "
+              f"{f(th.get('tokens_per_s'), ',.0f')} | {f(th.get('mfu'), '.3f')} | {f(m.get('max_gib'), '.1f')} | "
+              f"{f(t.get('mean_power_w'), '.0f')} | {f(t.get('peak_power_w'), '.0f')} | "
+              f"{f(t.get('min_sm_clock_mhz'), '.0f')} | {f(thr, '.2f')} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("write")
+    r = sub.add_parser("run")
+    r.add_argument("name", choices=sorted(BATCHES))
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--max-seconds", type=float)
+    r.add_argument("--timeout", type=float, default=120.0)
+    r.add_argument("--skip", type=Path, nargs="*", help="datasets whose ids are not run again")
+    t = sub.add_parser("table")
+    t.add_argument("path", type=Path)
+    a = ap.parse_args(argv)
+    if a.cmd == "write":
+        write()
+    elif a.cmd == "run":
+        return run(a.name, a.out, a.max_seconds, a.timeout, a.skip)
+    else:
+        table(a.path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

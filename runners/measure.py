@@ -1,0 +1,748 @@
+"""Measure layouts for real: the launcher side of the megatron-core trial runner (no torch here).
+
+``run_batch(entries, ...)`` resolves each entry (model, layers, TrainConfig keys), refuses what
+megatron-core without Transformer Engine cannot run, writes the runnable jobs to a run directory
+and starts ONE ``torchrun`` whose workers (``megatron_worker.py``) loop over them. The launcher
+samples telemetry over all local GPUs for the whole batch, follows the workers' event files,
+and as soon as a job is complete assembles its record (``advisor.measurement/1``) and appends it
+to the dataset (append + flush + fsync). A watchdog kills the torchrun process group when no
+event arrives for ``timeout`` seconds (NCCL hang): the job is recorded as ``timeout`` and the
+batch restarts at the next job; so do OOMs and crashes that take a multi-GPU worker down.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
+from advisor.runners import megatron_args as MA
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "advisor.measurement/1"
+STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed")
+WORKER = Path(__file__).with_name("megatron_worker.py")
+# Kept set in the workers too (KINDS.md: NVLink multicast off on shared hosts).
+CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+             "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+             "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "4"}
+RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag")
+GPU_PEAK_FALLBACK_TFLOPS = {"h100": 989.0, "h200": 989.0}  # only if the catalog lacks the GPU
+
+
+# ------------------------------------------------------------------------------------- JSONL
+def append_jsonl(path: str | Path, record: Mapping[str, Any]) -> None:
+    """Append one JSON line durably. If an earlier write was cut off (no trailing newline), start
+    on a fresh line so the new record stays readable."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(record, separators=(",", ":"), allow_nan=False, default=_jsonable) + "\n"
+    with open(path, "a+b") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = "\n" + line
+        f.write(line.encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All complete JSON objects of a JSONL file; cut-off or garbled lines are skipped."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict):
+                out.append(obj)
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):  # numpy scalars
+        return v.item()
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    raise TypeError(f"not JSON serializable: {type(v).__name__}")
+
+
+def _finite(x: Any) -> Any:
+    """NaN / inf -> None, recursively (records are strict JSON)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+# ------------------------------------------------------------------------- failure classification
+_PATTERNS: list[tuple[str, str, re.Pattern]] = [
+    ("oom", "CUDA out of memory", re.compile(
+        r"(torch\.(cuda\.)?OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
+        r"CUBLAS_STATUS_ALLOC_FAILED|cudaErrorMemoryAllocation|Failed to CUDA calloc|"
+        r"NCCL.*(Cuda failure|cuda failure).*out of memory)", re.I)),
+    ("timeout", "NCCL collective timed out (watchdog)", re.compile(
+        r"(Watchdog caught collective operation timeout|collective operation timeout|"
+        r"ProcessGroupNCCL.*(timeout|timed out)|NCCL.*(Timeout|timed out)|"
+        r"Timed out waiting|DistStoreError.*[Tt]imeout|heartbeat monitor.*(timeout|timed out))", re.I)),
+    ("crash", "segmentation fault", re.compile(
+        r"(Segmentation fault|SIGSEGV|Signal 11 |signal 11\b|core dumped)", re.I)),
+    ("crash", "CUDA illegal memory access", re.compile(
+        r"(illegal memory access|cudaErrorIllegalAddress|misaligned address|device-side assert)", re.I)),
+    ("crash", "NCCL error", re.compile(
+        r"(NCCL error|ncclUnhandledCudaError|ncclSystemError|ncclInternalError|ncclInvalidUsage|"
+        r"ncclRemoteError|DistBackendError)", re.I)),
+    ("crash", "killed by SIGKILL (host out of memory?)", re.compile(
+        r"(Signal 9 \(SIGKILL\)|exitcode\s*:\s*-9\b|Killed$)", re.I | re.M)),
+]
+_ERROR_LINE = re.compile(r"^\s*(\[rank\d+\]:\s*)?([A-Za-z_.]*(Error|Exception)[A-Za-z_.]*):\s*(.+)$", re.M)
+
+
+def classify_failure(log_text: str, returncode: int | None) -> tuple[str, str]:
+    """(status, reason) from a run's captured output and exit code. status is one of
+    ok, oom, timeout, crash; reason is one line (the most telling log line)."""
+    text = log_text or ""
+    for status, what, pat in _PATTERNS:
+        m = pat.search(text)
+        if m:
+            line = text[text.rfind("\n", 0, m.start()) + 1:].split("\n", 1)[0].strip()
+            line = re.sub(r"^\[rank\d+\]:\s*", "", line)
+            return status, f"{what}: {line[:300]}" if line else what
+    if returncode in (-11, 139):
+        return "crash", "segmentation fault (signal 11)"
+    if returncode in (-9, 137):
+        return "crash", "killed by SIGKILL (host out of memory?)"
+    if returncode in (0, None) and "Traceback" not in text:
+        return "ok", ""
+    errors = _ERROR_LINE.findall(text)
+    if errors:
+        _, name, _, msg = errors[-1]
+        return "crash", f"{name}: {msg.strip()[:300]}"
+    tail = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return "crash", f"exit code {returncode}" + (f": {tail[-1][:300]}" if tail else "")
+
+
+# ------------------------------------------------------------------------------- entries, jobs
+@dataclass
+class Entry:
+    """One trial to run: model (proxy) + layout + run parameters."""
+
+    model_name: str
+    model: ModelSpec
+    layers: int | None
+    config: TrainConfig
+    steps: int = 10
+    warmup: int = 3
+    min_seconds: float = 0.0
+    max_steps: int | None = None
+    save_trace: bool = False
+    id: str = field(default_factory=lambda: uuidlib.uuid4().hex[:12])
+    refused: str | None = None
+
+
+def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | None = None,
+               steps: int = 10, warmup: int = 3, min_seconds: float = 0.0,
+               max_steps: int | None = None, save_trace: bool = False, id: str | None = None,
+               **layout: Any) -> Entry:
+    """Resolve a model name / config.json path / ModelSpec and layout keys into an Entry. dp
+    defaults to world_size / (tp*pp*cp); gbs defaults to 8 microbatches. Illegal or unrunnable
+    layouts come back with ``refused`` set (a one-line reason)."""
+    if isinstance(model, ModelSpec):
+        spec, name = model, model.name
+    else:
+        from advisor.catalog import load_model
+        spec, name = load_model(model), str(model)
+    if layers:
+        if layers < 1:
+            raise SpecError(f"layers must be >= 1, got {layers}")
+        if layers != spec.num_layers:
+            spec = spec.with_layers(layers)
+    for k in ("steps", "warmup"):
+        v = locals()[k]
+        if not isinstance(v, int) or v < (1 if k == "steps" else 0):
+            raise SpecError(f"{k} must be an integer >= {1 if k == 'steps' else 0}, got {v!r}")
+    lay = dict(layout)
+    mp = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)
+    if "dp" not in lay or lay["dp"] is None:
+        if world_size is None:
+            raise SpecError("dp is not given and the world size is unknown")
+        if world_size % mp:
+            lay["dp"] = 1
+            cfg = TrainConfig.from_dict(_with_gbs(lay))
+            return Entry(name, spec, layers, MA.effective_config(cfg), steps, warmup, min_seconds,
+                         max_steps, save_trace, id or uuidlib.uuid4().hex[:12],
+                         refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}")
+        lay["dp"] = world_size // mp
+    cfg = MA.effective_config(TrainConfig.from_dict(_with_gbs(lay)))
+    return Entry(name, spec, layers, cfg, steps, warmup, min_seconds, max_steps, save_trace,
+                 id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size))
+
+
+def _with_gbs(lay: dict[str, Any]) -> dict[str, Any]:
+    lay = {k: v for k, v in lay.items() if v is not None}
+    if "gbs" not in lay:
+        lay["gbs"] = lay.get("mbs", 1) * lay.get("dp", 1) * 8
+    return lay
+
+
+def entry_from_line(line: Mapping[str, Any], world_size: int | None) -> Entry:
+    """A batch line: {"model": name|path, "layers": n, <TrainConfig keys>, <RUN_KEYS>}."""
+    d = dict(line)
+    if "model" not in d:
+        raise SpecError("batch line has no 'model'")
+    model = d.pop("model")
+    if isinstance(model, dict):
+        model = ModelSpec.from_dict(model)
+    d.pop("tag", None)
+    return make_entry(model, world_size, **d)
+
+
+def job_for(entry: Entry, index: int) -> dict[str, Any]:
+    """What the worker needs, fully resolved (the worker does not import advisor)."""
+    m, c = entry.model, entry.config
+    return {
+        "index": index, "id": entry.id, "key": c.key(),
+        "tp": c.tp, "pp": c.pp, "vp": c.vp, "cp": c.cp, "ep": c.ep, "etp": c.etp, "dp": c.dp,
+        "mbs": c.mbs, "gbs": c.gbs, "seq": c.seq, "num_microbatches": c.num_microbatches,
+        "warmup": entry.warmup, "steps": entry.steps, "min_seconds": entry.min_seconds,
+        "max_steps": entry.max_steps,
+        "tc": MA.transformer_config_kwargs(m, c), "model_kw": MA.model_kwargs(m, c),
+        "ddp": MA.ddp_kwargs(c), "opt": MA.optimizer_kwargs(c),
+    }
+
+
+def torchrun_command(nproc: int, run_dir: str | Path, start: int = 0,
+                     python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "--max-restarts", "0",
+            str(WORKER), str(run_dir), str(start)]  # positional: torchrun abbreviates --options
+
+
+# ----------------------------------------------------------------------------- record assembly
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def gpu_catalog_name(gpu_name: str | None) -> tuple[str | None, float | None]:
+    """(catalog GPU name, bf16 dense peak TFLOP/s) for a torch / NVML device name."""
+    if not gpu_name:
+        return None, None
+    try:
+        from advisor.catalog import load_gpu
+        g = load_gpu(gpu_name)
+        return g.name, g.bf16_tflops
+    except Exception:
+        pass
+    low = gpu_name.lower()
+    for key, peak in GPU_PEAK_FALLBACK_TFLOPS.items():
+        if key in low:
+            try:
+                from advisor.catalog import load_gpu
+                g = load_gpu(key)
+                return g.name, g.bf16_tflops
+            except Exception:
+                return key, peak
+    return low.replace("nvidia ", "").replace(" ", "-"), None
+
+
+def _flops_per_token(model: ModelSpec, seq: int) -> float | None:
+    try:
+        from advisor.models.flops import training_flops_per_token
+    except ImportError:
+        return None
+    return training_flops_per_token(model, seq)
+
+
+def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping[int, Mapping[str, Any]],
+                    bounds: list[float] | None, trace: Any = None, env: Mapping[str, Any] | None = None,
+                    gpus_per_node: int | None = None, trace_path: str | None = None,
+                    timestamp: float | None = None) -> dict[str, Any]:
+    """One ``advisor.measurement/1`` record.
+
+    ``ranks``: per global rank the worker's events for this job: ``hello`` (identity),
+    ``built`` (stage, tp_rank, dp_rank), ``done`` (peaks) or ``oom`` (memory at failure).
+    ``bounds``: rank 0's step boundaries (time.time() after cuda synchronize), warmup included.
+    ``trace``: a telemetry Trace covering the measured steps, or None."""
+    cfg, model = entry.config, entry.model
+    world = cfg.world_size
+    env = dict(env or {})
+    hello0 = (ranks.get(0) or {}).get("hello") or {}
+    gpu_name = env.get("gpu_name") or hello0.get("gpu_name")
+    gpu, peak_tflops = gpu_catalog_name(gpu_name)
+    rec: dict[str, Any] = {
+        "schema": SCHEMA, "id": entry.id, "timestamp": timestamp or time.time(),
+        "status": status, "error": error or None, "model_name": entry.model_name,
+        "model": model.to_dict(), "layers": model.num_layers, "config": cfg.to_dict(),
+        "cluster": {"gpu": gpu, "num_nodes": 1, "gpus_per_node": gpus_per_node or world},
+        "env": {"gpu_name": gpu_name, "driver": env.get("driver"),
+                **{k: env.get(k, hello0.get(k)) for k in ("cuda", "torch", "megatron_core", "python", "hostname")}},
+        "steps": None, "throughput": None, "memory": None, "telemetry": None, "rank_map": [],
+    }
+    # rank map
+    for r in sorted(ranks):
+        h, b = ranks[r].get("hello") or {}, ranks[r].get("built") or {}
+        rec["rank_map"].append({"rank": r, "stage": b.get("stage"), "tp_rank": b.get("tp_rank"),
+                                "dp_rank": b.get("dp_rank"), "uuid": h.get("uuid"),
+                                "pci_bus_id": _norm_pci(h.get("pci_bus_id"))})
+    # memory
+    alloc = [(ranks.get(r) or {}).get("done", (ranks.get(r) or {}).get("oom") or {}).get("peak_allocated_gib")
+             for r in range(world)]
+    resv = [(ranks.get(r) or {}).get("done", (ranks.get(r) or {}).get("oom") or {}).get("peak_reserved_gib")
+            for r in range(world)]
+    if any(a is not None for a in alloc):
+        stages: dict[int, float] = {}
+        for rm in rec["rank_map"]:
+            a = alloc[rm["rank"]] if rm["rank"] < world else None
+            if rm["stage"] is not None and a is not None:
+                stages[rm["stage"]] = max(stages.get(rm["stage"], 0.0), a)
+        start = [((ranks.get(r) or {}).get("start") or {}).get("allocated_gib") for r in range(world)]
+        rec["memory"] = {"peak_allocated_gib_per_rank": alloc, "peak_reserved_gib_per_rank": resv,
+                         "start_allocated_gib_per_rank": start,
+                         "peak_gib_per_stage": [stages[s] for s in sorted(stages)],
+                         "max_gib": max(a for a in alloc if a is not None),
+                         "max_reserved_gib": max((a for a in resv if a is not None), default=None)}
+        oom = {r: ranks[r]["oom"] for r in ranks if ranks[r].get("oom")}
+        if oom:
+            rec["memory"]["at_failure"] = {str(r): {k: v for k, v in o.items() if k.endswith("_gib")}
+                                          for r, o in oom.items()}
+    # steps, throughput
+    if bounds and len(bounds) >= 2:
+        times = [b - a for a, b in zip(bounds, bounds[1:])]
+        measured = times[entry.warmup:]
+        rec["steps"] = {"warmup": min(entry.warmup, len(times)), "measured": len(measured),
+                        "step_times_s": times, "median_s": None, "p10_s": None, "p90_s": None}
+        if measured:
+            med = statistics.median(measured)
+            rec["steps"].update(median_s=med, p10_s=_pct(measured, 0.1), p90_s=_pct(measured, 0.9))
+            tps = cfg.tokens_per_step / med
+            fpt = _flops_per_token(model, cfg.seq)
+            tflops = tps / world * fpt / 1e12 if fpt else None
+            rec["throughput"] = {
+                "tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world,
+                "tflops_per_gpu": tflops, "flops_per_token": fpt, "peak_tflops": peak_tflops,
+                "mfu": tflops / peak_tflops if tflops and peak_tflops else None}
+            if trace is not None:
+                t0, t1 = bounds[entry.warmup], bounds[-1]
+                rec["telemetry"] = telemetry_block(trace, t0, t1, cfg.tokens_per_step * len(measured),
+                                                   rec["rank_map"], trace_path)
+    return _finite(rec)
+
+
+def _norm_pci(p: str | None) -> str | None:
+    if not p:
+        return p
+    try:
+        from advisor.runners.telemetry import normalize_pci_bus_id
+        return normalize_pci_bus_id(p)
+    except Exception:
+        return p
+
+
+def telemetry_block(trace: Any, t0: float, t1: float, tokens: int, rank_map: list[dict[str, Any]],
+                    trace_path: str | None = None) -> dict[str, Any]:
+    """Telemetry of the measured interval [t0, t1], over the GPUs the job ran on."""
+    from advisor.runners.telemetry import summarize
+
+    s = summarize(trace, t0, t1, tokens=tokens)
+    devs = s["devices"]
+    used = [rm["uuid"] for rm in rank_map if rm.get("uuid") in devs] or list(devs)
+    per_gpu = {u: devs[u] for u in used}
+
+    def vals(key, ds=None):
+        return [d[key] for d in (ds if ds is not None else per_gpu.values()) if d.get(key) is not None]
+
+    per_stage = []
+    stages = sorted({rm["stage"] for rm in rank_map if rm.get("stage") is not None})
+    for st in stages:
+        uu = [rm["uuid"] for rm in rank_map if rm.get("stage") == st and rm.get("uuid") in devs]
+        ds = [devs[u] for u in uu]
+        mp, pk, tc = vals("mean_power_w", ds), vals("peak_power_w", ds), vals("max_gpu_temp_c", ds)
+        per_stage.append({"stage": st, "gpus": uu, "mean_power_w": sum(mp) / len(mp) if mp else None,
+                          "peak_power_w": max(pk) if pk else None, "max_temp_c": max(tc) if tc else None})
+    energies = vals("energy_j")
+    energy = sum(energies) if len(energies) == len(per_gpu) and energies else None
+    thr: dict[str, float] = {}
+    frs = [d["throttle_fractions"] for d in per_gpu.values() if d.get("throttle_fractions")]
+    for fr in frs:
+        for k, v in fr.items():
+            thr[k] = thr.get(k, 0.0) + v / len(frs)
+    mp, pk, clk = vals("mean_power_w"), vals("peak_power_w"), vals("min_sm_clock_mhz")
+    of = (getattr(trace, "meta", {}) or {}).get("overhead_fraction")
+    return {"per_gpu": per_gpu, "per_stage": per_stage,
+            "mean_power_w": sum(mp) / len(mp) if mp else None,
+            "total_mean_power_w": sum(mp) if mp else None,
+            "peak_power_w": max(pk) if pk else None,
+            "energy_j": energy, "energy_per_token_j": energy / tokens if energy is not None and tokens else None,
+            "throttle_fraction": thr or None, "min_sm_clock_mhz": min(clk) if clk else None,
+            "median_sm_clock_mhz": statistics.median(vals("median_sm_clock_mhz")) if vals("median_sm_clock_mhz") else None,
+            "max_temp_c": max(vals("max_gpu_temp_c")) if vals("max_gpu_temp_c") else None,
+            "sampler_overhead_pct": 100.0 * of if of is not None else None,
+            "rate_hz": (getattr(trace, "meta", {}) or {}).get("rate_hz"),
+            "interval_s": t1 - t0, "trace_path": trace_path}
+
+
+# ------------------------------------------------------------------------------- event following
+class _Follower:
+    """Reads complete new lines of a growing file."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos, self.buf = path, 0, b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.pos += len(data)
+        self.buf += data
+        *lines, self.buf = self.buf.split(b"\n")
+        out = []
+        for ln in lines:
+            try:
+                out.append(json.loads(ln))
+            except json.JSONDecodeError:
+                pass
+        return out
+
+
+@dataclass
+class _JobState:
+    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bounds: list[float] = field(default_factory=list)
+    failure: tuple[str, str] | None = None  # (status, error) from a worker event
+    recorded: bool = False
+
+
+class BatchRunner:
+    """Runs entries in one torchrun (restarting after failures); see the module docstring."""
+
+    def __init__(self, entries: list[Entry], dataset: str | Path | None, nproc: int,
+                 run_dir: str | Path | None = None, timeout: float = 300.0,
+                 telemetry_hz: float = 20.0, trace_dir: str | Path | None = None,
+                 max_seconds: float | None = None, on_record: Callable[[dict], None] | None = None,
+                 python: str | None = None, telemetry: str = "auto"):
+        self.entries, self.dataset, self.nproc = entries, dataset, nproc
+        self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="advisor-measure-"))
+        self.timeout, self.telemetry_hz, self.max_seconds = timeout, telemetry_hz, max_seconds
+        self.trace_dir = Path(trace_dir) if trace_dir else None
+        self.on_record, self.python, self.telemetry = on_record, python, telemetry
+        self.records: list[dict[str, Any]] = []
+        self.sampler = None
+        self.backend = None
+        self.env: dict[str, Any] = {}
+        self.hello: dict[int, dict[str, Any]] = {}
+        self.proc: subprocess.Popen | None = None
+
+    # -- records -------------------------------------------------------------------------------
+    def _emit(self, rec: dict[str, Any]) -> None:
+        if self.dataset:
+            append_jsonl(self.dataset, rec)
+        self.records.append(rec)
+        if self.on_record:
+            self.on_record(rec)
+
+    def _record(self, entry: Entry, st: _JobState | None, status: str, error: str | None) -> None:
+        if st is not None:
+            if st.recorded:
+                return
+            st.recorded = True
+        ranks = {r: dict(v) for r, v in (st.ranks if st else {}).items()}
+        for r, h in self.hello.items():
+            ranks.setdefault(r, {}).setdefault("hello", h)
+        bounds = st.bounds if st else None
+        trace, trace_path = None, None
+        if self.sampler is not None and bounds and len(bounds) > entry.warmup + 1:
+            trace = self._trace_between(bounds[0] - 1.0, bounds[-1] + 1.0)
+            if entry.save_trace and self.trace_dir is not None and trace is not None:
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+                p = self.trace_dir / f"{entry.id}.trace.json.gz"
+                trace.save(p)
+                trace_path = str(p)
+        try:
+            rec = assemble_record(entry, status, error, ranks, bounds, trace, self.env,
+                                  gpus_per_node=self.nproc, trace_path=trace_path)
+        except Exception as e:  # never lose a measurement to a bug in summarising it
+            log.exception("assembling the record of %s failed", entry.id)
+            rec = assemble_record(entry, status, f"{error or ''} [record assembly: {e}]".strip(),
+                                  ranks, bounds, None, self.env, gpus_per_node=self.nproc)
+        self._emit(rec)
+
+    def _trace_between(self, t0: float, t1: float):
+        s = self.sampler
+        build = getattr(s, "_build_trace", None)  # a window of the running sampler
+        return build(t0, t1) if build else None
+
+    # -- telemetry -----------------------------------------------------------------------------
+    def _start_telemetry(self) -> None:
+        if self.telemetry == "off" or self.telemetry_hz <= 0:
+            return
+        try:
+            from advisor.runners.telemetry import Sampler, open_backend
+            t = self.telemetry
+            self.backend = open_backend(t) if isinstance(t, str) else t  # or a backend object
+            if self.backend is None:
+                return
+            self.env["driver"] = getattr(self.backend, "driver_version", None)
+            self.sampler = Sampler(self.backend, None, rate_hz=self.telemetry_hz).start()
+        except Exception as e:
+            log.warning("telemetry unavailable: %s", e)
+            self.sampler = None
+
+    def _stop_telemetry(self):
+        if self.sampler is not None:
+            try:
+                return self.sampler.stop()
+            except Exception:
+                return None
+
+    # -- the batch -----------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        runnable = []
+        for e in self.entries:
+            if e.refused:
+                self._record(e, None, "refused", e.refused)
+            else:
+                runnable.append(e)
+        if not runnable:
+            return self.records
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "jobs.jsonl", "w", encoding="utf-8") as f:
+            for i, e in enumerate(runnable):
+                f.write(json.dumps(job_for(e, i)) + "\n")
+        self._start_telemetry()
+        t_begin = time.time()
+        states = [_JobState() for _ in runnable]
+        start, attempt, consecutive_timeouts = 0, 0, 0
+        old_handlers = _install_signal_handlers()
+        try:
+            while start < len(runnable):
+                if self.max_seconds and time.time() - t_begin > self.max_seconds:
+                    log.warning("time budget spent: %d job(s) not run", len(runnable) - start)
+                    break
+                nxt, timed_out = self._attempt(runnable, states, start, attempt)
+                attempt += 1
+                consecutive_timeouts = consecutive_timeouts + 1 if timed_out else 0
+                if consecutive_timeouts >= 2 and nxt < len(runnable):
+                    for i in range(nxt, len(runnable)):
+                        self._record(runnable[i], states[i], "crash",
+                                     "not run: batch aborted after 2 consecutive timeouts")
+                    break
+                start = nxt
+        except KeyboardInterrupt:
+            self._kill()
+            for i, e in enumerate(runnable):
+                st = states[i]
+                if not st.recorded and (st.ranks or st.bounds):
+                    self._record(e, st, "killed", "interrupted; partial steps kept")
+            raise
+        finally:
+            _restore_signal_handlers(old_handlers)
+            full = self._stop_telemetry()
+            if full is not None and self.trace_dir is not None and os.environ.get("ADVISOR_SAVE_FULL_TRACE"):
+                full.save(self.trace_dir / f"batch-{int(t_begin)}.trace.json.gz")
+        return self.records
+
+    def _attempt(self, runnable: list[Entry], states: list[_JobState], start: int,
+                 attempt: int) -> tuple[int, bool]:
+        """One torchrun from job `start`; returns (next job to start from, timed out?)."""
+        log_path = self.run_dir / f"attempt{attempt}.log"
+        followers = {r: _Follower(self.run_dir / f"rank{r}.jsonl") for r in range(self.nproc)}
+        for f in followers.values():  # skip what earlier attempts wrote
+            f.read()
+        env = dict(os.environ, **CHILD_ENV)
+        cmd = torchrun_command(self.nproc, self.run_dir, start, self.python)
+        with open(log_path, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        s = {"current": start, "failed_at": None, "batch_done": False, "seen": False,
+             "progress": time.time()}
+
+        def drain() -> None:
+            for r, fol in followers.items():
+                for evt in fol.read():
+                    s["progress"], s["seen"] = time.time(), True
+                    self._consume(r, evt, runnable, states, s)
+            for i in range(start, s["current"]):  # failures a single-GPU worker survived
+                if states[i].failure and not states[i].recorded:
+                    self._record(runnable[i], states[i], *states[i].failure)
+
+        timed_out = False
+        while True:
+            rc = self.proc.poll()
+            drain()
+            if rc is not None:
+                break
+            now = time.time()
+            if s["failed_at"] and now - s["failed_at"] > 30:  # a rank died; others may hang
+                self._kill()
+                break
+            if now - s["progress"] > self.timeout:
+                timed_out = True
+                self._kill()
+                break
+            time.sleep(0.2)
+        rc = self.proc.wait()
+        drain()
+        if s["batch_done"] and rc == 0:
+            return len(runnable), False
+        if not s["seen"]:  # the workers never started: the same would happen to every job
+            status, reason = classify_failure(_tail(log_path), rc)
+            reason = f"workers did not start: {reason or f'exit code {rc}'}"
+            for i in range(start, len(runnable)):
+                self._record(runnable[i], states[i], "crash", reason)
+            return len(runnable), False
+        i = s["current"]  # the job in flight when the batch stopped
+        st = states[i]
+        if st.recorded:
+            return i + 1, timed_out
+        if st.failure:
+            self._record(runnable[i], st, *st.failure)
+        elif timed_out:
+            self._record(runnable[i], st, "timeout",
+                         f"no progress for {self.timeout:.0f} s (NCCL hang?); process group killed")
+        else:
+            status, reason = classify_failure(_tail(log_path), rc)
+            if status == "ok":
+                status, reason = "crash", f"workers exited (code {rc}) before finishing the job"
+            self._record(runnable[i], st, status, reason)
+        return i + 1, timed_out
+
+    def _consume(self, r: int, evt: dict[str, Any], runnable: list[Entry],
+                 states: list[_JobState], s: dict[str, Any]) -> None:
+        kind, i = evt.get("ev"), evt.get("cfg")
+        if kind == "hello":
+            self.hello[r] = evt
+            for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname"):
+                self.env.setdefault(k, evt.get(k))
+            return
+        if kind == "batch_done":
+            s["batch_done"] = True
+            return
+        if i is None or not 0 <= i < len(states):
+            return
+        st = states[i]
+        s["current"] = max(s["current"], i)
+        if kind == "step":
+            if r == 0:
+                st.bounds.append(evt["tt"])
+            return
+        st.ranks.setdefault(r, {})[kind] = evt
+        if kind in ("oom", "crash") and st.failure is None:
+            st.failure = (kind, evt.get("error"))
+            s["failed_at"] = s["failed_at"] or time.time()
+            self._log_line(f"job {i} {kind} on rank {r}: {evt.get('error')}")
+        if kind == "done" and all("done" in st.ranks.get(q, {})
+                                  for q in range(runnable[i].config.world_size)):
+            self._record(runnable[i], st, "ok", None)
+            self._log_line(f"job {i} ok: {runnable[i].model.name} {runnable[i].config.key()}")
+
+    def _kill(self) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+    def _log_line(self, msg: str) -> None:
+        print(f"[measure] {msg}", file=sys.stderr, flush=True)
+
+
+def _tail(path: Path, n: int = 200_000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _install_signal_handlers():
+    old = {}
+    try:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            old[s] = signal.signal(s, _raise_interrupt)
+    except ValueError:  # not the main thread
+        pass
+    return old
+
+
+def _restore_signal_handlers(old) -> None:
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+# ------------------------------------------------------------------------------ GPU discovery
+def local_gpu_count() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES if set, else nvidia-smi's list."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None and cvd.strip() not in ("", "all"):
+        return len([x for x in cvd.split(",") if x.strip()])
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        return sum(1 for ln in out.stdout.splitlines() if ln.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+
+
+def run_batch(entries: list[Entry], dataset: str | Path | None, nproc: int, **kw: Any) -> list[dict[str, Any]]:
+    for e in entries:
+        if not e.refused and e.config.world_size != nproc:
+            e.refused = f"world size {nproc} != tp*pp*cp*dp = {e.config.world_size}"
+    return BatchRunner(entries, dataset, nproc, **kw).run()
+
+
+def load_batch(path: str | Path, world_size: int | None) -> list[Entry]:
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            try:
+                entries.append(entry_from_line(json.loads(line), world_size))
+            except json.JSONDecodeError as e:
+                raise SpecError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            except SpecError as e:
+                raise SpecError(f"{path}:{n}: {e}") from None
+    return entries

@@ -1,0 +1,369 @@
+"""One torchrun worker of a measurement batch: trains the real architecture with megatron-core
+(GPTModel, local non-TE layer spec, SDPA core attention) for each job of a batch and reports
+events to ``<run_dir>/rank<R>.jsonl``. Needs torch + megatron-core; never imports ``advisor``:
+the launcher (``advisor.runners.measure``) writes fully resolved jobs to ``<run_dir>/jobs.jsonl``.
+
+Run by the launcher as::
+
+    torchrun --nproc-per-node N runners/megatron_worker.py RUN_DIR FIRST_JOB
+
+Events (one JSON line each, flushed and fsynced): hello, start, built, step (rank 0 only),
+done, oom, crash, batch_done. A failure on one rank cannot be recovered in-process when other
+ranks wait in a collective, so with more than one GPU the failing rank records the failure and
+exits (code 3 = OOM, 4 = other); the launcher restarts the batch at the next job. With one GPU
+the worker frees everything and goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import socket
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                      get_gpt_layer_local_spec)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module, MegatronModule
+
+GIB = 2 ** 30
+EXIT_OOM, EXIT_CRASH = 3, 4
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient
+    kernels: memory linear in the sequence, unlike the local spec's unfused DotProductAttention).
+    Causal; GQA by repeating K/V heads up to the query heads of this TP partition."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, **unused):
+        super().__init__(config=config)
+        assert config.context_parallel_size == 1, "SDPAttention does not do context parallelism"
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **unused):
+        # [s, b, heads, d] -> [b, heads, s, d]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if k.size(1) != q.size(1):
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        s, b = o.size(2), o.size(0)
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+class Events:
+    def __init__(self, path):
+        self.f = open(path, "a", encoding="utf-8")
+
+    def __call__(self, ev, **kw):
+        kw = {"ev": ev, "t": time.time(), **kw}
+        self.f.write(json.dumps(kw) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+
+def device_identity(local_rank):
+    p = torch.cuda.get_device_properties(local_rank)
+    uuid = str(p.uuid)
+    if not uuid.startswith("GPU-"):
+        uuid = "GPU-" + uuid
+    try:
+        pci = "%08x:%02x:%02x.0" % (p.pci_domain_id, p.pci_bus_id, p.pci_device_id)
+    except AttributeError:
+        pci = None
+    return {"uuid": uuid, "pci_bus_id": pci, "gpu_name": p.name,
+            "total_memory_gib": p.total_memory / GIB}
+
+
+def versions():
+    try:
+        from importlib.metadata import version
+        mc = version("megatron-core")
+    except Exception:
+        mc = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "megatron_core": mc,
+            "python": sys.version.split()[0], "hostname": socket.gethostname()}
+
+
+# ---------------------------------------------------------------------------------------------
+def _activation(name):
+    if name == "squared_relu":
+        from megatron.core.activations import squared_relu
+        return squared_relu
+    return {"silu": F.silu, "gelu": F.gelu}[name]
+
+
+def _patch_attention(layer_spec):
+    layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
+
+
+def layer_spec(job, config, vp_stage):
+    if job["tc"].get("num_moe_experts"):
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization, vp_stage=vp_stage)
+        for ls in spec.layer_specs:
+            _patch_attention(ls)
+        return spec
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    _patch_attention(spec)
+    return spec
+
+
+def build(job):
+    tc = dict(job["tc"])
+    for k in ("params_dtype", "pipeline_dtype"):
+        tc[k] = getattr(torch, tc[k])
+    tc["activation_func"] = _activation(tc["activation_func"])
+    tc = {k: v for k, v in tc.items() if v is not None}
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=job["tp"], pipeline_model_parallel_size=job["pp"],
+        virtual_pipeline_model_parallel_size=job["vp"] if job["vp"] > 1 else None,
+        context_parallel_size=job["cp"], expert_model_parallel_size=job["ep"],
+        expert_tensor_parallel_size=job["etp"], create_gloo_process_groups=False)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(**tc)
+    chunks = []
+    vp = job["vp"]
+    for i in range(vp):
+        vps = i if vp > 1 else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vps)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vps)
+        m = GPTModel(config=config, transformer_layer_spec=layer_spec(job, config, vps),
+                     pre_process=pre, post_process=post, vp_stage=vps, **job["model_kw"])
+        for p in m.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+        m.cuda(torch.cuda.current_device())
+        chunks.append(Float16Module(config, m))
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    ddp_config = DistributedDataParallelConfig(**job["ddp"])
+    overlap = ddp_config.overlap_grad_reduce
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
+                                     disable_bucketing=(i > 0) or pp_rank > 0 or not overlap)
+             for i, c in enumerate(chunks)]
+    opt = dict(job["opt"])
+    opt["params_dtype"] = getattr(torch, opt["params_dtype"])
+    optimizer = get_megatron_optimizer(OptimizerConfig(**opt), model, use_gloo_process_groups=False)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if overlap:
+        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    return config, model, optimizer, n_params
+
+
+def synthetic_batches(job):
+    mbs, seq, vocab = job["mbs"], job["seq"], job["model_kw"]["vocab_size"]
+    dev = torch.cuda.current_device()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, vocab, (mbs, seq + 1), device=dev, generator=g)
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
+             torch.arange(seq, device=dev).unsqueeze(0).expand(mbs, -1).contiguous())
+    while True:
+        yield batch
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, position_ids = next(data_iterator)
+    out = model(tokens, position_ids, None, labels=labels)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func
+
+
+def train_step(job, config, model, optimizer, iters):
+    for m in model:
+        m.zero_grad_buffer()
+    optimizer.zero_grad()
+    fb = get_forward_backward_func()
+    fb(forward_step_func=forward_step, data_iterator=iters if len(model) > 1 else iters[0],
+       model=model if len(model) > 1 else model[0], num_microbatches=job["num_microbatches"],
+       seq_length=job["seq"], micro_batch_size=job["mbs"], decoder_seq_length=job["seq"],
+       forward_only=False)
+    optimizer.step()
+
+
+def run_job(job, ev, rank, state):
+    i = job["index"]
+    torch.cuda.reset_peak_memory_stats()
+    ev("start", cfg=i, allocated_gib=torch.cuda.memory_allocated() / GIB)
+    config, model, optimizer, n_params = build(job)
+    state.update(model=model, optimizer=optimizer, config=config)
+    ev("built", cfg=i, params=n_params,
+       stage=parallel_state.get_pipeline_model_parallel_rank(),
+       tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+       dp_rank=parallel_state.get_data_parallel_rank(),
+       ep_rank=parallel_state.get_expert_model_parallel_rank(),
+       mem_gib=torch.cuda.memory_allocated() / GIB)
+    iters = [synthetic_batches(job) for _ in model]
+    pre_hook = job["ddp"]["use_distributed_optimizer"] and job["ddp"]["overlap_param_gather"]
+    if pre_hook:
+        for m in model:
+            m.disable_forward_pre_hook(param_sync=False)
+    torch.cuda.synchronize()
+    dist.barrier()
+    bounds = [time.time()]
+    if rank == 0:
+        ev("step", cfg=i, k=0, tt=bounds[0])
+    n_total = job["warmup"] + job["steps"]
+    k = 0
+    while k < n_total:
+        train_step(job, config, model, optimizer, iters)
+        torch.cuda.synchronize()
+        bounds.append(time.time())
+        k += 1
+        if rank == 0:
+            ev("step", cfg=i, k=k, tt=bounds[-1])
+        if k == 1 and pre_hook:
+            for m in model:
+                m.enable_forward_pre_hook()
+        if k == job["warmup"] and job.get("min_seconds"):
+            # Stretch the measured part to min_seconds (same count on every rank).
+            last = bounds[-1] - bounds[-2]
+            n = torch.tensor([max(job["steps"], math.ceil(job["min_seconds"] / max(last, 1e-3)))],
+                             device="cuda", dtype=torch.int64)
+            dist.broadcast(n, src=0)
+            n_total = job["warmup"] + min(int(n.item()), job.get("max_steps") or 10 ** 6)
+    ev("done", cfg=i, bounds=bounds,
+       peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+       peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+
+
+def destroy_groups():
+    """Destroy megatron's process groups (NCCL communicators hold GPU memory), then its state."""
+    seen = set()
+    world = dist.group.WORLD
+    for name, v in list(vars(parallel_state).items()):
+        if not name.startswith("_") or "GROUP" not in name:
+            continue
+        for g in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(g, dist.ProcessGroup) and g is not world and id(g) not in seen:
+                seen.add(id(g))
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:
+                    pass
+    parallel_state.destroy_model_parallel()
+
+
+def free_storage(t):
+    if isinstance(t, torch.Tensor) and t.is_cuda:
+        t.untyped_storage().resize_(0)
+
+
+def release(state):
+    """Free the GPU memory of a finished job even if something still references its objects
+    (megatron-core 0.19.2 keeps earlier models alive, e.g. through the class-level lru_cache of
+    RotaryEmbedding.forward and the hooks stored in the TransformerConfig): drop the hooks,
+    clear the caches and shrink every parameter, gradient buffer and optimizer state to 0 bytes."""
+    config = state.get("config")
+    if config is not None:
+        for k in ("no_sync_func", "grad_sync_func", "param_sync_func", "grad_scale_func",
+                  "finalize_model_grads_func"):
+            if hasattr(config, k):
+                setattr(config, k, None)
+    opt = state.get("optimizer")
+    if opt is not None:
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            inner = getattr(o, "optimizer", None)
+            if inner is None:
+                continue
+            for st in inner.state.values():
+                for v in st.values():
+                    free_storage(v)
+            for g in inner.param_groups:
+                for p in g["params"]:
+                    free_storage(p)
+                    free_storage(p.grad)
+    for m in state.get("model") or []:
+        for buf in list(getattr(m, "buffers", [])) + list(getattr(m, "expert_parallel_buffers", [])):
+            free_storage(getattr(buf, "param_data", None))
+            free_storage(getattr(buf, "grad_data", None))
+        for p in m.parameters():
+            free_storage(p)
+            free_storage(getattr(p, "main_grad", None))
+    try:
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        RotaryEmbedding.forward.cache_clear()
+    except Exception:
+        pass
+
+
+def cleanup(state):
+    torch.cuda.synchronize()
+    release(state)
+    state.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    if os.environ.get("ADVISOR_DESTROY_GROUPS", "1") == "1":
+        destroy_groups()
+    else:
+        parallel_state.destroy_model_parallel()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir")
+    ap.add_argument("start", type=int)
+    a = ap.parse_args(argv)
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(local_rank)
+    ev = Events(os.path.join(a.run_dir, f"rank{rank}.jsonl"))
+    ev("hello", rank=rank, local_rank=local_rank, world=world, **device_identity(local_rank),
+       **versions())
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    with open(os.path.join(a.run_dir, "jobs.jsonl"), encoding="utf-8") as f:
+        jobs = [json.loads(line) for line in f if line.strip()]
+    for job in jobs:
+        if job["index"] < a.start:
+            continue
+        state = {}
+        try:
+            run_job(job, ev, rank, state)
+        except torch.cuda.OutOfMemoryError as e:
+            ev("oom", cfg=job["index"], error=str(e).splitlines()[0][:500],
+               allocated_gib=torch.cuda.memory_allocated() / GIB,
+               reserved_gib=torch.cuda.memory_reserved() / GIB,
+               peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+               peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+            if world > 1:
+                sys.stdout.flush()
+                os._exit(EXIT_OOM)
+        except Exception as e:
+            tb = traceback.format_exc().strip().splitlines()
+            ev("crash", cfg=job["index"], error=f"{type(e).__name__}: {e}"[:1000],
+               traceback="\n".join(tb[-25:]))
+            if world > 1:
+                sys.stdout.flush()
+                os._exit(EXIT_CRASH)
+        cleanup(state)  # with one GPU also after a failure: free everything and go on
+    ev("batch_done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

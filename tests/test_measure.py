@@ -1,0 +1,304 @@
+"""The measurement launcher on CPU: failure classification from logs, JSONL durability, entries
+and refusals, record assembly from a recorded GPU run, and the batch runner driven by a fake
+worker (OOM, hang -> watchdog, segfault, interrupt -> partial record)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
+from advisor.runners import measure as M
+
+DATA = Path(__file__).parent / "data" / "measure"
+TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
+                 num_attention_heads=8, num_query_groups=2, vocab_size=1000)
+
+
+# ----------------------------------------------------------------------------- classification
+LOGS = {
+    "torch_oom": ("""[rank2]: Traceback (most recent call last):
+[rank2]:   File "/tmp/adv/advisor/runners/megatron_worker.py", line 233, in run_job
+[rank2]:     train_step(job, config, model, optimizer, iters)
+[rank2]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.91 GiB. GPU 2 has a total capacity of 139.81 GiB of which 1.02 GiB is free. Including non-PyTorch memory, this process has 138.78 GiB memory in use.
+E1121 15:40:01.123000 1234 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1) local_rank: 2 (pid: 4321) of binary: /usr/bin/python3
+""", 1, "oom"),
+    "nccl_watchdog": ("""[rank1]:[E1121 15:41:12.000000000 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.
+[rank1]:[E1121 15:41:12.000000000 ProcessGroupNCCL.cpp:2168] [PG ID 0 PG GUID 0(default_pg) Rank 1] Process group watchdog thread terminated with exception
+terminate called after throwing an instance of 'c10::DistBackendError'
+""", -6, "timeout"),
+    "segfault": ("""Fatal Python error: Segmentation fault
+
+Thread 0x00007f (most recent call first):
+  File "/usr/lib/python3/dist-packages/torch/cuda/__init__.py", line 1011 in synchronize
+[W1121 torch/distributed/elastic/multiprocessing/api.py:900] Sending process 77 closing signal SIGTERM
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+/tmp/adv/advisor/runners/megatron_worker.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-21_15:42:00
+  rank      : 0 (local_rank: 0)
+  exitcode  : -11 (pid: 76)
+  error_file: <N/A>
+  traceback : Signal 11 (SIGSEGV) received by PID 76
+""", 1, "crash"),
+    "illegal": ("""[rank0]: RuntimeError: CUDA error: an illegal memory access was encountered
+[rank0]: CUDA kernel errors might be asynchronously reported at some other API call
+""", 1, "crash"),
+    "nccl_error": ("""[rank3]: torch.distributed.DistBackendError: NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.28.9
+[rank3]: ncclUnhandledCudaError: Call to CUDA function failed.
+""", 1, "crash"),
+    "nccl_oom": ("""NCCL WARN Cuda failure 'out of memory'
+[rank0]: torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:77, unhandled cuda error
+""", 1, "oom"),
+    "python_error": ("""[rank0]: Traceback (most recent call last):
+[rank0]:   File "megatron_worker.py", line 120, in build
+[rank0]: AssertionError: vp_stage must be passed if virtual pipeline is enabled
+[rank0]: ValueError: num_query_groups (8) must be a multiple or divisor of tensor_model_parallel_size (3).
+""", 1, "crash"),
+    "sigkill": ("Killed\n", -9, "crash"),
+    "clean": ("step 1\nstep 2\n", 0, "ok"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOGS))
+def test_classify_failure(name):
+    text, rc, want = LOGS[name]
+    status, reason = M.classify_failure(text, rc)
+    assert status == want
+    assert "\n" not in reason
+    if want != "ok":
+        assert reason
+
+
+def test_classify_failure_reasons_are_telling():
+    assert "illegal memory access" in M.classify_failure(LOGS["illegal"][0], 1)[1]
+    assert "segmentation" in M.classify_failure(LOGS["segfault"][0], 1)[1].lower()
+    assert "ValueError: num_query_groups" in M.classify_failure(LOGS["python_error"][0], 1)[1]
+    assert M.classify_failure("", -11) == ("crash", "segmentation fault (signal 11)")
+    assert M.classify_failure("no error text", 2)[0] == "crash"
+
+
+# ------------------------------------------------------------------------------------- JSONL
+def test_jsonl_append_survives_partial_write(tmp_path):
+    p = tmp_path / "d.jsonl"
+    M.append_jsonl(p, {"a": 1})
+    with open(p, "a") as f:
+        f.write('{"b": 2, "cut off')  # a writer killed mid-line
+    M.append_jsonl(p, {"c": 3})
+    assert M.read_jsonl(p) == [{"a": 1}, {"c": 3}]
+    assert p.read_text().endswith("\n")
+
+
+def test_jsonl_strict_json(tmp_path):
+    p = tmp_path / "d.jsonl"
+    M.append_jsonl(p, M._finite({"x": float("nan"), "y": [1.0, float("inf")]}))
+    assert M.read_jsonl(p) == [{"x": None, "y": [1.0, None]}]
+
+
+# ----------------------------------------------------------------------------------- entries
+def test_make_entry_derives_dp_and_gbs():
+    e = M.make_entry(TINY, 4, tp=2, mbs=2)
+    assert e.config.dp == 2 and e.config.gbs == 2 * 2 * 8 and e.refused is None
+    assert M.make_entry(TINY, 4, layers=2).model.num_layers == 2
+
+
+def test_make_entry_refusals():
+    assert "world size 4" in M.make_entry(TINY, 4, tp=3).refused
+    assert "divisible" in M.make_entry(TINY, 4, tp=1, pp=4, layers=2).refused
+    assert "gbs" in M.make_entry(TINY, 4, mbs=2, gbs=6).refused
+    assert "sequence_parallel" in M.make_entry(TINY, 4, tp=2, sequence_parallel=True).refused
+    e = M.make_entry(TINY, 4, distributed_optimizer=False)
+    assert e.config.overlap_param_gather is False  # only exists with the distributed optimizer
+    with pytest.raises(SpecError):
+        M.make_entry(TINY, 4, steps=0)
+    with pytest.raises(SpecError):
+        M.make_entry(TINY, 4, bogus=1)
+
+
+def test_batch_file(tmp_path):
+    p = tmp_path / "b.jsonl"
+    p.write_text(json.dumps({"model": TINY.to_dict(), "layers": 2, "tp": 2, "mbs": 1, "steps": 3}) + "\n"
+                 + "# a comment\n\n" + json.dumps({"model": "llama3-8b", "layers": 4, "pp": 2}) + "\n")
+    es = M.load_batch(p, 4)
+    assert [e.model.num_layers for e in es] == [2, 4] and es[0].steps == 3
+    assert es[1].model.name == "llama3-8b[4L]" and es[1].config.dp == 2
+    p.write_text('{"model": "llama3-8b", "tp": 2, "nonsense": 1}\n')
+    with pytest.raises(SpecError, match="b.jsonl:1"):
+        M.load_batch(p, 4)
+
+
+def test_job_is_json_and_complete():
+    e = M.make_entry(TINY, 4, tp=2, pp=2, vp=2, mbs=1, gbs=8, recompute="selective")
+    job = json.loads(json.dumps(M.job_for(e, 5)))
+    assert job["index"] == 5 and job["num_microbatches"] == 8
+    assert job["tc"]["virtual_pipeline_model_parallel_size"] == 2
+    assert job["tc"]["recompute_granularity"] == "selective"
+    assert job["model_kw"]["vocab_size"] % (128 * 2) == 0
+
+
+# ----------------------------------------------------------------------- record from a GPU run
+def _fixture():
+    d = json.loads((DATA / "gpu_run_fixture.json").read_text())
+    return d
+
+
+@pytest.mark.skipif(not (DATA / "gpu_run_fixture.json").exists(), reason="no recorded GPU run")
+def test_record_from_recorded_gpu_run():
+    from advisor.runners.telemetry import Trace
+
+    fx = _fixture()
+    trace = Trace.load(DATA / fx["trace_file"])
+    entry = M.entry_from_line(fx["entry"], fx["world"])
+    entry.id = fx["record"]["id"]
+    ranks = {int(r): v for r, v in fx["ranks"].items()}
+    rec = M.assemble_record(entry, "ok", None, ranks, fx["bounds"], trace, fx["env"],
+                            gpus_per_node=fx["world"], timestamp=fx["record"]["timestamp"])
+    want = fx["record"]
+    assert rec["schema"] == "advisor.measurement/1" and rec["status"] == "ok"
+    assert rec["steps"]["step_times_s"] == pytest.approx(want["steps"]["step_times_s"])
+    assert rec["throughput"]["tokens_per_s"] == pytest.approx(want["throughput"]["tokens_per_s"])
+    assert rec["memory"] == want["memory"]
+    assert rec["rank_map"] == want["rank_map"]
+    # telemetry aligned on the measured steps: same GPUs, same numbers as on the device
+    t, tw = rec["telemetry"], want["telemetry"]
+    assert set(t["per_gpu"]) == {rm["uuid"] for rm in rec["rank_map"]}
+    assert t["mean_power_w"] == pytest.approx(tw["mean_power_w"], rel=1e-6)
+    assert t["energy_per_token_j"] == pytest.approx(tw["energy_per_token_j"], rel=1e-6)
+    assert t["interval_s"] == pytest.approx(rec["steps"]["measured"] * 0 + sum(
+        rec["steps"]["step_times_s"][rec["steps"]["warmup"]:]), rel=1e-9)
+    assert [s["stage"] for s in t["per_stage"]] == sorted({rm["stage"] for rm in rec["rank_map"]})
+    # the measured interval sits inside the trace and is sampled densely
+    for s in t["per_gpu"].values():
+        assert s["n_samples"] >= 0.5 * t["interval_s"] * t["rate_hz"]
+
+
+def test_record_without_telemetry_or_steps():
+    e = M.make_entry(TINY, 2, mbs=1, gbs=2)
+    rec = M.assemble_record(e, "crash", "boom", {}, None)
+    assert rec["status"] == "crash" and rec["steps"] is None and rec["throughput"] is None
+    json.dumps(rec, allow_nan=False)
+    ranks = {r: {"hello": {"uuid": f"GPU-{r}", "pci_bus_id": None, "gpu_name": "NVIDIA H200"},
+                 "built": {"stage": 0, "tp_rank": 0, "dp_rank": r},
+                 "done": {"peak_allocated_gib": 5.0 + r, "peak_reserved_gib": 6.0 + r}} for r in range(2)}
+    rec = M.assemble_record(e, "killed", "interrupted", ranks, [0.0, 1.0, 2.0, 2.5], None)
+    assert rec["steps"]["step_times_s"] == [1.0, 1.0, 0.5]
+    assert rec["steps"]["warmup"] == 3 and rec["steps"]["measured"] == 0 and rec["throughput"] is None
+    assert rec["memory"]["peak_gib_per_stage"] == [6.0] and rec["memory"]["max_gib"] == 6.0
+    assert rec["cluster"]["gpu"] == "h200"
+    e2 = M.make_entry(TINY, 2, mbs=1, gbs=2, warmup=1)
+    rec = M.assemble_record(e2, "ok", None, ranks, [0.0, 1.0, 2.0, 2.5, 3.5], None)
+    assert rec["steps"]["median_s"] == 1.0 and rec["throughput"]["tokens_per_s"] == 2 * 4096 / 1.0
+    assert rec["throughput"]["mfu"] > 0
+
+
+# ------------------------------------------------------------------------- batch, fake worker
+@pytest.fixture
+def fake_torchrun(monkeypatch):
+    def cmd(nproc, run_dir, start=0, python=None):
+        return [sys.executable, str(DATA / "fake_worker.py"), str(run_dir), str(start), str(nproc)]
+    monkeypatch.setattr(M, "torchrun_command", cmd)
+
+
+def _entries(kinds, world=2):
+    out = []
+    for k in kinds:
+        e = M.make_entry(TINY, world, mbs=1, gbs=2 * world, warmup=1, steps=2)
+        e.id = f"{k}-{len(out)}"
+        out.append(e)
+    return out
+
+
+def test_batch_ok_oom_hang_segv_refused(tmp_path, fake_torchrun):
+    from advisor.runners.telemetry import FakeBackend
+
+    es = _entries(["ok", "oom", "ok", "hang", "ok", "segv", "ok"])
+    es.insert(1, M.make_entry(TINY, 2, tp=2, sequence_parallel=True))
+    ds = tmp_path / "out.jsonl"
+    t0 = time.time()
+    recs = M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=2.0, telemetry=FakeBackend(2),
+                       telemetry_hz=50)
+    assert time.time() - t0 < 60
+    by_id = {r["id"]: r for r in M.read_jsonl(ds)}
+    assert len(by_id) == len(es) == len(recs)
+    status = [by_id[e.id]["status"] for e in es]
+    assert status == ["ok", "refused", "oom", "ok", "timeout", "ok", "crash", "ok"]
+    oom = by_id[es[2].id]
+    assert "out of memory" in oom["error"] and oom["memory"]["at_failure"]["1"]["allocated_gib"] == 130.0
+    assert "segmentation" in by_id[es[6].id]["error"].lower()
+    assert by_id[es[4].id]["steps"] is None or by_id[es[4].id]["steps"]["measured"] == 0
+    ok = by_id[es[0].id]
+    assert ok["steps"]["measured"] == 2 and ok["throughput"]["tokens_per_s"] > 0
+    tel = ok["telemetry"]
+    assert set(tel["per_gpu"]) == {rm["uuid"] for rm in ok["rank_map"]}
+    assert tel["mean_power_w"] > 0 and tel["energy_per_token_j"] > 0
+    assert tel["sampler_overhead_pct"] is not None
+    assert [rm["pci_bus_id"] for rm in ok["rank_map"]] == ["00000000:18:00.0", "00000000:19:00.0"]
+
+
+def test_batch_workers_that_never_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(M, "torchrun_command", lambda n, d, s=0, python=None: [
+        sys.executable, "-c", "import sys; print('ModuleNotFoundError: No module named megatron'); sys.exit(1)"])
+    es = _entries(["ok", "ok", "ok"])
+    recs = M.run_batch(es, None, 2, run_dir=tmp_path / "run", timeout=5, telemetry="off")
+    assert [r["status"] for r in recs] == ["crash"] * 3
+    assert "did not start" in recs[0]["error"] and "megatron" in recs[0]["error"]
+
+
+def test_batch_interrupt_keeps_partial_record(tmp_path, fake_torchrun):
+    es = _entries(["ok", "hang", "ok"])
+    ds = tmp_path / "out.jsonl"
+    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=60, telemetry="off")
+    recs = M.read_jsonl(ds)
+    assert [r["status"] for r in recs] == ["ok", "killed"]
+    assert recs[1]["steps"] is None or recs[1]["steps"]["measured"] == 0
+
+
+def test_world_size_mismatch_is_refused(tmp_path):
+    e = M.make_entry(TINY, 4, mbs=1)
+    recs = M.run_batch([e], None, 2, run_dir=tmp_path, telemetry="off")
+    assert recs[0]["status"] == "refused" and "world size 2" in recs[0]["error"]
+
+
+# ------------------------------------------------------------------------------------- CLI
+def test_cli_refuses_before_launch(tmp_path, capsys):
+    from advisor.cli import main
+
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as ex:
+        main(["measure", "--model", "llama3-8b", "--layers", "4", "--tp", "2", "--sequence-parallel",
+              "--gpus", "4", "--out", str(out)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: refused: sequence_parallel") and "\n" not in err
+    assert json.loads(out.read_text())["status"] == "refused"
+
+
+def test_cli_dry_run(capsys):
+    from advisor.cli import main
+
+    with pytest.raises(SystemExit) as ex:
+        main(["measure", "--model", "llama3-8b", "--layers", "4", "--tp", "2", "--pp", "2",
+              "--gpus", "4", "--dry-run"])
+    assert ex.value.code == 0
+    out = capsys.readouterr().out
+    assert "--tensor-model-parallel-size 2" in out and "--nproc-per-node 4" in out
+
+
+def test_cli_needs_model_or_batch(capsys):
+    from advisor.cli import main
+
+    with pytest.raises(SystemExit) as ex:
+        main(["measure", "--gpus", "1"])
+    assert ex.value.code == 2
+    assert capsys.readouterr().err.startswith("error: give either --model or --batch")
