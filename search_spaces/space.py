@@ -153,17 +153,56 @@ def layout_choices(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
     return list(enumerate_layouts(model, cluster, workload, options))
 
 
-def optuna_suggest(trial, layouts: list[TrainConfig]) -> TrainConfig:
-    """Suggest one layout from `layouts` with one categorical parameter per knob, so samplers see
-    the structure (TPE models each knob); combinations that are not legal are resolved to the
-    nearest legal layout and recorded as the trial's `layout` user attribute."""
-    keys = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "recompute")
-    choices = {k: sorted({getattr(c, k) for c in layouts}, key=str) for k in keys}
-    picked = {k: trial.suggest_categorical(k, choices[k]) for k in keys}
+OPTUNA_KNOBS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "recompute", "distributed_optimizer")
+
+
+def optuna_space(layouts: list[TrainConfig]) -> dict[str, list]:
+    """One categorical parameter per knob that is a free choice in `layouts` (DP, the pipeline
+    split and the flags that follow from TP / DP are derived), with its sorted choices. The choices are a
+    fixed function of the space, so every driver of a study declares the same distributions."""
+    if not layouts:
+        raise SpecError("the layout space is empty")
+    space = {}
+    for k in OPTUNA_KNOBS:
+        others = [o for o in OPTUNA_KNOBS if o != k]
+        groups: dict[tuple, set] = {}
+        for c in layouts:
+            groups.setdefault(tuple(getattr(c, o) for o in others), set()).add(getattr(c, k))
+        if any(len(v) > 1 for v in groups.values()):  # a free choice, not derived from the others
+            space[k] = sorted({getattr(c, k) for c in layouts}, key=lambda v: (str(type(v)), v))
+    return space
+
+
+def layout_params(cfg: TrainConfig, space: dict[str, list]) -> dict:
+    """The Optuna parameters that select `cfg` (for ``study.enqueue_trial``)."""
+    return {k: getattr(cfg, k) for k in space}
+
+
+def layout_key(cfg: TrainConfig) -> str:
+    """`TrainConfig.key()` plus the knobs it leaves out that the Optuna space can vary."""
+    return cfg.key() + ("" if cfg.distributed_optimizer or cfg.dp * cfg.cp == 1 else "-nodistopt")
+
+
+def resolve_params(params: dict, layouts: list[TrainConfig], space: dict[str, list]) -> TrainConfig:
+    """The layout with exactly these knob values, or else the nearest legal one: fewest knobs
+    changed, earlier knobs (TP, PP, ...) kept first, then the layout key as a tie-break."""
+    keys = list(space)
 
     def distance(c: TrainConfig) -> tuple:
-        return tuple(0 if getattr(c, k) == picked[k] else 1 for k in keys)
+        return tuple(0 if getattr(c, k) == params.get(k) else 1 for k in keys)
 
-    best = min(layouts, key=lambda c: (sum(distance(c)), distance(c), c.key()))
+    return min(layouts, key=lambda c: (sum(distance(c)), distance(c), c.key()))
+
+
+def optuna_suggest(trial, layouts: list[TrainConfig], space: dict[str, list] | None = None) -> TrainConfig:
+    """Suggest one layout from `layouts` with one categorical parameter per knob, so samplers see
+    the structure (TPE models each knob). A combination that is not legal resolves to the nearest
+    legal layout: the trial's value then stands for that layout (a projection onto the legal set),
+    and the layout actually chosen is the trial's `layout` user attribute."""
+    space = optuna_space(layouts) if space is None else space
+    picked = {k: trial.suggest_categorical(k, v) for k, v in space.items()}
+    best = resolve_params(picked, layouts, space)
     trial.set_user_attr("layout", best.to_dict())
+    trial.set_user_attr("layout_key", layout_key(best))
+    trial.set_user_attr("exact", layout_params(best, space) == picked)
     return best

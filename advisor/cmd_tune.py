@@ -1,0 +1,155 @@
+"""`advisor tune`: an Optuna study whose trials measure layouts (on Ray), resumable."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("tune")(tune_cmd)
+
+
+def tune_cmd(
+    model: str = typer.Option(..., "--model", "-m", help="catalog name or a HF config.json"),
+    cluster: str = typer.Option(..., "--cluster", "-c", help="<gpu>x<count>, <gpu>x<per-node>x<nodes>, catalog cluster or YAML"),
+    seq: Optional[int] = typer.Option(None, "--seq", help="sequence length (default: the model's, at most 8192)"),
+    gbs: Optional[int] = typer.Option(None, "--gbs", help="global batch in sequences"),
+    precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8"),
+    layers: Optional[int] = typer.Option(None, "--layers", help="measure a proxy of the model with this many layers"),
+    trials: int = typer.Option(24, "--trials", help="measurements to launch in the whole study (a resumed study goes on to this total)"),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="stop launching trials after this many seconds"),
+    trial_timeout: float = typer.Option(900.0, "--trial-timeout", help="a trial running longer is cancelled and recorded as timeout"),
+    runner: str = typer.Option("megatron", "--runner", help="megatron (GPUs, megatron-core) or simulate (analytical model + noise)"),
+    objective: str = typer.Option("power", "--objective", help="second objective to minimize: power (peak W) or energy (J/token)"),
+    storage: Optional[str] = typer.Option(None, "--storage", help="journal file (default ./advisor-studies.journal) or an RDB URL (postgresql://...)"),
+    study_name: Optional[str] = typer.Option(None, "--study-name", help="default: <model>@<cluster>-seq..-gbs..-<precision>-<objective>-<runner>"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (default: a local Ray); 'inline' runs trials in this process without Ray"),
+    dataset: Optional[str] = typer.Option(None, "--dataset", help="JSONL the records are appended to (default data/measurements/tune-<study>.jsonl)"),
+    top_k: int = typer.Option(4, "--top-k", help="analytical top layouts enqueued first"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
+    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)"),
+    steps: int = typer.Option(10, "--steps", help="megatron: measured steps per trial"),
+    warmup: int = typer.Option(3, "--warmup", help="megatron: warm-up steps per trial"),
+    sigma: float = typer.Option(0.03, "--sim-sigma", help="simulate: log-normal sigma of the step-time noise"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (space, pruned, enqueued) and run nothing"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+) -> None:
+    """Search layouts of MODEL on CLUSTER by measuring them: multi-objective Optuna study (tokens/s/GPU
+    vs peak power or energy), trials as Ray tasks, resumable storage, Pareto front at the end."""
+    from advisor.cli import fail
+    from advisor.runners.simulate import options_from_env
+    from advisor.study import TuneSettings, make_plan, run_study
+
+    opts = {"sigma": sigma, **options_from_env()} if runner == "simulate" else {"steps": steps, "warmup": warmup}
+    s = TuneSettings(model=model, cluster=cluster, seq=seq, gbs=gbs, precision=precision, layers=layers,
+                     trials=trials, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
+                     objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
+                     dataset=dataset, top_k=top_k, seed=seed, power_cap_w=power_cap, runner_options=opts)
+    if dry_run:
+        plan = make_plan(s)
+        if as_json:
+            json.dump({**plan.to_dict(), "dry_run": True}, sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            _print_plan(plan)
+        return
+    try:
+        with _Progress(s.runner, enabled=not as_json) as progress:
+            res = run_study(s, progress=progress.update)
+    except ConnectionError as e:
+        fail(f"cannot reach Ray at {ray_address}: {e}")
+    if as_json:
+        json.dump(res.to_dict(), sys.stdout, indent=1, default=str)
+        sys.stdout.write("\n")
+    else:
+        _print_result(res)
+
+
+def _sim_label(runner: str) -> str:
+    return " (simulated)" if runner == "simulate" else ""
+
+
+def _print_plan(plan) -> None:
+    from advisor.report import _layout, make_console
+
+    d = plan.to_dict()
+    con = make_console()
+    sp = d["space"]
+    con.print(f"[bold]plan{_sim_label(plan.settings.runner)}[/]: study [bold]{plan.study_name}[/] in {plan.storage}")
+    con.print(f"{plan.model.name} on {plan.cluster.name}: seq {plan.workload.seq}, gbs {plan.workload.gbs}, "
+              f"{plan.workload.precision}; objectives: max tokens/s/GPU, min {plan.settings.objective}; "
+              f"runner {plan.settings.runner}; {plan.cluster.world_size} GPUs per trial")
+    con.print(f"space: {sp['layouts']} legal layouts; pruned by memory (never launched): {sp['pruned_by_memory']}; "
+              f"refused by the runner: {sp['refused_by_runner']}; runnable: {sp['runnable']}")
+    con.print("params: " + "; ".join(f"{k} {v}" for k, v in sp["params"].items()))
+    con.print(f"trials to measure: {plan.settings.trials}; dataset: {plan.dataset}")
+    con.print(f"enqueued first (analytical top-{len(plan.enqueue)}):")
+    for c in plan.enqueue:
+        con.print(f"  {_layout(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)
+
+
+def _print_result(res) -> None:
+    from rich.table import Table
+
+    from advisor.catalog.specs import TrainConfig
+    from advisor.report import _layout, make_console
+
+    plan = res.plan
+    con = make_console()
+    obj = "peak W" if plan.settings.objective == "power" else "J/token"
+    key = "peak_power_w" if plan.settings.objective == "power" else "energy_j_per_token"
+    t = Table(title=f"Pareto front{_sim_label(plan.settings.runner)}: {plan.study_name}", box=None, pad_edge=False)
+    for col, just in (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
+                      ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
+                      ("predicted tok/s/GPU", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
+    for r in res.pareto:
+        c = TrainConfig.from_dict(r["config"])
+        v = r[key]
+        t.add_row(str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
+                  f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
+                  f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
+                  f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
+                  f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-")
+    con.print(t)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(res.counts.items()))
+    con.print(f"{res.measured} measured ({res.launched_here} by this driver) in {res.elapsed_s:.0f} s; "
+              f"stopped: {res.stopped}; trials: {counts}")
+    con.print(f"records: {plan.dataset}; dashboard: optuna-dashboard {plan.storage}", markup=False, highlight=False)
+
+
+class _Progress:
+    """A rich progress bar on stderr with the best layout so far."""
+
+    def __init__(self, runner: str, enabled: bool):
+        self.enabled, self.runner = enabled, runner
+        self.p = self.task = None
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.p = Progress(TextColumn("[bold]tune" + _sim_label(self.runner)), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), TextColumn("{task.description}"),
+                              console=Console(stderr=True), transient=False)
+            self.p.start()
+            self.task = self.p.add_task("starting", total=None)
+        return self
+
+    def update(self, e: dict) -> None:
+        if self.p is None:
+            return
+        b = e.get("best")
+        desc = "no feasible measurement yet"
+        if b:
+            second = (f"{b['peak_power_w']:.0f} W" if "peak_power_w" in b else f"{b['energy_j_per_token']:.3f} J/tok")
+            desc = f"best {b['tokens_per_s_per_gpu']:,.0f} tok/s/GPU at {second} (trial {b['trial']})"
+        self.p.update(self.task, completed=e["measured"], total=e["target"], description=desc)
+
+    def __exit__(self, *exc) -> None:
+        if self.p is not None:
+            self.p.stop()

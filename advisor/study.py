@@ -1,0 +1,684 @@
+"""Optuna studies that measure layouts: one study per (model, cluster, workload, objective, runner).
+
+Two objectives: maximize tokens/s/GPU, and minimize peak power (``objective="power"``) or energy
+per token (``"energy"``). Three constraints, set with ``trial.set_constraint`` (feasible <= 0):
+``memory`` (GiB used / GPU memory - 1; OOM > 0), ``power`` (mean power under load / power cap - 1
+- 2% for the sensors' accuracy; the GPU's power limit acts on ~1 s averages, so transient peaks
+above it do not count) and ``runs``
+(1 when the trial crashed, hung or was refused). The sampler is Optuna's default for
+multi-objective studies (TPE in 5.0), which uses these constraints.
+
+Every trial asks Optuna for one layout (``search_spaces.space.optuna_suggest``), then:
+  * a layout the analytical model proves does not fit in memory, or one the runner cannot run,
+    is told at once (values: 0 tokens/s and the predicted power/energy; constraint violated) and
+    never launched;
+  * a layout already measured in this study is not run again: the trial copies that trial's
+    values (``duplicate_of``), or is PRUNED when that measurement is still in flight;
+  * otherwise it is claimed, launched on the executor (Ray), and told when its record comes back.
+The analytical top-K (``advisor.api.recommend``) are enqueued when the study is created.
+``trials`` counts launched measurements in the whole study, so a resumed driver goes on to the
+same total.
+
+Resume rule (documented in docs/tune.md). A journal-file study has one driver at a time (an
+exclusive ``flock`` on ``<journal>.<study>.lock``, released by the kernel when the driver dies).
+A driver starting on it finds the trials left RUNNING by the dead driver: one whose record had
+already reached its user attributes is told from that record; any other is marked FAIL and its
+parameters are enqueued once (``retry_of``). An RDB study may have several drivers: each in-flight
+trial sends Optuna heartbeats, ``optuna.storages.fail_stale_trials`` fails trials whose driver
+stopped beating, and the stale-trial callback enqueues their parameters once; layouts are claimed
+in an ``advisor_layout_claims`` table (primary key study + layout) so two drivers never measure
+the same layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.search_spaces.space import (SpaceOptions, Workload, enumerate_layouts, layout_key,
+                                         layout_params, optuna_space, optuna_suggest)
+
+OBJECTIVES = {"power": "peak_power_w", "energy": "energy_j_per_token"}
+CONSTRAINTS = ("memory", "power", "runs")
+DEFAULT_STORAGE = "advisor-studies.journal"
+# RDB heartbeats of in-flight trials (Optuna's): interval and how long a silent trial lives on.
+HEARTBEAT_S = int(os.environ.get("ADVISOR_TUNE_HEARTBEAT_S", "20"))
+GRACE_S = int(os.environ.get("ADVISOR_TUNE_GRACE_S", "60"))
+POWER_TOLERANCE = 0.02  # NVML power readings are +-5 W / a few percent
+
+
+@dataclass
+class TuneSettings:
+    model: str
+    cluster: str
+    seq: int | None = None
+    gbs: int | None = None
+    precision: str = "bf16"
+    layers: int | None = None  # measure a proxy with this many layers
+    trials: int = 24  # launched measurements in the whole study
+    timeout_s: float | None = None  # this driver stops launching after this long
+    trial_timeout_s: float = 900.0
+    runner: str = "simulate"
+    objective: str = "power"
+    storage: str | None = None  # journal file path or RDB URL
+    study_name: str | None = None
+    ray_address: str | None = None  # None: local Ray; "inline": no Ray
+    dataset: str | None = None
+    top_k: int = 4
+    seed: int | None = None
+    power_cap_w: float | None = None
+    runner_options: dict = field(default_factory=dict)
+    kill_grace_s: float = 30.0
+    patience: int = 200  # stop after this many asks in a row that launch nothing
+    max_failures: int = 5  # stop after this many crashed / timed-out trials in a row (broken setup)
+
+
+@dataclass
+class Plan:
+    settings: TuneSettings
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: Workload
+    study_name: str
+    storage: str
+    dataset: Path | None  # None: records stay in the study only
+    layouts: list[TrainConfig]  # every legal layout, as the runner runs it
+    space: dict[str, list]
+    screened: dict[str, tuple[str, float, str]]  # layout key -> (constraint, violation, reason)
+    enqueue: list[TrainConfig]
+
+    @property
+    def runnable(self) -> int:
+        return len(self.layouts) - len(self.screened)
+
+    def to_dict(self) -> dict[str, Any]:
+        by = {}
+        for c, _, _ in self.screened.values():
+            by[c] = by.get(c, 0) + 1
+        return {
+            "study": self.study_name, "storage": self.storage, "dataset": str(self.dataset),
+            "runner": self.settings.runner, "simulated": self.settings.runner == "simulate",
+            "model": self.model.name, "cluster": self.cluster.name,
+            "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs, "precision": self.workload.precision},
+            "objective": self.settings.objective, "trials": self.settings.trials,
+            "gpus_per_trial": self.cluster.world_size,
+            "space": {"layouts": len(self.layouts), "params": {k: v for k, v in self.space.items()},
+                      "pruned_by_memory": by.get("memory", 0), "refused_by_runner": by.get("runs", 0),
+                      "runnable": self.runnable},
+            "enqueued": [{"key": layout_key(c), "config": c.to_dict()} for c in self.enqueue],
+        }
+
+
+def _safe(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")
+
+
+def default_study_name(model: ModelSpec, cluster: ClusterSpec, wl: Workload, objective: str, runner: str) -> str:
+    return f"{model.name}@{cluster.name}-seq{wl.seq}-gbs{wl.gbs}-{wl.precision}-{objective}-{runner}"
+
+
+def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
+    """Everything decided before a trial runs: the space, what is screened out, the seeds."""
+    from advisor.api import default_workload, recommend, resolve
+    from advisor.models.memory import stage_memory
+    from advisor.runners.ray_exec import RUNNERS, prepare
+
+    if s.objective not in OBJECTIVES:
+        raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {s.objective!r}")
+    if s.runner not in RUNNERS:
+        raise SpecError(f"runner must be one of {', '.join(RUNNERS)}, got {s.runner!r}")
+    if s.trials < 1:
+        raise SpecError("--trials must be at least 1")
+    if s.precision not in ("bf16", "fp8"):
+        raise SpecError(f"precision must be bf16 or fp8, got {s.precision!r}")
+    model, cluster = resolve(s.model, s.cluster, s.power_cap_w)
+    if s.layers:
+        if s.layers < 1:
+            raise SpecError("--layers must be at least 1")
+        model = model.with_layers(s.layers)
+    wl = default_workload(model, cluster, s.seq, s.gbs, s.precision)
+    cap = cluster.gpu.memory_gib
+    layouts, screened, seen = [], {}, set()
+    for cfg in enumerate_layouts(model, cluster, wl, options):
+        cfg, refusal = prepare(s.runner, model, cluster, cfg)
+        key = layout_key(cfg)
+        if key in seen:
+            continue
+        seen.add(key)
+        layouts.append(cfg)
+        mem = max(st.total_gib for st in stage_memory(model, cfg))
+        if mem > cap:
+            screened[key] = ("memory", mem / cap - 1, f"needs {mem:.1f} GiB > {cap:.0f} GiB per GPU")
+        elif refusal:
+            screened[key] = ("runs", 1.0, f"refused by the {s.runner} runner: {refusal}")
+    if not layouts:
+        raise SpecError(f"no legal layout of {model.name} on {cluster.name} with seq={wl.seq} gbs={wl.gbs}")
+    if len(screened) == len(layouts):
+        raise SpecError(f"none of the {len(layouts)} legal layouts of {model.name} on {cluster.name} "
+                        f"fits in memory and can be run by the {s.runner} runner")
+    enq, keys = [], set()
+    for obj, want in (("throughput", s.top_k), ("energy" if s.objective == "energy" else "balanced", s.top_k // 2)):
+        got = 0
+        for top in (4 * want + 8, len(layouts)):  # the runner may refuse the first ones
+            if got >= want:
+                break
+            try:
+                res = recommend(model, cluster, seq=wl.seq, gbs=wl.gbs, precision=wl.precision,
+                                top=top, objective=obj, options=options)
+            except SpecError:
+                break
+            for r in res.recommendations:
+                cfg = prepare(s.runner, model, cluster, r.config)[0]
+                k = layout_key(cfg)
+                if got < want and k not in screened and k not in keys:
+                    keys.add(k)
+                    enq.append(cfg)
+                    got += 1
+    name = s.study_name or default_study_name(model, cluster, wl, s.objective, s.runner)
+    storage = s.storage or DEFAULT_STORAGE
+    dataset = Path(s.dataset or f"data/measurements/tune-{_safe(name)}.jsonl")
+    return Plan(s, model, cluster, wl, name, storage, dataset, layouts, optuna_space(layouts), screened, enq)
+
+
+# ------------------------------------------------------------------------------------ storage
+def _is_url(storage: str) -> bool:
+    return "://" in storage
+
+
+def _fail_stale(study) -> None:
+    """RDB: fail trials whose driver stopped sending heartbeats (the callback re-enqueues them)."""
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def _requeue_once(study, trial) -> None:
+    """Enqueue the parameters of a trial its driver left unfinished (one retry per such trial)."""
+    if trial.params:
+        study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number})
+
+
+def rdb_url(url: str) -> str:
+    """SQLAlchemy 2.1 reads postgresql:// as psycopg 3; use psycopg2 when only it is installed."""
+    if url.startswith("postgresql://"):
+        import importlib.util
+
+        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
+            return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
+
+
+def open_storage(storage: str):
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    if _is_url(storage):
+        import sqlalchemy as sa
+
+        for attempt in range(5):
+            try:
+                return optuna.storages.RDBStorage(
+                    rdb_url(storage), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
+                    heartbeat_stale_trial_callback=_requeue_once, engine_kwargs={"pool_pre_ping": True})
+            except sa.exc.SQLAlchemyError:  # two drivers creating the schema of a new database at once
+                if attempt == 4:
+                    raise
+                time.sleep(0.5 + attempt)
+    Path(storage).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    return JournalStorage(JournalFileBackend(str(Path(storage).expanduser())))
+
+
+class _FileLock:
+    """One driver per journal study: an exclusive flock, released by the kernel if we die."""
+
+    def __init__(self, path: Path):
+        import fcntl
+
+        self.path = path
+        self.f = open(path, "a+")
+        try:
+            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.f.seek(0)
+            who = self.f.read().strip() or "another process"
+            self.f.close()
+            raise SpecError(f"study is being run by another driver ({who}); wait for it, or use a "
+                            f"PostgreSQL --storage for several drivers") from None
+        self.f.seek(0)
+        self.f.truncate()
+        self.f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self.f.flush()
+
+    def release(self) -> None:
+        self.f.close()
+
+
+class _Claims:
+    """Which trial measures which layout. In memory for a single driver; a table for RDB."""
+
+    def __init__(self, url: str | None, study_name: str):
+        self.mem: dict[str, int] = {}
+        self.study_name = study_name
+        self.engine = None
+        if url:
+            import sqlalchemy as sa
+
+            self.sa = sa
+            self.engine = sa.create_engine(rdb_url(url), pool_pre_ping=True)
+            meta = sa.MetaData()
+            self.table = sa.Table("advisor_layout_claims", meta,
+                                  sa.Column("study_name", sa.String(512), primary_key=True),
+                                  sa.Column("layout_key", sa.String(512), primary_key=True),
+                                  sa.Column("trial_number", sa.Integer, nullable=False))
+            try:
+                meta.create_all(self.engine)
+            except sa.exc.SQLAlchemyError:  # created by another driver at the same moment
+                pass
+
+    def claim(self, key: str, number: int) -> int:
+        """Claim `key` for trial `number`; returns the owner (`number` when the claim is ours)."""
+        if self.engine is None:
+            return self.mem.setdefault(key, number)
+        sa, t = self.sa, self.table
+        try:
+            with self.engine.begin() as c:
+                c.execute(t.insert().values(study_name=self.study_name, layout_key=key, trial_number=number))
+            return number
+        except sa.exc.IntegrityError:
+            with self.engine.begin() as c:
+                return c.execute(sa.select(t.c.trial_number).where(
+                    (t.c.study_name == self.study_name) & (t.c.layout_key == key))).scalar_one()
+
+    def take_over(self, key: str, old: int, new: int) -> bool:
+        """Move the claim from a trial that will never finish; False if someone else did first."""
+        if self.engine is None:
+            if self.mem.get(key) == old:
+                self.mem[key] = new
+                return True
+            return False
+        t = self.table
+        with self.engine.begin() as c:
+            r = c.execute(t.update().where((t.c.study_name == self.study_name) & (t.c.layout_key == key)
+                                           & (t.c.trial_number == old)).values(trial_number=new))
+            return r.rowcount == 1
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.dispose()
+
+
+# --------------------------------------------------------------------------------- the study
+@dataclass
+class TuneResult:
+    plan: Plan
+    counts: dict[str, int]
+    launched_here: int
+    measured: int
+    stopped: str
+    pareto: list[dict[str, Any]]
+    best: dict[str, Any] | None
+    elapsed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.plan.to_dict(), "counts": self.counts, "launched_by_this_driver": self.launched_here,
+                "measured": self.measured, "stopped": self.stopped, "elapsed_s": self.elapsed_s,
+                "best": self.best, "pareto": self.pareto}
+
+
+def _get(d: dict | None, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
+class Tuner:
+    """Drives one study; see the module docstring. `run()` returns a TuneResult."""
+
+    def __init__(self, plan: Plan, executor=None, progress: Callable[[dict], None] | None = None,
+                 storage=None):
+        import optuna
+
+        self.optuna = optuna
+        self.plan, self.s = plan, plan.settings
+        self.progress = progress
+        self.by_key = {layout_key(c): c for c in plan.layouts}
+        self.cap_w = plan.cluster.power_cap_w
+        self.obj = OBJECTIVES[self.s.objective]
+        self.lock, url = None, None
+        if storage is None:
+            url = plan.storage if _is_url(plan.storage) else None
+            if not _is_url(plan.storage):
+                self.lock = _FileLock(Path(str(Path(plan.storage).expanduser()) + f".{_safe(plan.study_name)}.lock"))
+            storage = open_storage(plan.storage)
+        self.storage = storage
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        sampler = optuna.samplers.TPESampler(seed=self.s.seed) if self.s.seed is not None else None
+        self.study = optuna.create_study(study_name=plan.study_name, storage=storage, sampler=sampler,
+                                         directions=["maximize", "minimize"], load_if_exists=True)
+        self._check_attrs()
+        self.claims = _Claims(url, plan.study_name)
+        self.executor = executor
+        self.inflight: dict[int, tuple[Any, Any]] = {}  # trial number -> (trial, heartbeat thread)
+        self.launched_here = 0
+        self.fail_streak, self.last_error = 0, None
+        self._preds: dict[str, Any] = {}
+
+    # -- set-up ------------------------------------------------------------------------------
+    def _check_attrs(self) -> None:
+        want = {"model": self.plan.model.name, "cluster": self.plan.cluster.name,
+                "seq": self.plan.workload.seq, "gbs": self.plan.workload.gbs,
+                "precision": self.plan.workload.precision, "objective": self.s.objective,
+                "runner": self.s.runner}
+        have = self.study.user_attrs
+        if not have:
+            for k, v in want.items():
+                self.study.set_user_attr(k, v)
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
+                self.study.set_metric_names(["tokens_per_s_per_gpu", self.obj])
+            return
+        diff = [f"{k}={have.get(k)!r}" for k, v in want.items() if have.get(k) != v]
+        if diff:
+            raise SpecError(f"study {self.plan.study_name!r} in {self.plan.storage} was made with "
+                            f"{', '.join(diff)}; give another --study-name")
+
+    def _recover(self) -> None:
+        """Trials a dead driver left RUNNING (journal) or that stopped beating (RDB)."""
+        TS = self.optuna.trial.TrialState
+        if self.lock is None:
+            _fail_stale(self.study)
+            return
+        for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
+            rec = t.user_attrs.get("record")
+            trial = self.optuna.trial.Trial(self.study, t._trial_id)
+            if rec is not None:
+                self._tell_record(trial, rec, append=True)
+            else:
+                self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
+                self.study.tell(trial, state=TS.FAIL)
+                _requeue_once(self.study, t)
+
+    def _sync_claims_and_dataset(self) -> None:
+        TS = self.optuna.trial.TrialState
+        ids = set()
+        if self.plan.dataset is not None and self.plan.dataset.exists():
+            with open(self.plan.dataset, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        ids.add(json.loads(line).get("id"))
+                    except (json.JSONDecodeError, AttributeError):
+                        pass
+        from advisor.runners.measure import append_jsonl
+
+        for t in self.study.get_trials(deepcopy=False):
+            if t.user_attrs.get("launched") and t.state in (TS.RUNNING, TS.COMPLETE):
+                self.claims.mem.setdefault(t.user_attrs["layout_key"], t.number)
+            rec = t.user_attrs.get("record")
+            if t.state == TS.COMPLETE and rec is not None and rec.get("id") not in ids and self.plan.dataset is not None:
+                append_jsonl(self.plan.dataset, rec)
+
+    def _enqueue_seeds(self) -> None:
+        if self.study.get_trials(deepcopy=False):
+            return
+        for cfg in self.plan.enqueue:
+            self.study.enqueue_trial(layout_params(cfg, self.plan.space), user_attrs={"seed": "analytical top-K"},
+                                     skip_if_exists=True)
+
+    # -- values --------------------------------------------------------------------------------
+    def predicted(self, cfg: TrainConfig):
+        k = layout_key(cfg)
+        if k not in self._preds:
+            from advisor.models.predict import predict
+
+            self._preds[k] = predict(self.plan.model, self.plan.cluster, cfg, check_legal=False)
+        return self._preds[k]
+
+    def _values(self, cfg: TrainConfig, rec: dict | None) -> tuple[list[float], dict[str, float], str]:
+        """(values, constraints, where the values come from) for a layout and its record."""
+        p = self.predicted(cfg)
+        cap = self.plan.cluster.gpu.memory_gib
+        pred_obj = p.peak_power_w if self.obj == "peak_power_w" else p.energy_j_per_token
+        status = (rec or {}).get("status")
+        mem = _get(rec, "memory", "max_gib") or p.memory_gib_per_gpu
+        cons = {"memory": mem / cap - 1, "power": p.mean_power_w / self.cap_w - 1 - POWER_TOLERANCE, "runs": 0.0}
+        if status == "ok":
+            tps = _get(rec, "throughput", "tokens_per_s_per_gpu")
+            key = "peak_power_w" if self.obj == "peak_power_w" else "energy_per_token_j"
+            obj = _get(rec, "telemetry", key)
+            mean_w = _get(rec, "telemetry", "mean_power_w")
+            if mean_w:
+                cons["power"] = mean_w / self.cap_w - 1 - POWER_TOLERANCE
+            if tps and obj:
+                return [float(tps), float(obj)], cons, "measured"
+            if tps:
+                return [float(tps), pred_obj], cons, "measured (power predicted: no telemetry)"
+            status = "crash"
+        if status == "oom":
+            cons["memory"] = max(0.01, p.memory_gib_per_gpu / cap - 1 + 0.01)
+        elif status is not None:
+            cons["runs"] = 1.0
+        return [0.0, pred_obj], cons, "not measured"
+
+    def _tell(self, trial, values, cons, state=None) -> None:
+        for k in CONSTRAINTS:
+            trial.set_constraint(k, cons[k])
+        self.study.tell(trial, values)
+
+    def _tell_record(self, trial, rec: dict, append: bool) -> None:
+        cfg = TrainConfig.from_dict(trial.user_attrs.get("layout") or rec["config"])
+        rec = {**rec, "study": self.plan.study_name, "trial": trial.number,
+               "runner": self.s.runner, "simulated": self.s.runner == "simulate"}
+        values, cons, source = self._values(cfg, rec)
+        trial.set_user_attr("record", rec)
+        trial.set_user_attr("status", rec.get("status"))
+        trial.set_user_attr("error", rec.get("error"))
+        trial.set_user_attr("values_from", source)
+        self._tell(trial, values, cons)
+        if append and self.plan.dataset is not None:
+            from advisor.runners.measure import append_jsonl
+
+            append_jsonl(self.plan.dataset, rec)
+
+    # -- the loop ------------------------------------------------------------------------------
+    def measured(self) -> int:
+        TS = self.optuna.trial.TrialState
+        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING, TS.COMPLETE))
+                   if t.user_attrs.get("launched"))
+
+    def _owner_state(self, number: int):
+        st = self.study._storage
+        tid = st.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+        return st.get_trial(tid)
+
+    def _start_one(self) -> bool:
+        """Ask for a trial and dispose of it; True if a measurement was launched."""
+        from optuna.storages._heartbeat import get_heartbeat_thread
+        from advisor.runners.ray_exec import Job
+
+        TS = self.optuna.trial.TrialState
+        trial = self.study.ask()
+        hb = get_heartbeat_thread(trial._trial_id, self.study._storage)
+        hb.start()
+        try:
+            cfg = optuna_suggest(trial, self.plan.layouts, self.plan.space)
+            key = layout_key(cfg)
+            p = self.predicted(cfg)
+            trial.set_user_attr("predicted", {"tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                                              "peak_power_w": p.peak_power_w, "mean_power_w": p.mean_power_w,
+                                              "energy_j_per_token": p.energy_j_per_token,
+                                              "memory_gib_per_gpu": p.memory_gib_per_gpu})
+            if key in self.plan.screened:
+                what, violation, reason = self.plan.screened[key]
+                values, cons, _ = self._values(cfg, None)
+                cons[what] = max(cons[what], violation, 0.01)
+                trial.set_user_attr("status", "infeasible" if what == "memory" else "refused")
+                trial.set_user_attr("error", reason)
+                self._tell(trial, values, cons)
+                return False
+            owner = self.claims.claim(key, trial.number)
+            if owner != trial.number:
+                o = self._owner_state(owner)
+                if o.state == TS.COMPLETE:
+                    trial.set_user_attr("duplicate_of", owner)
+                    trial.set_user_attr("status", o.user_attrs.get("status"))
+                    self._tell(trial, list(o.values), dict(o.constraints))
+                    return False
+                if o.state == TS.RUNNING or not self.claims.take_over(key, owner, trial.number):
+                    trial.set_user_attr("duplicate_of", owner)
+                    self.study.tell(trial, state=TS.PRUNED)
+                    return False
+            trial.set_user_attr("launched", True)
+            trial.set_user_attr("runner", self.s.runner)
+            opts = dict(self.s.runner_options)
+            self.executor.submit(Job(trial, self.s.runner, self.plan.model, self.plan.cluster, cfg,
+                                     self.s.trial_timeout_s, opts))
+            self.inflight[trial.number] = (trial, hb)
+            self.launched_here += 1
+            return True
+        finally:
+            if trial.number not in self.inflight:
+                hb.join()
+
+    def _finish(self, job) -> None:
+        st = (job.result or {}).get("status")
+        self.fail_streak = self.fail_streak + 1 if st in ("crash", "timeout", "killed") else 0
+        self.last_error = (job.result or {}).get("error")
+        trial, hb = self.inflight.pop(job.tag.number)
+        try:
+            self._tell_record(trial, job.result, append=True)
+        finally:
+            hb.join()
+        self._report(trial)
+
+    def _best(self) -> dict | None:
+        front = self.pareto()
+        return max(front, key=lambda r: r["tokens_per_s_per_gpu"]) if front else None
+
+    def _report(self, trial=None) -> None:
+        if self.progress is not None:
+            self.progress({"measured": self.measured(), "target": self.s.trials, "best": self._best(),
+                           "trial": trial.number if trial is not None else None,
+                           "status": trial.user_attrs.get("status") if trial is not None else None})
+
+    def pareto(self) -> list[dict[str, Any]]:
+        out, seen = [], set()
+        for t in sorted(self.study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
+            k = t.user_attrs.get("layout_key")
+            if k in seen or not t.user_attrs.get("launched"):
+                continue
+            seen.add(k)
+            rec = t.user_attrs.get("record") or {}
+            out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
+                        "tokens_per_s_per_gpu": t.values[0], self.obj: t.values[1],
+                        "memory_gib": _get(rec, "memory", "max_gib"),
+                        "mean_power_w": _get(rec, "telemetry", "mean_power_w"),
+                        "status": t.user_attrs.get("status"),
+                        "predicted_tokens_per_s_per_gpu": _get(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
+        return out
+
+    def counts(self) -> dict[str, int]:
+        c: dict[str, int] = {}
+        for t in self.study.get_trials(deepcopy=False):
+            if t.user_attrs.get("duplicate_of") is not None:
+                k = "duplicate"
+            else:
+                k = t.user_attrs.get("status") or t.state.name.lower()
+            c[k] = c.get(k, 0) + 1
+        return c
+
+    def run(self) -> TuneResult:
+        t0 = time.time()
+        stopped = "trials"
+        try:
+            self._recover()
+            self._sync_claims_and_dataset()
+            self._enqueue_seeds()
+            slots = self.executor.slots(self.plan.cluster)
+            if slots < 1:
+                raise SpecError(f"the Ray cluster has no room for one trial of {self.plan.cluster.world_size} GPUs "
+                                f"({self.plan.cluster.num_nodes} node(s) x {self.plan.cluster.gpus_per_node})")
+            idle, last_stale_check = 0, time.time()
+            self._report()
+            while True:
+                measured = self.measured()
+                if self.s.timeout_s is not None and time.time() - t0 > self.s.timeout_s:
+                    stopped = "timeout"
+                elif len(self.claims_taken()) >= self.plan.runnable:
+                    stopped = "space exhausted"
+                elif self.fail_streak >= self.s.max_failures:
+                    stopped = f"{self.fail_streak} trials in a row failed (last: {self.last_error})"
+                elif idle >= self.s.patience:
+                    stopped = f"{idle} proposals in a row were measured or infeasible layouts"
+                elif measured >= self.s.trials:
+                    stopped = "trials"
+                else:
+                    stopped = ""
+                if not stopped and len(self.inflight) < slots:
+                    idle = 0 if self._start_one() else idle + 1
+                    continue
+                if not self.inflight:
+                    break
+                for job in self.executor.wait(1.0):
+                    self._finish(job)
+                if self.lock is None and time.time() - last_stale_check > HEARTBEAT_S:
+                    _fail_stale(self.study)
+                    last_stale_check = time.time()
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            self.executor.shutdown()
+            self.claims.close()
+            if self.lock is not None:
+                self.lock.release()
+        return TuneResult(self.plan, self.counts(), self.launched_here, self.measured(), stopped,
+                          self.pareto(), self._best(), time.time() - t0)
+
+    def claims_taken(self) -> set[str]:
+        TS = self.optuna.trial.TrialState
+        return {t.user_attrs["layout_key"] for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING, TS.COMPLETE))
+                if t.user_attrs.get("launched")}
+
+    def _abandon(self) -> None:
+        """Interrupted: in-flight trials are failed and enqueued once again (the resume rule)."""
+        TS = self.optuna.trial.TrialState
+        for trial, hb in list(self.inflight.values()):
+            try:
+                hb.join()
+                frozen = self.study._storage.get_trial(trial._trial_id)
+                self.study._storage.set_trial_user_attr(trial._trial_id, "stale", True)
+                self.study.tell(trial, state=TS.FAIL)
+                _requeue_once(self.study, frozen)
+            except Exception:  # noqa: BLE001 - best effort; the next driver's recovery does the same
+                pass
+        self.inflight.clear()
+
+
+def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = None, executor=None,
+              storage=None) -> TuneResult:
+    """Plan, open the study and run it (Ray at settings.ray_address unless given an executor)."""
+    from advisor.runners.ray_exec import make_executor
+
+    plan = make_plan(settings)
+    tuner = Tuner(plan, None, progress, storage)
+    try:
+        tuner.executor = executor or make_executor(settings.ray_address, settings.kill_grace_s)
+    except BaseException:
+        if tuner.lock is not None:
+            tuner.lock.release()
+        raise
+    return tuner.run()

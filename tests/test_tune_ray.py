@@ -1,0 +1,123 @@
+"""advisor tune on a real local Ray cluster: two raylets on this host, each with 4 fake GPUs.
+Drivers run as subprocesses of the CLI, as a user would run them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+TS = optuna.trial.TrialState
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 2, "num_gpus": 4, "include_dashboard": False})
+    c.add_node(num_cpus=2, num_gpus=4)
+    c.wait_for_nodes()
+    yield c
+    c.shutdown()
+
+
+def _cmd(cluster, tmp_path, name, *extra, topo="h100x4", trials=6):
+    return [sys.executable, "-m", "advisor", "tune", "-m", "llama3-8b", "-c", topo, "--runner", "simulate",
+            "--trials", str(trials), "--seed", "0", "--ray-address", cluster.address, "--study-name", name,
+            "--storage", str(tmp_path / "s.journal"), "--dataset", str(tmp_path / f"{name}.jsonl"), *extra]
+
+
+def _env(**kw):
+    return {**os.environ, **{k: str(v) for k, v in kw.items()}}
+
+
+def _run(cmd, env=None, timeout=120):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _records(path):
+    return [json.loads(x) for x in open(path)] if os.path.exists(path) else []
+
+
+def _study(tmp_path, name):
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    return optuna.load_study(study_name=name, storage=JournalStorage(JournalFileBackend(str(tmp_path / "s.journal"))))
+
+
+def test_trials_run_concurrently_on_both_nodes(cluster, tmp_path):
+    t0 = time.time()
+    r = _run(_cmd(cluster, tmp_path, "conc", "--json"), env=_env(ADVISOR_SIM_DELAY_S=2))
+    d = json.loads(r.stdout)
+    assert d["measured"] == 6 and d["runner"] == "simulate"
+    recs = _records(tmp_path / "conc.jsonl")
+    assert len(recs) == 6 and all(x["simulated"] for x in recs)
+    nodes = {x["placement"][0]["node_id"] for x in recs}
+    assert len(nodes) == 2  # 8 fake GPUs, 4 per trial: two trials at a time, one per node
+    assert all(len(x["placement"][0]["gpu_ids"]) == 4 for x in recs)
+    assert time.time() - t0 < 6 * 2  # sequential would take 12 s of trial time alone
+
+
+def test_multi_node_trial_gets_one_bundle_per_node_and_a_rendezvous(cluster, tmp_path):
+    _run(_cmd(cluster, tmp_path, "multi", topo="h100x4x2", trials=2))
+    recs = _records(tmp_path / "multi.jsonl")
+    assert len(recs) == 2
+    for x in recs:
+        pl = x["placement"]
+        assert [p["node_rank"] for p in pl] == [0, 1]
+        assert pl[0]["node_id"] != pl[1]["node_id"]
+        assert pl[0]["master"] == pl[1]["master"] and pl[0]["master"][0] == pl[0]["node_ip"]
+
+
+def test_crashing_and_hanging_trials_are_recorded_and_the_study_goes_on(cluster, tmp_path):
+    plan = json.loads(_run(_cmd(cluster, tmp_path, "fail", "--dry-run", "--json")).stdout)
+    k0, k1 = (e["key"].replace("-nodistopt", "") for e in plan["enqueued"][:2])
+    r = _run(_cmd(cluster, tmp_path, "fail", "--trial-timeout", "4", "--json"),
+             env=_env(ADVISOR_SIM_INJECT=f"{k0}=crash,{k1}=hang"))
+    assert json.loads(r.stdout)["measured"] == 6
+    by_status = {}
+    for x in _records(tmp_path / "fail.jsonl"):
+        by_status.setdefault(x["status"], []).append(x)
+    assert len(by_status["crash"]) == 1 and "injected crash" in by_status["crash"][0]["error"]
+    assert len(by_status["timeout"]) == 1
+    assert sum(len(v) for v in by_status.values()) == 6
+    for t in _study(tmp_path, "fail").get_trials():
+        if t.user_attrs.get("status") in ("crash", "timeout"):
+            assert t.state == TS.COMPLETE and t.constraints["runs"] == 1.0 and t.values[0] == 0.0
+
+
+def test_driver_killed_mid_study_resumes_without_loss_or_repeats(cluster, tmp_path):
+    cmd = _cmd(cluster, tmp_path, "kill", trials=10)
+    data = tmp_path / "kill.jsonl"
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(ADVISOR_SIM_DELAY_S=1.5))
+    deadline = time.time() + 90
+    while len(_records(data)) < 3 and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    before = _records(data)
+    assert 3 <= len(before) < 10
+    _run(cmd, env=_env(ADVISOR_SIM_DELAY_S=0.2))
+    recs = _records(data)
+    study = _study(tmp_path, "kill")
+    trials = study.get_trials()
+    launched = [t for t in trials if t.user_attrs.get("launched") and t.state == TS.COMPLETE]
+    assert len(launched) == 10 == len(recs)  # every measurement kept ...
+    assert len({x["trial"] for x in recs}) == 10 and len({x["id"] for x in recs}) == 10
+    assert len({t.user_attrs["layout_key"] for t in launched}) == 10  # ... none run twice
+    assert recs[: len(before)] == before
+    stale = [t for t in trials if t.user_attrs.get("stale")]
+    assert stale and all(t.state == TS.FAIL for t in stale)  # the in-flight ones of the dead driver
+    for t in stale:
+        assert len([x for x in trials if x.user_attrs.get("retry_of") == t.number]) == 1
+    assert not [t for t in trials if t.state == TS.RUNNING]
