@@ -73,6 +73,7 @@ class RecommendResult:
     feasible: int
     elapsed_s: float
     recommendations: list[Recommendation] = field(default_factory=list)
+    calibration: str | None = None  # the calibration file used, None = analytical model only
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -83,6 +84,7 @@ class RecommendResult:
             "candidates_evaluated": self.candidates_evaluated,
             "feasible": self.feasible,
             "elapsed_s": self.elapsed_s,
+            "calibration": self.calibration,
             "recommendations": [r.to_dict() for r in self.recommendations],
         }
 
@@ -137,14 +139,26 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
-              constants: Constants = DEFAULT, options: SpaceOptions = SpaceOptions()) -> RecommendResult:
-    """Rank every legal layout that fits in memory by the objective."""
+              constants: Constants = DEFAULT, options: SpaceOptions = SpaceOptions(),
+              calibration: Any = None, overrides: Iterable[str] = ()) -> RecommendResult:
+    """Rank every legal layout that fits in memory by the objective. `calibration`: a
+    Calibration, a file, "default" or None (see advisor.models.calibrate); `overrides`: what-if
+    KEY=VALUE strings (gpu=h200, nodes=16, power_cap=500, mbs=4, ...)."""
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
+    cal = _calibration(calibration)
+    # memory screen with the constants of the level calibration uses for memory; rank with the
+    # calibrated constants (the level used for tokens/s); only the head is re-scored in full
+    screen = cal.screening_constants if cal is not None else constants
+    rank_constants = cal.constants if cal is not None else constants
+    if overrides:
+        from advisor.models.calibrate import override_workload
+
+        m, c, seq, gbs, precision, options = override_workload(m, c, overrides, seq, gbs, precision, options)
     if precision == "fp8" and not c.gpu.fp8_tflops:
         raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
     wl = default_workload(m, c, seq, gbs, precision)
@@ -154,12 +168,12 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     preds: list[tuple[TrainConfig, Prediction]] = []
     for cfg in enumerate_layouts(m, c, wl, options):
         evaluated += 1
-        mem = max(s.total_gib for s in stage_memory(m, cfg, constants))
+        mem = max(s.total_gib for s in stage_memory(m, cfg, screen))
         if mem > capacity:
             if mem < min_mem[0]:
                 min_mem = (mem, cfg)
             continue
-        preds.append((cfg, predict(m, c, cfg, constants, check_legal=False)))
+        preds.append((cfg, predict(m, c, cfg, rank_constants, check_legal=False)))
     if evaluated == 0:
         raise NoFeasibleLayout(
             f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
@@ -172,6 +186,11 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
     best_e = min(p.energy_j_per_token for _, p in preds)
     ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    if cal is not None:  # full calibrated predictions (surrogates, intervals) for the head only
+        head = cal.rescore(m, c, ranked[:max(4 * top, 20)])
+        best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
+        best_e = min(p.energy_j_per_token for _, p in head)
+        ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
     out = []
     first = ranked[0][1]
     for i, (cfg, p) in enumerate(ranked[:top]):
@@ -179,7 +198,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   reason=explain(m, c, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
-                           feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out)
+                           feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
+                           calibration=(cal.source or "calibrated") if cal is not None else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,19 +238,39 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
 
 
 def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],
-                   power_cap_w: float | None = None, constants: Constants = DEFAULT) -> tuple[TrainConfig, Prediction]:
+                   power_cap_w: float | None = None, constants: Constants = DEFAULT, calibration: Any = None,
+                   overrides: Iterable[str] = ()) -> tuple[TrainConfig, Prediction]:
     m, c = resolve(model, cluster, power_cap_w)
+    if overrides:
+        from advisor.models.calibrate import apply_overrides
+
+        m, c, values = apply_overrides(m, c, values, overrides)
+    cal = _calibration(calibration)
     cfg = layout_from_flags(m, c, values)
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
+    if cal is not None:
+        return cfg, cal.predict(m, c, cfg, check_legal=False)
     return cfg, predict(m, c, cfg, constants, check_legal=False)
 
 
-def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT) -> Iterator[dict[str, Any]]:
+def _calibration(spec: Any):
+    """A Calibration from None / "none" / "default" / a path / a Calibration (lazy import)."""
+    if spec is None:
+        return None
+    from advisor.models.calibrate import resolve_calibration
+
+    return resolve_calibration(spec)
+
+
+def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = None,
+                  overrides: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
     """One output object per input line: every input key echoed, plus `prediction` (with the
     derived `config`) or `error`. A bad line never stops the batch."""
     import json
+
+    calibration = _calibration(calibration)  # load the file once, not per line
 
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -248,7 +288,8 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT) -> Itera
             if "model" not in row or "cluster" not in row:
                 raise SpecError("each line needs 'model' and 'cluster'")
             cfg, p = predict_layout(str(row["model"]), str(row["cluster"]), row,
-                                    power_cap_w=row.get("power_cap_w"), constants=constants)
+                                    power_cap_w=row.get("power_cap_w"), constants=constants,
+                                    calibration=calibration, overrides=overrides)
             out["config"] = cfg.to_dict()
             out["prediction"] = p.to_dict()
         except (SpecError, ValueError, TypeError) as e:

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
 from advisor import report
+
+
+CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
+            "(analytical model only); adds 80% intervals")
+SET_HELP = "what-if KEY=VALUE, repeatable: gpu=h200, nodes=16, gpus=32, power_cap=500, mbs=4, seq=8192, layers=40, ..."
 
 
 def register(app: typer.Typer) -> None:
@@ -24,6 +29,8 @@ def recommend_cmd(
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: TDP)"),
+    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
@@ -32,12 +39,17 @@ def recommend_cmd(
     if precision not in ("bf16", "fp8"):
         raise typer.BadParameter("must be bf16 or fp8", param_hint="--precision")
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
-                    power_cap_w=power_cap)
+                    power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
     if as_json:
         json.dump(res.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         report.print_recommendations(res)
+        first = res.recommendations[0].prediction if res.recommendations else None
+        if getattr(first, "intervals", None):
+            from advisor.models.calibrate import format_intervals
+
+            typer.echo("#1 " + format_intervals(first))
 
 
 def predict_cmd(
@@ -57,6 +69,8 @@ def predict_cmd(
     sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel"),
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W"),
+    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout"),
 ) -> None:
@@ -66,7 +80,7 @@ def predict_cmd(
     if batch is not None:
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
         with stream:
-            for row in predict_batch(stream):
+            for row in predict_batch(stream, calibration=calibration, overrides=sets or ()):
                 sys.stdout.write(json.dumps(row) + "\n")
                 sys.stdout.flush()
         return
@@ -75,10 +89,17 @@ def predict_cmd(
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
                   recompute=recompute, sequence_parallel=sequence_parallel,
                   distributed_optimizer=distributed_optimizer)
-    cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap)
+    cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
+                            overrides=sets or ())
+    if sets:  # say what the what-if changed
+        cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
         json.dump({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()},
                   sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         report.print_prediction(model, cluster, cfg, p)
+        if getattr(p, "intervals", None):
+            from advisor.models.calibrate import format_intervals
+
+            typer.echo(format_intervals(p))

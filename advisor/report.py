@@ -41,7 +41,8 @@ def print_recommendations(res, console: Console | None = None) -> None:
         f"[bold]{res.model.name}[/] on [bold]{c.name}[/] ({c.num_nodes}×{c.gpus_per_node} {c.gpu.name}, "
         f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
     console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
-                  f"ranked in {res.elapsed_s:.2f} s (analytical model)")
+                  f"ranked in {res.elapsed_s:.2f} s "
+                  f"({'calibrated: ' + os.path.basename(res.calibration) if res.calibration else 'analytical model'})")
     t = Table(show_lines=False, pad_edge=False, box=None)
     for col, just in (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
                       ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),

@@ -1,0 +1,86 @@
+"""`advisor fit`: calibrate the analytical model and fit residual surrogates on measurements."""
+from __future__ import annotations
+
+import glob
+import json
+import sys
+from typing import List, Optional
+
+import typer
+
+SHOW_REJECTED = 20
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fit")(fit_cmd)
+
+
+def _expand(paths: list[str]) -> list[str]:
+    out = []
+    for p in paths:
+        hits = sorted(glob.glob(p)) if any(ch in p for ch in "*?[") else []
+        out.extend(hits or [p])
+    return list(dict.fromkeys(out))
+
+
+def fit_cmd(
+    data: List[str] = typer.Option(..., "--data", "-d", help="measurement JSONL (repeatable; globs allowed)"),
+    more: Optional[List[str]] = typer.Argument(None, help="more measurement files (so that --data dir/*.jsonl works)"),
+    output: str = typer.Option(..., "--output", "-o", help="calibration file to write (.joblib; a .json summary lands next to it)"),
+    folds: int = typer.Option(5, "--folds", help="grouped cross-validation folds (by model shape)"),
+    seed: int = typer.Option(0, "--seed"),
+    no_surrogates: bool = typer.Option(False, "--no-surrogates", help="calibrate the constants only"),
+    as_json: bool = typer.Option(False, "--json", help="the CV summary as JSON on stdout"),
+) -> None:
+    """Fit the analytical model's constants and residual surrogates to measurements; print grouped
+    cross-validation (analytical vs calibrated vs surrogate) and write a calibration file."""
+    from advisor.catalog.specs import SpecError
+    from advisor.models import calibrate, dataset
+
+    if folds < 2:
+        raise SpecError("--folds must be at least 2")
+    files = _expand(list(data) + list(more or []))
+    ds = dataset.load(files)
+    err = sys.stderr
+    for line in ds.rejected[:SHOW_REJECTED]:
+        print(line, file=err)
+    if len(ds.rejected) > SHOW_REJECTED:
+        print(f"... and {len(ds.rejected) - SHOW_REJECTED} more rejected rows", file=err)
+    print(f"data: {ds.summary()}", file=err)
+    cal = calibrate.fit(ds, folds=folds, seed=seed, surrogates=not no_surrogates,
+                        log=lambda s: print(s, file=err))
+    cal.save(output)
+    if as_json:
+        json.dump({"output": output, "data": ds.summary(), "rejected": ds.rejected, "cv": cal.cv,
+                   "constants": cal.to_payload()["fitted_constants"]}, sys.stdout, indent=1,
+                  default=calibrate._jsonable)
+        sys.stdout.write("\n")
+        return
+    print(format_report(cal))
+    print(f"wrote {output} (and {output.rsplit('.', 1)[0]}.json)")
+
+
+def format_report(cal) -> str:
+    """The CV table and the fitted constants, as text."""
+    from advisor.models.calibrate import FIT_BOUNDS, MODES
+    from advisor.models.constants import DEFAULT
+
+    cv = cal.cv
+    lines = [f"cross-validation: {cv['scheme']}, {cv['level']:.0%} intervals from out-of-fold residuals",
+             f"{'target':22s} {'n':>4s} {'metric':7s} " + " ".join(f"{m + ' err/R2':>22s}" for m in MODES)
+             + "  used"]
+    for t, row in cv["targets"].items():
+        cells = []
+        for m in MODES:
+            e, r = row[m]["error"], row[m]["r2"]
+            cells.append(f"{e:10.2f} / {r:7.3f}    " if e == e else f"{'-':>22s}")
+        lines.append(f"{t:22s} {row['n']:4d} {row['metric']:7s} " + " ".join(f"{c:>22s}" for c in cells)
+                     + f"  {row['chosen']}" + (f" ({row['why']})" if row["chosen"] == "analytical" else ""))
+    lines.append("constants (default -> fitted):")
+    for k in FIT_BOUNDS:
+        a, b = getattr(DEFAULT, k), getattr(cal.constants, k)
+        mark = "" if abs(b / a - 1) < 0.01 else "  *"
+        lines.append(f"  {k:24s} {a:12.5g} -> {b:12.5g}{mark}")
+    if cal.fit_info.get("at_bound"):
+        lines.append(f"  at their bounds: {', '.join(cal.fit_info['at_bound'])}")
+    return "\n".join(lines)

@@ -1,0 +1,624 @@
+"""Calibration: the analytical model's constants fitted to measurements, residual surrogates on
+top, prediction intervals, and what-if overrides.
+
+Three levels are compared per target on grouped cross-validation (no model shape in both the
+training and the test folds):
+  analytical   predict() with the default Constants
+  calibrated   predict() with constants fitted by bounded least squares (log step time, log memory,
+               log mean and peak power; robust soft-L1 loss; a weak pull towards the defaults so that
+               constants the data cannot see stay where they were)
+  surrogate    calibrated x exp(GP residual) (throttle fraction: + GP residual) on physical features
+The level with the lowest CV error is used for each target; the analytical model is kept for a
+target where nothing beats it (recorded in the file), so a calibration is never worse than the
+analytical model on held-out model shapes. 80% intervals come from the out-of-fold residuals (a
+split-conformal scale on the GP's standard deviation for the surrogate level).
+
+File format (joblib, load trusted files only: joblib unpickles): a dict with "format":
+"advisor.calibration", "version": 1, "feature_names", "constants", "fitted_constants", "targets",
+"surrogates", "trained_on", "cv", "created", "versions".
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.models.constants import DEFAULT, Constants
+from advisor.models.dataset import TARGETS, Dataset, Record
+from advisor.models.features import FEATURE_NAMES, features, throttle_fraction_proxy
+from advisor.models.flops import training_flops_per_token
+from advisor.models.predict import Prediction, predict
+from advisor.models.surrogate import MIN_ROWS, ResidualGP
+
+FORMAT = "advisor.calibration"
+VERSION = 1
+LEVEL = 0.8  # central coverage of the intervals
+MODES = ("analytical", "calibrated", "surrogate")
+ADDITIVE = ("throttle_fraction",)
+SURROGATE_MARGIN = 0.97  # the surrogate level must cut the calibrated CV error by 3% to be used  # fractions in [0, 1]: additive residual, error = MAE
+DEFAULT_FILE = Path(__file__).parent / "data" / "default_calibration.joblib"
+
+# The constants `fit` adjusts, with their bounds.
+FIT_BOUNDS: dict[str, tuple[float, float]] = {
+    "gemm_efficiency_max": (0.3, 0.95),
+    "gemm_half_dim": (4.0, 2048.0),
+    "hbm_efficiency": (0.2, 0.95),
+    "attention_efficiency": (0.1, 0.95),
+    "layer_overhead_s": (1e-6, 5e-3),
+    "step_overhead_s": (1e-4, 2.0),
+    "nvlink_efficiency": (0.1, 1.0),
+    "network_efficiency": (0.1, 1.0),
+    "runtime_overhead_gib": (0.05, 16.0),
+    "fragmentation": (0.001, 1.5),
+    "power_memory_bound": (0.05, 1.2),
+    "power_communication": (0.02, 1.0),
+    "power_bubble": (0.01, 0.8),
+    "capped_gemm_speed": (0.5, 1.0),
+    "power_overshoot": (1.0, 1.6),
+}
+# least-squares residual groups: target -> weight
+FIT_TARGETS = {"tokens_per_s_per_gpu": 1.0, "memory_gib_per_gpu": 1.0, "mean_power_w": 1.0, "peak_power_w": 0.5}
+
+
+class CalibrationError(SpecError):
+    """Unreadable calibration file or impossible fit; one line for the user."""
+
+
+# ------------------------------------------------------------------------------------------------
+# analytical values of the targets
+# ------------------------------------------------------------------------------------------------
+
+def target_values(p: Prediction, cluster: ClusterSpec) -> dict[str, float]:
+    return {"tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "memory_gib_per_gpu": p.memory_gib_per_gpu,
+            "mean_power_w": p.mean_power_w, "peak_power_w": p.peak_power_w,
+            "throttle_fraction": throttle_fraction_proxy(p, cluster.power_cap_w)}
+
+
+def residual(target: str, measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    """What a surrogate learns: log(measured / predicted), or measured - predicted for fractions."""
+    if target in ADDITIVE:
+        return measured - predicted
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(measured / predicted)
+
+
+def apply_residual(target: str, predicted, r):
+    if target in ADDITIVE:
+        return np.clip(predicted + r, 0.0, 1.0)
+    return predicted * np.exp(r)
+
+
+def _predict_rows(records: Sequence[Record], c: Constants) -> list[Prediction]:
+    return [predict(r.model, r.cluster, r.cfg, c, check_legal=False) for r in records]
+
+
+def _values(records: Sequence[Record], preds: Sequence[Prediction]) -> dict[str, np.ndarray]:
+    vals = [target_values(p, r.cluster) for r, p in zip(records, preds)]
+    return {t: np.array([v[t] for v in vals]) for t in TARGETS}
+
+
+def _features(records: Sequence[Record], preds: Sequence[Prediction]) -> np.ndarray:
+    return np.array([features(r.model, r.cluster, r.cfg, p) for r, p in zip(records, preds)])
+
+
+# ------------------------------------------------------------------------------------------------
+# fitting the constants
+# ------------------------------------------------------------------------------------------------
+
+def fit_constants(records: Sequence[Record], base: Constants = DEFAULT,
+                  names: Sequence[str] = tuple(FIT_BOUNDS), prior_weight: float = 0.003,
+                  max_nfev: int = 100) -> tuple[Constants, dict]:
+    """Bounded least squares on log(predicted / measured) of step time (= tokens/s), memory and
+    mean and peak power (FIT_TARGETS gives the weights), in the log of each constant relative to `base`. Soft-L1 loss (robust to a few bad
+    trials); `prior_weight` pulls each log-constant towards 0 so unobservable ones stay put."""
+    from scipy.optimize import least_squares
+
+    names = list(names)
+    v0 = np.array([getattr(base, n) for n in names], float)
+    lo = np.log(np.array([FIT_BOUNDS[n][0] for n in names]) / v0)
+    hi = np.log(np.array([FIT_BOUNDS[n][1] for n in names]) / v0)
+    meas = {t: np.array([r.y[t] for r in records]) for t in FIT_TARGETS}
+    masks = {t: np.isfinite(v) & (v > 0) for t, v in meas.items()}
+
+    def consts(x):
+        return base.replace(**{n: float(v) for n, v in zip(names, v0 * np.exp(x))})
+
+    def resid(x):
+        vals = _values(records, _predict_rows(records, consts(x)))
+        parts = []
+        for t, w in FIT_TARGETS.items():
+            m = masks[t]
+            if m.any():
+                parts.append(w * np.log(vals[t][m] / meas[t][m]) / math.sqrt(m.sum()))
+        parts.append(prior_weight * x)
+        return np.concatenate(parts)
+
+    x0 = np.zeros(len(names))
+    r0 = resid(x0)
+    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=1e-3,
+                        ftol=1e-6, xtol=1e-6, gtol=1e-8, max_nfev=max_nfev)
+    info = {"cost_before": float(0.5 * np.sum(r0 ** 2)), "cost_after": float(0.5 * np.sum(res.fun ** 2)),
+            "nfev": int(res.nfev), "status": int(res.status), "message": str(res.message),
+            "at_bound": [n for n, x, a, b in zip(names, res.x, lo, hi) if min(x - a, b - x) < 1e-3]}
+    return consts(res.x), info
+
+
+# ------------------------------------------------------------------------------------------------
+# one fold: constants + surrogates on `train`, predictions for `test`
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Fitted:
+    constants: Constants
+    surrogates: dict[str, ResidualGP | None]
+    fit_info: dict
+
+
+def _fit_level2(records: Sequence[Record], seed: int, surrogates: bool) -> tuple[_Fitted, list[Prediction]]:
+    c, info = fit_constants(records)
+    preds = _predict_rows(records, c)
+    X = _features(records, preds)
+    vals = _values(records, preds)
+    sur: dict[str, ResidualGP | None] = {}
+    for t in TARGETS:
+        y = np.array([r.y[t] for r in records])
+        r = residual(t, y, vals[t])
+        ok = np.isfinite(r)
+        sur[t] = ResidualGP(seed).fit(X[ok], r[ok]) if surrogates and ok.sum() >= MIN_ROWS else None
+    return _Fitted(c, sur, info), preds
+
+
+def _predict_levels(fitted: _Fitted, records: Sequence[Record], analytical: dict[str, np.ndarray]):
+    """{target: {"analytical", "calibrated", "surrogate", "mu", "sd"}} arrays for `records`."""
+    preds = _predict_rows(records, fitted.constants)
+    X = _features(records, preds)
+    cal = _values(records, preds)
+    out = {}
+    for t in TARGETS:
+        d = {"analytical": analytical[t], "calibrated": cal[t],
+             "surrogate": np.full(len(records), np.nan), "mu": np.full(len(records), np.nan),
+             "sd": np.full(len(records), np.nan)}
+        gp = fitted.surrogates.get(t)
+        if gp is not None:
+            mu, sd = gp.predict(X)
+            d["mu"], d["sd"] = mu, sd
+            d["surrogate"] = apply_residual(t, cal[t], mu)
+        else:  # too few rows for a surrogate: the surrogate level is the calibrated model
+            d["surrogate"] = cal[t]
+        out[t] = d
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics
+# ------------------------------------------------------------------------------------------------
+
+def error(target: str, y: np.ndarray, p: np.ndarray) -> float:
+    """MAPE in % (MAE in percentage points for fractions)."""
+    ok = np.isfinite(y) & np.isfinite(p)
+    if not ok.any():
+        return math.nan
+    if target in ADDITIVE:
+        return float(np.mean(np.abs(p[ok] - y[ok])) * 100)
+    return float(np.mean(np.abs(p[ok] - y[ok]) / np.abs(y[ok])) * 100)
+
+
+def r2(y: np.ndarray, p: np.ndarray) -> float:
+    ok = np.isfinite(y) & np.isfinite(p)
+    if ok.sum() < 2 or np.var(y[ok]) == 0:
+        return math.nan
+    return float(1.0 - np.sum((y[ok] - p[ok]) ** 2) / np.sum((y[ok] - y[ok].mean()) ** 2))
+
+
+def metric_name(target: str) -> str:
+    return "MAE_pp" if target in ADDITIVE else "MAPE_%"
+
+
+# ------------------------------------------------------------------------------------------------
+# the whole fit
+# ------------------------------------------------------------------------------------------------
+
+def cv_splits(ds: Dataset, folds: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
+    """Grouped k-fold by model shape (architecture without depth); by shape with depth when there
+    are fewer than 2 architectures; ungrouped (and said so) when even that is one group."""
+    from sklearn.model_selection import GroupKFold, KFold
+
+    n = len(ds)
+    for with_layers, how in ((False, "model architecture"), (True, "model architecture and depth")):
+        groups = ds.groups(with_layers)
+        k = min(folds, len(set(groups)))
+        if k >= 2:
+            return list(GroupKFold(n_splits=k).split(np.zeros(n), groups=groups)), f"GroupKFold({k}) by {how}"
+    k = min(folds, n)
+    if k < 2:
+        return [], "none (fewer than 2 records)"
+    return (list(KFold(n_splits=k, shuffle=True, random_state=0).split(np.zeros(n))),
+            f"KFold({k}) UNGROUPED: one model shape only, CV does not test other shapes")
+
+
+def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log=None) -> "Calibration":
+    """Cross-validate the three levels per target, choose one per target, refit on everything."""
+    say = log or (lambda s: None)
+    records = ds.records
+    if len(records) < 3:
+        raise CalibrationError(f"need at least 3 usable measurement records to fit, got {len(records)}"
+                               + (f" ({len(ds.rejected)} rejected)" if ds.rejected else ""))
+    y = {t: ds.y(t) for t in TARGETS}
+    analytical = _values(records, _predict_rows(records, DEFAULT))
+    splits, how = cv_splits(ds, folds)
+    n = len(records)
+    oof = {t: {k: np.full(n, np.nan) for k in ("analytical", "calibrated", "surrogate", "mu", "sd")}
+           for t in TARGETS}
+    fold_constants = []
+    for i, (train, test) in enumerate(splits):
+        say(f"  fold {i + 1}/{len(splits)}: train {len(train)} rows, test {len(test)} rows")
+        fitted, _ = _fit_level2([records[j] for j in train], seed, surrogates)
+        fold_constants.append({k: getattr(fitted.constants, k) for k in FIT_BOUNDS})
+        lv = _predict_levels(fitted, [records[j] for j in test], {t: analytical[t][test] for t in TARGETS})
+        for t in TARGETS:
+            for k in oof[t]:
+                oof[t][k][test] = lv[t][k]
+    cv: dict[str, Any] = {"scheme": how, "folds": len(splits), "level": LEVEL, "targets": {}}
+    targets: dict[str, dict] = {}
+    for t in TARGETS:
+        has = np.isfinite(y[t])
+        row = {"n": int(has.sum()), "metric": metric_name(t)}
+        for m in MODES:
+            row[m] = {"error": error(t, y[t], oof[t][m]), "r2": r2(y[t], oof[t][m]),
+                      "n": int((has & np.isfinite(oof[t][m])).sum())}
+        # choose: the lowest CV error, the analytical model unless something beats it on the same rows
+        chosen, why = "analytical", "no CV (cannot show it beats the analytical model)"
+        if splits and row["analytical"]["n"]:
+            errs = {m: row[m]["error"] for m in MODES
+                    if row[m]["n"] == row["analytical"]["n"] and math.isfinite(row[m]["error"])}
+            if "surrogate" in errs and "calibrated" in errs and errs["surrogate"] > SURROGATE_MARGIN * errs["calibrated"]:
+                errs.pop("surrogate")  # the simpler level unless the surrogate clearly helps
+            chosen = min(errs, key=lambda m: (errs[m], MODES.index(m)))
+            why = "lowest CV error" if chosen != "analytical" else "nothing beat the analytical model on CV"
+        if chosen == "analytical" and splits:
+            why = "fallback: " + why if row["analytical"]["n"] else "no measurements of this target"
+        row["chosen"], row["why"] = chosen, why
+        targets[t] = {"mode": chosen, "kind": "additive" if t in ADDITIVE else "log_ratio",
+                      "interval": _interval(t, chosen, y[t], oof[t])}
+        row["interval"] = targets[t]["interval"]
+        cv["targets"][t] = row
+    cv["fold_constants"] = fold_constants
+    say("  final fit on all rows")
+    need_sur = surrogates and any(v["mode"] == "surrogate" for v in targets.values())
+    final, _ = _fit_level2(records, seed, need_sur)
+    sur = {t: (final.surrogates.get(t) if targets[t]["mode"] == "surrogate" else None) for t in TARGETS}
+    for t in TARGETS:  # a surrogate chosen on CV that could not be refitted: use calibrated
+        if targets[t]["mode"] == "surrogate" and sur[t] is None:
+            targets[t]["mode"] = "calibrated"
+    trained_on = {"n_rows": len(records), "rejected": len(ds.rejected), "skipped": dict(ds.skipped),
+                  "files": [f["path"] for f in ds.files], "sha256": {f["path"]: f["sha256"] for f in ds.files},
+                  "model_shapes": len(set(ds.groups())),
+                  "gpus": sorted({r.cluster.gpu.name for r in records}),
+                  "world_sizes": sorted({r.cluster.world_size for r in records})}
+    return Calibration(constants=final.constants, targets=targets, surrogates=sur, trained_on=trained_on,
+                       cv=cv, fit_info=final.fit_info)
+
+
+def _interval(t: str, mode: str, y: np.ndarray, o: dict[str, np.ndarray]) -> dict:
+    """How to draw the LEVEL interval of `mode` from out-of-fold residuals."""
+    a = (1 - LEVEL) / 2
+    z_nominal = float(_z(LEVEL))
+    if mode == "surrogate":
+        r = residual(t, y, o["calibrated"])
+        z = np.abs(r - o["mu"]) / o["sd"]
+        z = z[np.isfinite(z)]
+        k = float(np.quantile(z, LEVEL)) if z.size >= 5 else z_nominal
+        cover = float(np.mean(z <= z_nominal)) if z.size else math.nan
+        return {"type": "gp_sd", "k": k, "nominal_k": z_nominal, "nominal_coverage_cv": cover}
+    r = residual(t, y, o[mode])
+    r = r[np.isfinite(r)]
+    if r.size < 5:
+        return {"type": "quantiles", "lo": -0.25 if t not in ADDITIVE else -0.25,
+                "hi": 0.25, "note": "too few CV residuals: +-25% (0.25 for fractions)"}
+    # widened to contain the point estimate: with few folds the out-of-fold residuals also carry
+    # the bias of models trained without a whole architecture, which the final fit has seen
+    return {"type": "quantiles", "lo": min(0.0, float(np.quantile(r, a))), "hi": max(0.0, float(np.quantile(r, 1 - a))),
+            "q_lo": float(np.quantile(r, a)), "q_hi": float(np.quantile(r, 1 - a))}
+
+
+def _z(level: float) -> float:
+    from scipy.stats import norm
+
+    return norm.ppf(0.5 + level / 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# the fitted calibration
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class CalibratedPrediction(Prediction):
+    """A Prediction after calibration, with the measured-style throttle fraction and intervals
+    ({target: [lo, hi]} at `intervals_level`)."""
+
+    throttle_fraction: float = 0.0
+    intervals: dict = field(default_factory=dict)
+    intervals_level: float = LEVEL
+    calibration: dict = field(default_factory=dict)  # file and the level used per target
+
+
+@dataclass
+class Calibration:
+    constants: Constants
+    targets: dict[str, dict]
+    surrogates: dict[str, ResidualGP | None]
+    trained_on: dict = field(default_factory=dict)
+    cv: dict = field(default_factory=dict)
+    fit_info: dict = field(default_factory=dict)
+    feature_names: tuple[str, ...] = FEATURE_NAMES
+    source: str = ""
+
+    @property
+    def screening_constants(self) -> Constants:
+        """Constants whose memory prediction matches the level used for memory (for a fast
+        memory screen before `rescore`)."""
+        return DEFAULT if self.targets["memory_gib_per_gpu"]["mode"] == "analytical" else self.constants
+
+    # ---- prediction ----------------------------------------------------------------------------
+    def predict(self, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig,
+                check_legal: bool = True) -> CalibratedPrediction:
+        return self.predict_many(model, cluster, [cfg], check_legal)[0]
+
+    def predict_many(self, model: ModelSpec, cluster: ClusterSpec, cfgs: Sequence[TrainConfig],
+                     check_legal: bool = True) -> list[CalibratedPrediction]:
+        """Calibrated predictions of several layouts of one model on one cluster (the surrogates
+        run once on all of them)."""
+        if not cfgs:
+            return []
+        need_default = any(v["mode"] == "analytical" for v in self.targets.values())
+        cal = [predict(model, cluster, cfg, self.constants, check_legal=check_legal) for cfg in cfgs]
+        dft = ([predict(model, cluster, cfg, DEFAULT, check_legal=False) for cfg in cfgs]
+               if need_default else cal)
+        X = np.array([features(model, cluster, cfg, p) for cfg, p in zip(cfgs, cal)])
+        est: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # target -> value, lo, hi
+        for t, spec in self.targets.items():
+            mode = spec["mode"]
+            base = np.array([target_values(p, cluster)[t] for p in (dft if mode == "analytical" else cal)])
+            iv = spec["interval"]
+            if mode == "surrogate" and self.surrogates.get(t) is not None:
+                mu, sd = self.surrogates[t].predict(X)
+                v = apply_residual(t, base, mu)
+                lo, hi = apply_residual(t, base, mu - iv["k"] * sd), apply_residual(t, base, mu + iv["k"] * sd)
+            else:
+                v = apply_residual(t, base, 0.0) if t in ADDITIVE else base
+                lo, hi = apply_residual(t, base, iv["lo"]), apply_residual(t, base, iv["hi"])
+            est[t] = (v, np.minimum(lo, hi), np.maximum(lo, hi))
+        out = []
+        for i, (cfg, p) in enumerate(zip(cfgs, cal)):
+            out.append(self._compose(model, cluster, cfg, p, {t: tuple(float(a[i]) for a in e) for t, e in est.items()}))
+        return out
+
+    def _compose(self, model, cluster, cfg, p: Prediction, est: dict) -> CalibratedPrediction:
+        n = cluster.world_size
+        tokens = cfg.tokens_per_step
+        tps, tps_lo, tps_hi = est["tokens_per_s_per_gpu"]
+        mem, mem_lo, mem_hi = est["memory_gib_per_gpu"]
+        step = tokens / (tps * n)
+        tflops = tps * training_flops_per_token(model, cfg.seq) / 1e12
+        mean_w = est["mean_power_w"][0]
+        peak_w = max(est["peak_power_w"][0], mean_w)
+        scale = mem / p.memory_gib_per_gpu if p.memory_gib_per_gpu else 1.0
+        cap = cluster.gpu.memory_gib
+        feasible = mem <= cap
+        reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB per GPU")
+        d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}
+        d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
+                 tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,
+                 memory_per_stage_gib=[s * scale for s in p.memory_per_stage_gib],
+                 mean_power_w=mean_w, peak_power_w=peak_w,
+                 energy_j_per_token=mean_w * n * step / tokens)
+        iv = {t: [e[1], e[2]] for t, e in est.items()}
+        iv["step_time_s"] = [tokens / (tps_hi * n), tokens / (tps_lo * n)]
+        return CalibratedPrediction(**d, throttle_fraction=est["throttle_fraction"][0], intervals=iv,
+                                    intervals_level=LEVEL,
+                                    calibration={"file": self.source,
+                                                 "levels": {t: v["mode"] for t, v in self.targets.items()}})
+
+    def rescore(self, model: ModelSpec, cluster: ClusterSpec,
+                pairs: Sequence[tuple[TrainConfig, Prediction]]) -> list[tuple[TrainConfig, Prediction]]:
+        """Replace analytical predictions by calibrated ones (for recommend); layouts the
+        calibrated memory says do not fit are dropped unless none would remain."""
+        cfgs = [cfg for cfg, _ in pairs]
+        preds = self.predict_many(model, cluster, cfgs, check_legal=False)
+        out = list(zip(cfgs, preds))
+        fit = [cp for cp in out if cp[1].feasible]
+        return fit or out
+
+    # ---- file ----------------------------------------------------------------------------------
+    def to_payload(self) -> dict:
+        import joblib
+        import scipy
+        import sklearn
+
+        return {
+            "format": FORMAT, "version": VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "feature_names": list(self.feature_names),
+            "constants": self.constants.to_dict(),
+            "fitted_constants": {k: {"default": getattr(DEFAULT, k), "fitted": getattr(self.constants, k),
+                                     "bounds": list(FIT_BOUNDS[k])} for k in FIT_BOUNDS},
+            "targets": self.targets,
+            "surrogates": {t: s for t, s in self.surrogates.items() if s is not None},
+            "trained_on": self.trained_on, "cv": self.cv, "fit_info": self.fit_info,
+            "versions": {"sklearn": sklearn.__version__, "scipy": scipy.__version__, "joblib": joblib.__version__},
+        }
+
+    def save(self, path: str | Path) -> None:
+        import json
+
+        import joblib
+
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        payload = self.to_payload()
+        joblib.dump(payload, p, compress=3)
+        meta = {k: v for k, v in payload.items() if k != "surrogates"}
+        meta["surrogates"] = {t: s.kernel for t, s in payload["surrogates"].items()}
+        p.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=_jsonable) + "\n")
+        self.source = str(p)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Calibration":
+        import joblib
+
+        p = Path(path)
+        if not p.is_file():
+            raise CalibrationError(f"{p}: no such calibration file")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # sklearn version notes; versions are recorded
+                d = joblib.load(p)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise CalibrationError(f"{p}: not a readable calibration file ({type(e).__name__})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            fmt = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise CalibrationError(f"{p}: not an advisor calibration file (format {fmt!r}, expected {FORMAT!r})")
+        if d.get("version") != VERSION:
+            raise CalibrationError(f"{p}: calibration format version {d.get('version')!r} is not supported "
+                                   f"(this advisor reads version {VERSION}); refit with 'advisor fit'")
+        if tuple(d.get("feature_names", ())) != FEATURE_NAMES:
+            raise CalibrationError(f"{p}: fitted on other features than this advisor computes; refit with 'advisor fit'")
+        known = {f.name for f in dataclasses.fields(Constants)}
+        c = Constants(**{k: v for k, v in d["constants"].items() if k in known})
+        sur = {t: d["surrogates"].get(t) for t in d["targets"]}
+        return cls(constants=c, targets=d["targets"], surrogates=sur, trained_on=d.get("trained_on", {}),
+                   cv=d.get("cv", {}), fit_info=d.get("fit_info", {}), source=str(p))
+
+
+def _jsonable(o):
+    if isinstance(o, (np.floating, np.integer)):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    return str(o)
+
+
+def resolve_calibration(spec: "str | Path | Calibration | None") -> "Calibration | None":
+    """None / "none" / "off": no calibration; "default": the packaged default if there is one;
+    a Calibration: itself; anything else: a file path."""
+    if spec is None or isinstance(spec, Calibration):
+        return spec
+    s = str(spec)
+    if s.lower() in ("none", "off", "analytical"):
+        return None
+    if s.lower() == "default":
+        return Calibration.load(DEFAULT_FILE) if DEFAULT_FILE.is_file() else None
+    return Calibration.load(s)
+
+
+def format_intervals(p: CalibratedPrediction) -> str:
+    """One line: the calibration file and the intervals."""
+    units = {"tokens_per_s_per_gpu": ("tokens/s/GPU", "{:,.0f}"), "step_time_s": ("step s", "{:.3g}"),
+             "memory_gib_per_gpu": ("GiB", "{:.1f}"), "mean_power_w": ("mean W", "{:.0f}"),
+             "peak_power_w": ("peak W", "{:.0f}"), "throttle_fraction": ("throttled", "{:.0%}")}
+    parts = [f"{u} {f.format(p.intervals[k][0])}-{f.format(p.intervals[k][1])}"
+             for k, (u, f) in units.items() if k in p.intervals]
+    src = Path(p.calibration.get("file") or "?").name
+    return f"calibrated ({src}), {p.intervals_level:.0%} intervals: " + ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# what-if overrides
+# ------------------------------------------------------------------------------------------------
+
+CLUSTER_KEYS = ("gpu", "nodes", "gpus", "gpus_per_node", "power_cap")
+MODEL_KEYS = ("layers",)
+LAYOUT_INT = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "pp_first_layers", "pp_last_layers")
+LAYOUT_BOOL = ("sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+               "tp_comm_overlap")
+LAYOUT_STR = ("precision", "recompute")
+OVERRIDE_KEYS = CLUSTER_KEYS + MODEL_KEYS + LAYOUT_INT + LAYOUT_BOOL + LAYOUT_STR
+
+
+def parse_sets(sets: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """['gpu=h200', 'nodes=16', 'power_cap=500', 'mbs=4'] -> typed {key: value}."""
+    items = list(sets.items()) if isinstance(sets, Mapping) else []
+    if not isinstance(sets, Mapping):
+        for s in sets:
+            if "=" not in str(s):
+                raise SpecError(f"--set {s!r}: expected KEY=VALUE (keys: {', '.join(OVERRIDE_KEYS)})")
+            k, v = str(s).split("=", 1)
+            items.append((k.strip().replace("-", "_"), v.strip()))
+    out: dict[str, Any] = {}
+    for k, v in items:
+        k = {"power_cap_w": "power_cap", "num_nodes": "nodes", "world_size": "gpus"}.get(k, k)
+        if k not in OVERRIDE_KEYS:
+            raise SpecError(f"--set {k}: unknown key (known: {', '.join(OVERRIDE_KEYS)})")
+        try:
+            if k in LAYOUT_INT or k in ("nodes", "gpus", "gpus_per_node", "layers"):
+                out[k] = int(v)
+            elif k == "power_cap":
+                out[k] = float(v)
+            elif k in LAYOUT_BOOL:
+                if str(v).lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
+                    raise ValueError
+                out[k] = str(v).lower() in ("1", "true", "on", "yes")
+            else:
+                out[k] = str(v).lower()
+        except (TypeError, ValueError):
+            raise SpecError(f"--set {k}={v}: not a valid value for {k}") from None
+        if isinstance(out[k], (int, float)) and not isinstance(out[k], bool) and out[k] <= 0:
+            raise SpecError(f"--set {k}={v}: must be positive")
+    return out
+
+
+def apply_overrides(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any] | None,
+                    sets: Sequence[str] | Mapping[str, Any]) -> tuple[ModelSpec, ClusterSpec, dict]:
+    """What-if: the model, cluster and layout values with `sets` applied. A new GPU keeps the
+    node shape (and takes that GPU's links and TDP); nodes / gpus keep the GPU and its links. The
+    layout's DP is left to be derived again when the GPU count changes."""
+    from advisor.catalog import load_cluster, load_gpu
+
+    o = parse_sets(sets)
+    values = dict(values or {})
+    if "layers" in o:
+        model = model.with_layers(o["layers"])
+    before = cluster.world_size
+    if "gpu" in o:
+        gpu = load_gpu(o["gpu"])
+        cluster = load_cluster(f"{o['gpu']}x{cluster.gpus_per_node}x{cluster.num_nodes}")
+        if gpu.name != cluster.gpu.name:  # pragma: no cover - load_cluster resolves the same GPU
+            raise SpecError(f"--set gpu={o['gpu']}: resolved to {cluster.gpu.name}")
+    if "gpus_per_node" in o or "nodes" in o:
+        per, nodes = o.get("gpus_per_node", cluster.gpus_per_node), o.get("nodes", cluster.num_nodes)
+        cluster = dataclasses.replace(cluster, num_nodes=nodes, gpus_per_node=per,
+                                      name=f"{cluster.gpu.name}x{per}x{nodes}")
+    if "gpus" in o:
+        cluster = load_cluster(f"{cluster.gpu.name}x{o['gpus']}")
+    if "power_cap" in o:
+        cluster = dataclasses.replace(cluster, power_cap_w=o["power_cap"])
+    if cluster.world_size != before and "dp" not in o:
+        values.pop("dp", None)
+    for k in LAYOUT_INT + LAYOUT_BOOL + LAYOUT_STR:
+        if k in o:
+            values[k] = o[k]
+    return model, cluster, values
+
+
+def override_workload(model: ModelSpec, cluster: ClusterSpec, sets, seq, gbs, precision, options):
+    """What-if for recommend: cluster / model keys, the workload (seq, gbs, precision) and the
+    knobs that narrow the search (mbs, recompute); layout knobs that recommend searches are
+    refused with a hint."""
+    model, cluster, v = apply_overrides(model, cluster, {}, sets)
+    searched = sorted(set(v) - {"seq", "gbs", "precision", "mbs", "recompute", "tp_comm_overlap"})
+    if searched:
+        raise SpecError(f"--set {searched[0]}: recommend searches this knob; use 'advisor predict' to fix it")
+    if "mbs" in v:
+        options = dataclasses.replace(options, mbs=(v["mbs"],))
+    if "recompute" in v:
+        options = dataclasses.replace(options, recompute=(v["recompute"],))
+    if "tp_comm_overlap" in v:
+        options = dataclasses.replace(options, tp_comm_overlap=v["tp_comm_overlap"])
+    return model, cluster, v.get("seq", seq), v.get("gbs", gbs), v.get("precision", precision), options

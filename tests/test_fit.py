@@ -1,0 +1,383 @@
+"""Calibration and surrogates: recovery of known constants, grouped folds, the never-worse rule,
+the file format, intervals, what-if overrides, the CLI and the surrogate sampler."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import joblib
+import numpy as np
+import pytest
+
+from advisor.catalog import SpecError, TrainConfig, load_cluster, load_model
+from advisor.models import calibrate as C
+from advisor.models import dataset as D
+from advisor.models.constants import DEFAULT
+
+TRUE = DEFAULT.replace(gemm_efficiency_max=0.70, gemm_half_dim=150.0, hbm_efficiency=0.55,
+                       step_overhead_s=0.05, runtime_overhead_gib=3.0, fragmentation=0.15,
+                       power_memory_bound=0.45)
+MODELS = ("llama3-8b", "qwen3-30b-a3b", "nemotron4-15b", "mixtral-8x7b")
+
+
+def dataset_file(tmp_path, constants=TRUE, noise=0.01, per_model=10, models=MODELS, extra=()) -> str:
+    recs = D.simulate_records(D.simulated_cases(models, per_model=per_model), constants, noise=noise)
+    p = tmp_path / "sim.jsonl"
+    p.write_text(D.records_to_jsonl(recs) + "".join(x + "\n" for x in extra))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory) -> D.Dataset:
+    return D.load([dataset_file(tmp_path_factory.mktemp("sim"))])
+
+
+@pytest.fixture(scope="module")
+def cal(sim, tmp_path_factory) -> C.Calibration:
+    c = C.fit(sim, folds=3)
+    c.save(tmp_path_factory.mktemp("cal") / "cal.joblib")
+    return c
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, timeout=300)
+
+
+# ---- calibration of the constants -----------------------------------------------------------------
+
+def test_fit_recovers_known_constants(sim):
+    c, info = C.fit_constants(sim.records)
+    assert info["cost_after"] < info["cost_before"] / 20
+    for name, tol in [("gemm_efficiency_max", 0.05), ("gemm_half_dim", 0.2), ("hbm_efficiency", 0.1),
+                      ("step_overhead_s", 0.1), ("runtime_overhead_gib", 0.1), ("fragmentation", 0.2),
+                      ("power_memory_bound", 0.1)]:
+        assert getattr(c, name) == pytest.approx(getattr(TRUE, name), rel=tol), name
+    # constants the data cannot see stay at their defaults (h200x4: no network)
+    assert c.network_efficiency == pytest.approx(DEFAULT.network_efficiency, rel=1e-3)
+
+
+def test_fit_keeps_defaults_when_data_match_them(tmp_path):
+    ds = D.load([dataset_file(tmp_path, constants=DEFAULT, noise=0.0, per_model=4, models=MODELS[:2])])
+    c, _ = C.fit_constants(ds.records)
+    for k in C.FIT_BOUNDS:
+        assert getattr(c, k) == pytest.approx(getattr(DEFAULT, k), rel=0.05), k
+
+
+# ---- cross-validation -----------------------------------------------------------------------------
+
+def test_folds_are_grouped_by_model_shape(sim):
+    splits, how = C.cv_splits(sim, 3)
+    assert "GroupKFold(3)" in how and len(splits) == 3
+    groups = sim.groups()
+    for train, test in splits:
+        assert not set(groups[train]) & set(groups[test])
+    assert sorted(np.concatenate([t for _, t in splits])) == list(range(len(sim)))
+
+
+def test_one_architecture_groups_by_depth_then_says_ungrouped(sim):
+    llama = [r for r in sim.records if r.model.name.startswith("llama3-8b")]
+    deeper = [D.Record(r.id + "x", r.source, r.model.with_layers(8), r.cluster, r.cfg, r.y) for r in llama]
+    _, how = C.cv_splits(D.Dataset(records=llama + deeper), 5)
+    assert "depth" in how
+    _, how = C.cv_splits(D.Dataset(records=llama), 5)
+    assert "UNGROUPED" in how
+
+
+def test_cv_reports_three_levels_and_never_uses_a_worse_one(cal):
+    for t, row in cal.cv["targets"].items():
+        assert set(C.MODES) <= set(row)
+        used = row[row["chosen"]]["error"]
+        assert used <= row["analytical"]["error"] + 1e-12, t
+    # the data come from other constants: calibration must win clearly on throughput
+    row = cal.cv["targets"]["tokens_per_s_per_gpu"]
+    assert row["chosen"] != "analytical"
+    assert row["calibrated"]["error"] < row["analytical"]["error"] / 3
+
+
+def test_falls_back_to_analytical_when_calibration_is_worse(sim, monkeypatch):
+    bad = DEFAULT.replace(gemm_efficiency_max=0.95, runtime_overhead_gib=12.0, power_memory_bound=1.1)
+    monkeypatch.setattr(C, "fit_constants", lambda records, **kw: (bad, {}))
+    c = C.fit(sim, folds=3, surrogates=False)
+    for t in ("tokens_per_s_per_gpu", "memory_gib_per_gpu"):
+        row = c.cv["targets"][t]
+        assert row["calibrated"]["error"] > row["analytical"]["error"]
+        assert row["chosen"] == "analytical" and "fallback" in row["why"]
+        assert c.targets[t]["mode"] == "analytical"
+    # and the predictions for those targets are the analytical ones
+    r = sim.records[0]
+    from advisor.models.predict import predict
+
+    p0 = predict(r.model, r.cluster, r.cfg, DEFAULT, check_legal=False)
+    p = c.predict(r.model, r.cluster, r.cfg, check_legal=False)
+    assert p.tokens_per_s_per_gpu == pytest.approx(p0.tokens_per_s_per_gpu)
+    assert p.memory_gib_per_gpu == pytest.approx(p0.memory_gib_per_gpu)
+
+
+@pytest.mark.slow
+def test_surrogate_learns_an_effect_the_physics_lacks(tmp_path):
+    recs = D.simulate_records(D.simulated_cases(MODELS, per_model=12), TRUE, noise=0.01)
+    for r in recs:  # 10% per doubling of the micro-batch beyond 1: not in the analytical model
+        f = 0.9 ** math.log2(r["config"]["mbs"])
+        r["throughput"]["tokens_per_s_per_gpu"] *= f
+        r["steps"]["median_s"] /= f
+    p = tmp_path / "fx.jsonl"
+    p.write_text(D.records_to_jsonl(recs))
+    c = C.fit(D.load([p]), folds=3)
+    row = c.cv["targets"]["tokens_per_s_per_gpu"]
+    assert row["surrogate"]["error"] < row["calibrated"]["error"]
+    assert c.targets["tokens_per_s_per_gpu"]["mode"] == "surrogate"
+
+
+# ---- predictions, intervals, file format ----------------------------------------------------------
+
+def test_calibrated_prediction_has_intervals_around_it(cal):
+    m, cl = load_model("llama3-8b").with_layers(4), load_cluster("h200x4")
+    p = cal.predict(m, cl, TrainConfig(tp=2, dp=2, mbs=2, gbs=16, seq=2048))
+    assert p.intervals_level == 0.8
+    for k in ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "peak_power_w",
+              "throttle_fraction", "step_time_s"):
+        lo, hi = p.intervals[k]
+        assert lo <= hi
+    for k in ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "throttle_fraction"):
+        lo, hi = p.intervals[k]
+        assert lo <= getattr(p, k) <= hi, k
+    assert 0.0 <= p.throttle_fraction <= 1.0
+    d = p.to_dict()
+    assert "intervals" in d and d["calibration"]["levels"]["tokens_per_s_per_gpu"] in C.MODES
+    assert p.step_time_s == pytest.approx(16 * 2048 / (p.tokens_per_s_per_gpu * 4))
+    many = cal.predict_many(m, cl, [TrainConfig(tp=2, dp=2, mbs=2, gbs=16, seq=2048)] * 2)
+    assert many[0].tokens_per_s_per_gpu == pytest.approx(p.tokens_per_s_per_gpu)
+
+
+def test_file_round_trip_and_metadata(cal):
+    path = cal.source
+    d = joblib.load(path)
+    assert d["format"] == "advisor.calibration" and d["version"] == 1
+    assert tuple(d["feature_names"]) == C.FEATURE_NAMES
+    assert d["trained_on"]["n_rows"] > 0 and all(len(h) == 64 for h in d["trained_on"]["sha256"].values())
+    assert set(d["targets"]) == set(D.TARGETS) and "targets" in d["cv"]
+    meta = json.loads(open(path.replace(".joblib", ".json")).read())
+    assert meta["format"] == "advisor.calibration"
+    again = C.Calibration.load(path)
+    m, cl = load_model("qwen3-30b-a3b").with_layers(4), load_cluster("h200x4")
+    cfg = TrainConfig(ep=4, dp=4, mbs=1, gbs=16, seq=2048)
+    assert again.predict(m, cl, cfg).tokens_per_s_per_gpu == pytest.approx(cal.predict(m, cl, cfg).tokens_per_s_per_gpu)
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ({"format": "something.else", "version": 1}, "not an advisor calibration file"),
+    ({"format": "advisor.calibration", "version": 2}, "version 2 is not supported"),
+    ([1, 2, 3], "not an advisor calibration file"),
+])
+def test_other_formats_and_versions_give_one_clear_error(tmp_path, payload, needle):
+    p = tmp_path / "x.joblib"
+    joblib.dump(payload, p)
+    with pytest.raises(C.CalibrationError, match=needle):
+        C.Calibration.load(p)
+    r = run_cli("predict", "-m", "llama3-8b", "-c", "h200x4", "--calibration", str(p))
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and r.stderr.startswith("error: ") and needle in r.stderr
+
+
+def test_garbage_file_is_one_line_error(tmp_path):
+    p = tmp_path / "x.joblib"
+    p.write_bytes(b"\x00not a pickle")
+    with pytest.raises(C.CalibrationError, match="not a readable calibration file"):
+        C.Calibration.load(p)
+
+
+def test_resolve_calibration(cal):
+    assert C.resolve_calibration(None) is None and C.resolve_calibration("none") is None
+    assert C.resolve_calibration(cal) is cal
+    assert isinstance(C.resolve_calibration(cal.source), C.Calibration)
+    d = C.resolve_calibration("default")
+    assert d is None or isinstance(d, C.Calibration)
+
+
+# ---- what-if overrides ----------------------------------------------------------------------------
+
+def test_overrides_change_cluster_and_layout():
+    m, c = load_model("llama3-8b"), load_cluster("h100x16")
+    m2, c2, v = C.apply_overrides(m, c, {"tp": 2, "dp": 8}, ["gpu=h200", "nodes=4", "power_cap=500", "mbs=4"])
+    assert c2.gpu.name == "h200" and c2.num_nodes == 4 and c2.gpus_per_node == 8 and c2.power_cap_w == 500
+    assert v == {"tp": 2, "mbs": 4}  # dp is derived again for the new GPU count
+    _, c3, _ = C.apply_overrides(m, c, {}, {"gpus": 32})
+    assert c3.world_size == 32
+    m4, _, v4 = C.apply_overrides(m, c, {}, ["layers=8", "recompute=full", "sequence_parallel=false"])
+    assert m4.num_layers == 8 and v4 == {"recompute": "full", "sequence_parallel": False}
+
+
+@pytest.mark.parametrize("sets,needle", [
+    (["gpu"], "expected KEY=VALUE"), (["warp=9"], "unknown key"), (["mbs=two"], "not a valid value"),
+    (["nodes=0"], "must be positive"), (["sequence_parallel=maybe"], "not a valid value"),
+    (["power_cap=50"], "not above the GPU's idle power"),
+])
+def test_bad_overrides_are_user_errors(sets, needle):
+    with pytest.raises(SpecError, match=needle):
+        C.apply_overrides(load_model("llama3-8b"), load_cluster("h100x8"), {}, sets)
+
+
+def test_predict_and_recommend_with_what_if():
+    from advisor.api import predict_layout, recommend
+
+    cfg, p = predict_layout("llama3-8b", "h100x8", {"tp": 2}, calibration=None, overrides=["nodes=2"])
+    assert cfg.dp == 8
+    cfg0, p0 = predict_layout("llama3-8b", "h100x8", {"tp": 2}, overrides=["power_cap=400"])
+    assert p0.mean_power_w <= 400 + 1e-6
+    res = recommend("llama3-8b", "h100x8", top=2, overrides=["gpu=h200", "mbs=2"])
+    assert res.cluster.gpu.name == "h200" and all(r.config.mbs == 2 for r in res.recommendations)
+    with pytest.raises(SpecError, match="recommend searches this knob"):
+        recommend("llama3-8b", "h100x8", overrides=["tp=2"])
+
+
+def test_recommend_and_predict_with_a_calibration_file(cal):
+    from advisor.api import predict_batch, recommend
+
+    res = recommend("llama3-8b", "h200x4", top=3, calibration=cal.source)
+    for r in res.recommendations:
+        assert r.prediction.intervals and r.prediction.feasible
+    d = res.to_dict()["recommendations"][0]["prediction"]
+    assert "intervals" in d and "throttle_fraction" in d
+    rows = list(predict_batch(['{"model": "llama3-8b", "cluster": "h200x4", "tp": 2}', "{bad"],
+                              calibration=cal.source))
+    assert "intervals" in rows[0]["prediction"] and "error" in rows[1]
+
+
+def test_cli_predict_with_calibration_and_set(cal):
+    r = run_cli("predict", "-m", "llama3-8b", "-c", "h200x4", "--tp", "2", "--calibration", cal.source,
+                "--set", "nodes=2", "--set", "mbs=2", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["config"]["dp"] == 4 and d["config"]["mbs"] == 2
+    lo, hi = d["prediction"]["intervals"]["tokens_per_s_per_gpu"]
+    assert lo <= d["prediction"]["tokens_per_s_per_gpu"] <= hi
+    r = run_cli("predict", "-m", "llama3-8b", "-c", "h200x4", "--set", "bogus=1")
+    assert r.returncode == 2 and r.stderr.startswith("error: --set bogus")
+
+
+# ---- advisor fit -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_cli_fit_writes_a_loadable_file_and_counts_rejections(tmp_path):
+    data = dataset_file(tmp_path, per_model=6, models=MODELS[:3], extra=["{oops", json.dumps({"schema": "x"})])
+    out = tmp_path / "cal.joblib"
+    r = run_cli("fit", "--data", data, "-o", str(out), "--folds", "3")
+    assert r.returncode == 0, r.stderr
+    assert "2 rejected" in r.stderr and "sim.jsonl:" in r.stderr and "not JSON" in r.stderr
+    for t in D.TARGETS:
+        assert t in r.stdout
+    assert "analytical" in r.stdout and "calibrated" in r.stdout
+    c = C.Calibration.load(out)
+    assert c.trained_on["n_rows"] == 18 and c.trained_on["rejected"] == 2
+    assert (tmp_path / "cal.json").is_file()
+
+
+def test_cli_fit_errors_are_one_line(tmp_path):
+    r = run_cli("fit", "--data", str(tmp_path / "none.jsonl"), "-o", str(tmp_path / "c.joblib"))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'none.jsonl'}: no such file"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{}\n")
+    r = run_cli("fit", "--data", str(bad), "-o", str(tmp_path / "c.joblib"))
+    assert r.returncode == 2 and "error: need at least 3 usable measurement records" in r.stderr
+
+
+# ---- the surrogate sampler ------------------------------------------------------------------------
+
+def _grid():
+    cands = [{"tp": tp, "pp": pp, "mbs": mbs} for tp in (1, 2, 4) for pp in (1, 2, 4) for mbs in (1, 2, 4, 8)
+             if tp * pp <= 8]
+
+    def f(c):  # a smooth landscape with one best point
+        return 100 - 8 * (math.log2(c["tp"]) - 1) ** 2 - 5 * math.log2(c["pp"]) - 3 * (math.log2(c["mbs"]) - 2) ** 2
+    return cands, f
+
+
+def _study(sampler, cands, f, n):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    choices = {k: sorted({c[k] for c in cands}) for k in cands[0]}
+
+    def obj(trial):
+        p = {k: trial.suggest_categorical(k, v) for k, v in choices.items()}
+        return f(p) if p in cands else -1000.0
+    study.optimize(obj, n_trials=n)
+    return study
+
+
+def test_surrogate_sampler_proposes_candidates_and_finds_the_best():
+    from advisor.models.surrogate import SurrogateSampler
+
+    cands, f = _grid()
+    best = max(f(c) for c in cands)
+    study = _study(SurrogateSampler(candidates=cands, seed=0, n_startup_trials=3), cands, f, 12)
+    params = [t.params for t in study.trials]
+    assert all(p in cands for p in params)
+    assert len({tuple(sorted(p.items())) for p in params}) == len(params)  # never repeats
+    assert study.best_value == best
+
+
+def test_surrogate_sampler_with_a_prior_starts_at_the_prior_best():
+    from advisor.models.surrogate import SurrogateSampler
+
+    cands, f = _grid()
+    study = _study(SurrogateSampler(candidates=cands, prior=lambda p: f(p) + 3.0, seed=0), cands, f, 3)
+    assert study.trials[0].value == max(f(c) for c in cands)
+
+
+def test_surrogate_sampler_without_candidates_uses_the_product_space():
+    from advisor.models.surrogate import SurrogateSampler
+
+    cands, f = _grid()
+    study = _study(SurrogateSampler(seed=1, n_startup_trials=3), cands, f, 8)
+    assert len(study.trials) == 8 and study.best_value > 80
+
+
+def test_candidates_from_layouts():
+    from advisor.models.surrogate import candidates_from_layouts
+
+    layouts = [TrainConfig(tp=2, dp=2), TrainConfig(tp=2, dp=2, gbs=8), TrainConfig(pp=2, dp=2)]
+    cands = candidates_from_layouts(layouts)
+    assert len(cands) == 2 and cands[0]["tp"] == 2 and set(cands[0]) >= {"tp", "pp", "mbs", "recompute"}
+
+
+def test_surrogate_sampler_in_a_constrained_two_objective_layout_study():
+    """As `advisor tune` uses it: optuna_suggest over legal layouts, maximise tokens/s and
+    minimise power, with a memory constraint; the analytical model is the prior."""
+    import optuna
+
+    from advisor.models.predict import predict
+    from advisor.models.surrogate import SurrogateSampler
+    from advisor.search_spaces.space import (SpaceOptions, Workload, enumerate_layouts, layout_params,
+                                             optuna_space, optuna_suggest, resolve_params)
+
+    m, cl = load_model("llama3-8b").with_layers(8), load_cluster("h200x4")
+    layouts = list(enumerate_layouts(m, cl, Workload(seq=4096, gbs=32), SpaceOptions(max_cp=1)))
+    space = optuna_space(layouts)
+    cands = [layout_params(c, space) for c in layouts]
+
+    def measure(cfg):  # stand-in for a measurement: TRUE constants
+        p = predict(m, cl, cfg, TRUE, check_legal=False)
+        return p.tokens_per_s_per_gpu, p.mean_power_w, p.memory_gib_per_gpu / 60.0 - 1.0
+
+    def prior(params):
+        p = predict(m, cl, resolve_params(params, layouts, space), check_legal=False)
+        return p.tokens_per_s_per_gpu, p.mean_power_w
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(directions=["maximize", "minimize"],
+                                sampler=SurrogateSampler(candidates=cands, prior=prior, seed=0))
+
+    def obj(trial):
+        tps, watts, mem = measure(optuna_suggest(trial, layouts, space))
+        trial.set_constraint("memory", mem)
+        return tps, watts
+    study.optimize(obj, n_trials=10)
+    params = [tuple(sorted(t.params.items())) for t in study.trials]
+    assert len(set(params)) == 10 and all(t.user_attrs["exact"] for t in study.trials)
+    feasible = [t for t in study.trials if t.constraints["memory"] <= 0]
+    best_feasible = max(measure(c)[0] for c in layouts if measure(c)[2] <= 0)
+    assert max(t.values[0] for t in feasible) >= 0.97 * best_feasible
