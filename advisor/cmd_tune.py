@@ -30,6 +30,7 @@ def tune_cmd(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="JSONL the records are appended to (default data/measurements/tune-<study>.jsonl)"),
     top_k: int = typer.Option(4, "--top-k", help="analytical top layouts enqueued first"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
+    sampler: str = typer.Option("tpe", "--sampler", help="tpe (Optuna's default) or surrogate (active learning: expected improvement of a GP on the measurements, analytical prior)"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)"),
     steps: int = typer.Option(10, "--steps", help="megatron: measured steps per trial"),
     warmup: int = typer.Option(3, "--warmup", help="megatron: warm-up steps per trial"),
@@ -47,7 +48,7 @@ def tune_cmd(
     s = TuneSettings(model=model, cluster=cluster, seq=seq, gbs=gbs, precision=precision, layers=layers,
                      trials=trials, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
-                     dataset=dataset, top_k=top_k, seed=seed, power_cap_w=power_cap, runner_options=opts)
+                     dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts)
     if dry_run:
         plan = make_plan(s)
         if as_json:

@@ -71,6 +71,7 @@ class TuneSettings:
     dataset: str | None = None
     top_k: int = 4
     seed: int | None = None
+    sampler: str = "tpe"  # tpe (Optuna's default) or surrogate (expected improvement on our GP)
     power_cap_w: float | None = None
     runner_options: dict = field(default_factory=dict)
     kill_grace_s: float = 30.0
@@ -134,6 +135,8 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         raise SpecError(f"runner must be one of {', '.join(RUNNERS)}, got {s.runner!r}")
     if s.trials < 1:
         raise SpecError("--trials must be at least 1")
+    if s.sampler not in ("tpe", "surrogate"):
+        raise SpecError(f"--sampler must be tpe or surrogate, got {s.sampler!r}")
     if s.precision not in ("bf16", "fp8"):
         raise SpecError(f"precision must be bf16 or fp8, got {s.precision!r}")
     model, cluster = resolve(s.model, s.cluster, s.power_cap_w)
@@ -364,7 +367,7 @@ class Tuner:
             storage = open_storage(plan.storage)
         self.storage = storage
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        sampler = optuna.samplers.TPESampler(seed=self.s.seed) if self.s.seed is not None else None
+        sampler = self._sampler()
         self.study = optuna.create_study(study_name=plan.study_name, storage=storage, sampler=sampler,
                                          directions=["maximize", "minimize"], load_if_exists=True)
         self._check_attrs()
@@ -437,6 +440,26 @@ class Tuner:
         for cfg in self.plan.enqueue:
             self.study.enqueue_trial(layout_params(cfg, self.plan.space), user_attrs={"seed": "analytical top-K"},
                                      skip_if_exists=True)
+
+    def _sampler(self):
+        """TPE (Optuna's default for multi-objective studies), or active learning: expected
+        improvement of a GP on the measurements, with the analytical prediction as its prior."""
+        if self.s.sampler == "surrogate":
+            from advisor.models.surrogate import SurrogateSampler
+            from advisor.search_spaces.space import resolve_params
+
+            space, layouts = self.plan.space, self.plan.layouts
+            second = self.obj
+
+            def prior(params):
+                p = self.predicted(resolve_params(dict(params), layouts, space))
+                return [p.tokens_per_s_per_gpu, getattr(p, second)]
+
+            return SurrogateSampler(candidates=[layout_params(c, space) for c in layouts], prior=prior,
+                                    seed=self.s.seed)
+        if self.s.sampler != "tpe":
+            raise SpecError(f"--sampler must be tpe or surrogate, got {self.s.sampler!r}")
+        return self.optuna.samplers.TPESampler(seed=self.s.seed) if self.s.seed is not None else None
 
     # -- values --------------------------------------------------------------------------------
     def predicted(self, cfg: TrainConfig):

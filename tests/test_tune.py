@@ -188,3 +188,23 @@ def test_cli_inline_study_is_labelled_simulated(tmp_path):
     d = json.loads(r.stdout)
     assert d["runner"] == "simulate" and d["measured"] == 5 and d["launched_by_this_driver"] == 0
     assert all(json.loads(x)["simulated"] is True for x in open(tmp_path / "d.jsonl"))
+
+
+def test_surrogate_sampler_study_measures_distinct_layouts(tmp_path):
+    """Active learning: the GP expected-improvement sampler drives a study end to end."""
+    tu = _tuner(tmp_path, trials=8, sampler="surrogate")
+    res = tu.run()
+    launched = [t for t in tu.study.get_trials() if t.user_attrs.get("launched")]
+    assert res.measured == len(launched) == 8
+    assert len({t.user_attrs["layout_key"] for t in launched}) == 8
+    assert type(tu.study.sampler).__name__ == "SurrogateSampler"
+
+
+def test_unknown_sampler_is_a_clear_error(tmp_path):
+    import pytest
+
+    from advisor.catalog.specs import SpecError
+
+    with pytest.raises(SpecError, match="--sampler"):
+        make_plan(TuneSettings(model="llama3-8b", cluster="h100x8", runner="simulate", sampler="bogus",
+                               storage=str(tmp_path / "s.journal")))
