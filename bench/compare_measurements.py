@@ -88,15 +88,16 @@ def main() -> None:
     args = ap.parse_args()
     cal = None
     if args.calibration:
-        from advisor.models.calibrate import load_calibration
+        from advisor.models.calibrate import resolve_calibration
 
-        cal = load_calibration(args.calibration)
+        cal = resolve_calibration(args.calibration)
     ds, rows = evaluate(args.paths, cal)
     print(ds.summary())
     for line in ds.rejected:
         print("  " + line)
-    label = "calibrated" if cal else "analytical"
-    print(f"\n{label} model vs measurements")
+    label = ("calibrated model (in-sample if the calibration was fitted on these files; "
+             "`advisor fit` prints held-out numbers)") if cal else "analytical model"
+    print(f"\n{label} vs measurements")
     print(f"{'group':<28} {'n':>3} {'tok/s MAPE':>10} {'bias':>7} {'rank ρ':>7} {'mem MAPE':>9} {'peakW MAPE':>10} {'meanW MAPE':>10}")
     for g, s in summarize(rows).items():
         print(f"{g:<28} {s['n']:>3} {s['tps_mape_pct']:>9.1f}% {s['tps_bias_pct']:>+6.1f}% {s['tps_spearman']:>7.2f} "
