@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from advisor.options import CP, MBS, PP, TP, VP, Cluster, Gbs, Model, PowerCap, Precision, Recompute, Seq, SequenceParallel
+
 _PROFILE_HELP = "slot profile JSON (advisor thermal-profile); one per node in node-rank order, or one for all"
 
 
@@ -21,20 +23,20 @@ def _layout_values(**kw) -> dict:
 
 
 def place_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="catalog name or HF config.json"),
-    cluster: str = typer.Option(..., "--cluster", "-c", help="<gpu>x<count>, catalog cluster or YAML"),
+    model: Model,
+    cluster: Cluster,
     profile: List[str] = typer.Option(..., "--profile", "-p", help=_PROFILE_HELP),
-    tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"),
-    vp: int = typer.Option(1, "--vp"),
-    cp: int = typer.Option(1, "--cp"),
-    mbs: int = typer.Option(1, "--mbs"),
-    gbs: Optional[int] = typer.Option(None, "--gbs"),
-    seq: Optional[int] = typer.Option(None, "--seq"),
-    precision: str = typer.Option("bf16", "--precision"),
-    recompute: str = typer.Option("none", "--recompute", help="none, selective or full"),
-    sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel"),
-    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W"),
+    tp: TP = 1,
+    pp: PP = 1,
+    vp: VP = 1,
+    cp: CP = 1,
+    mbs: MBS = 1,
+    gbs: Gbs = None,
+    seq: Seq = None,
+    precision: Precision = "bf16",
+    recompute: Recompute = "none",
+    sequence_parallel: SequenceParallel = None,
+    power_cap: PowerCap = None,
     margin: float = typer.Option(0.5, "--margin", help="apply only when the predicted gain is at least this many %"),
     uneven: bool = typer.Option(False, "--uneven", help="also move layers between stages when it pays (adds pipeline_layout)"),
     leak_per_c: Optional[float] = typer.Option(None, "--leak-per-c", help="capped slowdown per °C (default 0.003)"),

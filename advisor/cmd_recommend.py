@@ -8,6 +8,8 @@ from typing import List, Optional
 import typer
 
 from advisor import report
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
+                             PowerCap, Precision, Recompute, Seq, SequenceParallel)
 
 
 CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -21,17 +23,17 @@ def register(app: typer.Typer) -> None:
 
 
 def recommend_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="catalog name (see 'advisor catalog models') or a HF config.json"),
-    cluster: str = typer.Option(..., "--cluster", "-c", help="<gpu>x<count> (h100x64), a catalog cluster, or a YAML file"),
-    seq: Optional[int] = typer.Option(None, "--seq", help="sequence length (default: the model's context, at most 8192)"),
-    gbs: Optional[int] = typer.Option(None, "--gbs", help="global batch in sequences (default 128, more on big clusters)"),
-    precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8"),
+    model: Model,
+    cluster: Cluster,
+    seq: Seq = None,
+    gbs: Gbs = None,
+    precision: Precision = "bf16",
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
-    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: TDP)"),
+    power_cap: PowerCap = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
-    as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+    as_json: AsJson = False,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
@@ -53,26 +55,26 @@ def recommend_cmd(
 
 
 def predict_cmd(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="catalog name or HF config.json"),
-    cluster: Optional[str] = typer.Option(None, "--cluster", "-c", help="<gpu>x<count>, catalog cluster or YAML"),
-    tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"),
-    cp: int = typer.Option(1, "--cp"),
-    ep: int = typer.Option(1, "--ep"),
-    etp: int = typer.Option(1, "--etp"),
-    vp: int = typer.Option(1, "--vp"),
-    mbs: int = typer.Option(1, "--mbs"),
-    gbs: Optional[int] = typer.Option(None, "--gbs"),
-    seq: Optional[int] = typer.Option(None, "--seq"),
-    precision: str = typer.Option("bf16", "--precision"),
-    recompute: str = typer.Option("none", "--recompute", help="none, selective or full"),
-    sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel"),
+    model: OptModel = None,
+    cluster: OptCluster = None,
+    tp: TP = 1,
+    pp: PP = 1,
+    cp: CP = 1,
+    ep: EP = 1,
+    etp: ETP = 1,
+    vp: VP = 1,
+    mbs: MBS = 1,
+    gbs: Gbs = None,
+    seq: Seq = None,
+    precision: Precision = "bf16",
+    recompute: Recompute = "none",
+    sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
-    power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W"),
+    power_cap: PowerCap = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
-    as_json: bool = typer.Option(False, "--json", help="JSON on stdout"),
+    as_json: AsJson = False,
 ) -> None:
     """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
     from advisor.api import predict_batch, predict_layout

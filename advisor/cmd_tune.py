@@ -7,17 +7,19 @@ from typing import Optional
 
 import typer
 
+from advisor.options import Cluster, Gbs, Model, Precision, Seq
+
 
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune_cmd)
 
 
 def tune_cmd(
-    model: str = typer.Option(..., "--model", "-m", help="catalog name or a HF config.json"),
-    cluster: str = typer.Option(..., "--cluster", "-c", help="<gpu>x<count>, <gpu>x<per-node>x<nodes>, catalog cluster or YAML"),
-    seq: Optional[int] = typer.Option(None, "--seq", help="sequence length (default: the model's, at most 8192)"),
-    gbs: Optional[int] = typer.Option(None, "--gbs", help="global batch in sequences"),
-    precision: str = typer.Option("bf16", "--precision", help="bf16 or fp8"),
+    model: Model,
+    cluster: Cluster,
+    seq: Seq = None,
+    gbs: Gbs = None,
+    precision: Precision = "bf16",
     layers: Optional[int] = typer.Option(None, "--layers", help="measure a proxy of the model with this many layers"),
     trials: int = typer.Option(24, "--trials", help="measurements to launch in the whole study (a resumed study goes on to this total)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="stop launching trials after this many seconds"),

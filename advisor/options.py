@@ -1,0 +1,25 @@
+"""Command-line options shared by several commands (one definition, one help text)."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Model = Annotated[str, typer.Option("--model", "-m", help="catalog name (see 'advisor catalog models') or a HF config.json")]
+Cluster = Annotated[str, typer.Option("--cluster", "-c", help="<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file")]
+OptModel = Annotated[Optional[str], typer.Option("--model", "-m", help="catalog name (see 'advisor catalog models') or a HF config.json")]
+OptCluster = Annotated[Optional[str], typer.Option("--cluster", "-c", help="<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file")]
+Seq = Annotated[Optional[int], typer.Option("--seq", help="sequence length (default: the model's context, at most 8192)")]
+Gbs = Annotated[Optional[int], typer.Option("--gbs", help="global batch in sequences (default 128, more on big clusters)")]
+Precision = Annotated[str, typer.Option("--precision", help="bf16 or fp8")]
+PowerCap = Annotated[Optional[float], typer.Option("--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)")]
+TP = Annotated[int, typer.Option("--tp", help="tensor parallel size")]
+PP = Annotated[int, typer.Option("--pp", help="pipeline parallel size")]
+CP = Annotated[int, typer.Option("--cp", help="context parallel size")]
+EP = Annotated[int, typer.Option("--ep", help="expert parallel size")]
+ETP = Annotated[int, typer.Option("--etp", help="expert tensor parallel size")]
+VP = Annotated[int, typer.Option("--vp", help="virtual pipeline chunks per rank")]
+MBS = Annotated[int, typer.Option("--mbs", help="micro-batch size")]
+Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or full")]
+SequenceParallel = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="default: on when tp > 1")]
+AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout")]
