@@ -162,7 +162,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     if precision == "fp8" and not c.gpu.fp8_tflops:
         raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
     wl = default_workload(m, c, seq, gbs, precision)
-    capacity = c.gpu.memory_gib
+    capacity = c.gpu.memory_gib * screen.memory_usable_fraction
     evaluated = 0
     min_mem = (math.inf, None)
     preds: list[tuple[TrainConfig, Prediction]] = []
@@ -182,7 +182,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         need, cfg = min_mem
         raise NoFeasibleLayout(
             f"{m.name} fits nowhere on {c.name}: the smallest layout needs {need:.1f} GiB per GPU "
-            f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB; use more GPUs or a bigger GPU")
+            f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB usable "
+            f"({screen.memory_usable_fraction:.0%} of {c.gpu.memory_gib:.1f}); use more GPUs or a bigger GPU")
     best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
     best_e = min(p.energy_j_per_token for _, p in preds)
     ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))

@@ -410,9 +410,9 @@ class Calibration:
         mean_w = est["mean_power_w"][0]
         peak_w = max(est["peak_power_w"][0], mean_w)
         scale = mem / p.memory_gib_per_gpu if p.memory_gib_per_gpu else 1.0
-        cap = cluster.gpu.memory_gib
+        cap = cluster.gpu.memory_gib * self.constants.memory_usable_fraction
         feasible = mem <= cap
-        reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB per GPU")
+        reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB usable per GPU")
         d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}
         d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
                  tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,

@@ -29,6 +29,10 @@ class Constants:
     runtime_overhead_gib: float = 2.0
     # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted).
     fragmentation: float = 0.08
+    # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
+    # headroom for allocation spikes and buffers the model does not see (our memory predictions
+    # are within 7-12% MAPE of the measured peaks, docs/measurement.md).
+    memory_usable_fraction: float = 0.95
 
     # ---- compute ------------------------------------------------------------------------------
     # Best sustained fraction of dense bf16 peak for large GEMMs before power capping:

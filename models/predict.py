@@ -55,9 +55,11 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
     mem = stage_memory(model, cfg, c)
     worst = max(mem, key=lambda s: s.total_gib)
     capacity = cluster.gpu.memory_gib
-    feasible = worst.total_gib <= capacity
+    usable = capacity * c.memory_usable_fraction
+    feasible = worst.total_gib <= usable
     reason = "" if feasible else (
-        f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {capacity:.1f} GiB per GPU")
+        f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {usable:.1f} GiB usable "
+        f"({c.memory_usable_fraction:.0%} of {capacity:.1f} GiB per GPU)")
     base = step_time(model, cluster, cfg, c)
     power = estimate_power(base, cluster, c)
     st = step_time(model, cluster, cfg, c, compute_slowdown=power.compute_slowdown) if power.compute_slowdown > 1 else base

@@ -77,7 +77,8 @@ def run_trial(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, *, timeo
     rec["memory"] = {"max_gib": p.memory_gib_per_gpu * math.exp(rng.gauss(0, 0.01)),
                      "predicted_gib": p.memory_gib_per_gpu}
     margin = o["oom_margin"]
-    if not p.feasible or (margin is not None and p.memory_gib_per_gpu > (1 - float(margin)) * cap):
+    # the simulated GPU runs out of memory past its real capacity (not the model's usable fraction)
+    if p.memory_gib_per_gpu > cap or (margin is not None and p.memory_gib_per_gpu > (1 - float(margin)) * cap):
         rec["status"] = "oom"
         rec["error"] = (f"simulated OOM: {p.memory_gib_per_gpu:.1f} GiB predicted, over "
                         f"{(1 - float(margin or 0)) * 100:.0f}% of {cap:.0f} GiB")
