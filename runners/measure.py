@@ -7,7 +7,14 @@ samples telemetry over all local GPUs for the whole batch, follows the workers' 
 and as soon as a job is complete assembles its record (``advisor.measurement/1``) and appends it
 to the dataset (append + flush + fsync). A watchdog kills the torchrun process group when no
 event arrives for ``timeout`` seconds (NCCL hang): the job is recorded as ``timeout`` and the
-batch restarts at the next job; so do OOMs and crashes that take a multi-GPU worker down.
+batch restarts at the next job; so do OOMs and crashes that take a multi-GPU worker down (a
+one-GPU worker survives them in-process and goes on). The time budget (``max_seconds``) is
+watched all along, not only between torchruns: no job starts once it is spent. Every job the
+workers started gets exactly one record; what a worker reported (``oom`` / ``crash``) decides
+the status even if torchrun is killed afterwards, and the launcher's own kills (interrupt,
+budget) give ``killed`` with the steps done, never a ``crash`` classified from the log.
+torchrun runs in a session of its own with ``PR_SET_PDEATHSIG`` (Linux): it ends with the
+launcher even when the launcher is SIGKILLed; its workers are killed with it.
 """
 from __future__ import annotations
 
@@ -117,12 +124,16 @@ _PATTERNS: list[tuple[str, str, re.Pattern]] = [
     ("crash", "killed by SIGKILL (host out of memory?)", re.compile(
         r"(Signal 9 \(SIGKILL\)|exitcode\s*:\s*-9\b|Killed$)", re.I | re.M)),
 ]
+# torchrun's agent got a signal (its own workers' failures show up as exit codes instead)
+_SIGNAL_EXCEPTION = re.compile(r"SignalException: Process (\d+) got signal: (\d+)")
 _ERROR_LINE = re.compile(r"^\s*(\[rank\d+\]:\s*)?([A-Za-z_.]*(Error|Exception)[A-Za-z_.]*):\s*(.+)$", re.M)
 
 
 def classify_failure(log_text: str, returncode: int | None) -> tuple[str, str]:
     """(status, reason) from a run's captured output and exit code. status is one of
-    ok, oom, timeout, crash; reason is one line (the most telling log line)."""
+    ok, oom, timeout, crash, killed (torchrun itself was sent a signal, by someone other than
+    the launcher: the launcher's own kills are never classified from the log); reason is one
+    line (the most telling log line)."""
     text = log_text or ""
     for status, what, pat in _PATTERNS:
         m = pat.search(text)
@@ -130,6 +141,15 @@ def classify_failure(log_text: str, returncode: int | None) -> tuple[str, str]:
             line = text[text.rfind("\n", 0, m.start()) + 1:].split("\n", 1)[0].strip()
             line = re.sub(r"^\[rank\d+\]:\s*", "", line)
             return status, f"{what}: {line[:300]}" if line else what
+    m = _SIGNAL_EXCEPTION.search(text)
+    if m:
+        num = int(m.group(2))
+        try:
+            name = signal.Signals(num).name
+        except ValueError:
+            name = "?"
+        return "killed", (f"torchrun (pid {m.group(1)}) was stopped by signal {num} ({name}) from "
+                          "outside the launcher")
     if returncode in (-11, 139):
         return "crash", "segmentation fault (signal 11)"
     if returncode in (-9, 137):
@@ -441,19 +461,33 @@ class _JobState:
     bounds: list[float] = field(default_factory=list)
     failure: tuple[str, str] | None = None  # (status, error) from a worker event
     recorded: bool = False
+    started_at: float | None = None  # worker clock of its first `start` event
+    log_offset: int = 0  # its output in the torchrun log starts at or after this byte
 
 
 class BatchRunner:
-    """Runs entries in one torchrun (restarting after failures); see the module docstring."""
+    """Runs entries in one torchrun (restarting after failures); see the module docstring.
+
+    Guarantees: every job the workers started gets exactly one record; a worker's own ``oom`` /
+    ``crash`` event decides its job's status even if torchrun is killed afterwards; a job cut by
+    the launcher itself (interrupt, time budget) is ``killed`` with the steps it completed, never
+    ``crash``; jobs the time budget kept from starting get no record (the log names them).
+
+    ``max_seconds``: no job starts after that many seconds; the one in flight finishes, then
+    torchrun is stopped (a job the workers begin after the budget ran out is stopped at once:
+    no record if it completed no step, else ``killed``). ``failure_grace_s``: after a rank
+    reports a failure, how long torchrun may live on without the workers going on to the next
+    job before the launcher kills it (the other ranks may hang in a collective)."""
 
     def __init__(self, entries: list[Entry], dataset: str | Path | None, nproc: int,
                  run_dir: str | Path | None = None, timeout: float = 300.0,
                  telemetry_hz: float = 20.0, trace_dir: str | Path | None = None,
                  max_seconds: float | None = None, on_record: Callable[[dict], None] | None = None,
-                 python: str | None = None, telemetry: str = "auto"):
+                 python: str | None = None, telemetry: str = "auto", failure_grace_s: float = 30.0):
         self.entries, self.dataset, self.nproc = entries, dataset, nproc
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="advisor-measure-"))
         self.timeout, self.telemetry_hz, self.max_seconds = timeout, telemetry_hz, max_seconds
+        self.failure_grace_s = failure_grace_s
         self.trace_dir = Path(trace_dir) if trace_dir else None
         self.on_record, self.python, self.telemetry = on_record, python, telemetry
         self.records: list[dict[str, Any]] = []
@@ -462,6 +496,9 @@ class BatchRunner:
         self.env: dict[str, Any] = {}
         self.hello: dict[int, dict[str, Any]] = {}
         self.proc: subprocess.Popen | None = None
+        self.kill_reason: str | None = None  # why the launcher stopped the current torchrun
+        self.t_begin = time.time()
+        self._drain: Callable[[], None] | None = None
 
     # -- records -------------------------------------------------------------------------------
     def _emit(self, rec: dict[str, Any]) -> None:
@@ -498,9 +535,11 @@ class BatchRunner:
         self._emit(rec)
 
     def _trace_between(self, t0: float, t1: float):
-        s = self.sampler
-        build = getattr(s, "_build_trace", None)  # a window of the running sampler
-        return build(t0, t1) if build else None
+        try:
+            return self.sampler.snapshot(t0, t1)
+        except Exception as e:  # telemetry must not cost the record
+            log.warning("telemetry snapshot failed: %s", e)
+            return None
 
     # -- telemetry -----------------------------------------------------------------------------
     def _start_telemetry(self) -> None:
@@ -525,6 +564,14 @@ class BatchRunner:
             except Exception:
                 return None
 
+    # -- time budget ---------------------------------------------------------------------------
+    @property
+    def deadline(self) -> float | None:
+        return self.t_begin + self.max_seconds if self.max_seconds else None
+
+    def _budget_spent(self) -> bool:
+        return self.deadline is not None and time.time() > self.deadline
+
     # -- the batch -----------------------------------------------------------------------------
     def run(self) -> list[dict[str, Any]]:
         runnable = []
@@ -540,15 +587,12 @@ class BatchRunner:
             for i, e in enumerate(runnable):
                 f.write(json.dumps(job_for(e, i)) + "\n")
         self._start_telemetry()
-        t_begin = time.time()
+        self.t_begin = time.time()
         states = [_JobState() for _ in runnable]
         start, attempt, consecutive_timeouts = 0, 0, 0
         old_handlers = _install_signal_handlers()
         try:
-            while start < len(runnable):
-                if self.max_seconds and time.time() - t_begin > self.max_seconds:
-                    log.warning("time budget spent: %d job(s) not run", len(runnable) - start)
-                    break
+            while start < len(runnable) and not self._budget_spent():
                 nxt, timed_out = self._attempt(runnable, states, start, attempt)
                 attempt += 1
                 consecutive_timeouts = consecutive_timeouts + 1 if timed_out else 0
@@ -556,46 +600,80 @@ class BatchRunner:
                     for i in range(nxt, len(runnable)):
                         self._record(runnable[i], states[i], "crash",
                                      "not run: batch aborted after 2 consecutive timeouts")
-                    break
+                    nxt = len(runnable)
                 start = nxt
+            if start < len(runnable):  # only the time budget stops the loop early
+                left = runnable[start:]
+                msg = (f"time budget of {self.max_seconds:g} s spent after "
+                       f"{time.time() - self.t_begin:.0f} s: {len(left)} job(s) not started, "
+                       f"not recorded: {', '.join(e.id for e in left)}")
+                log.warning(msg)
+                self._log_line(msg)
         except KeyboardInterrupt:
-            self._kill()
+            self._kill("interrupted")
+            if self._drain is not None:
+                try:
+                    self._drain()  # what the workers wrote before they were stopped
+                except Exception:
+                    log.exception("reading the last events failed")
             for i, e in enumerate(runnable):
                 st = states[i]
                 if not st.recorded and (st.ranks or st.bounds):
-                    self._record(e, st, "killed", "interrupted; partial steps kept")
+                    if st.failure:
+                        self._record(e, st, *st.failure)
+                    else:
+                        self._record(e, st, "killed", f"interrupted after {_steps_done(st)} step(s); "
+                                                      "partial steps kept")
             raise
         finally:
+            self._drain = None
             _restore_signal_handlers(old_handlers)
             full = self._stop_telemetry()
             if full is not None and self.trace_dir is not None and os.environ.get("ADVISOR_SAVE_FULL_TRACE"):
-                full.save(self.trace_dir / f"batch-{int(t_begin)}.trace.json.gz")
+                full.save(self.trace_dir / f"batch-{int(self.t_begin)}.trace.json.gz")
+        for i, e in enumerate(runnable):  # safety net: nothing the workers reported is dropped
+            st = states[i]
+            if not st.recorded and (st.ranks or st.bounds):
+                log.error("job %d (%s) had no outcome; recording it", i, e.id)
+                self._record(e, st, *(st.failure or ("crash", "the launcher lost track of this job")))
         return self.records
 
     def _attempt(self, runnable: list[Entry], states: list[_JobState], start: int,
                  attempt: int) -> tuple[int, bool]:
-        """One torchrun from job `start`; returns (next job to start from, timed out?)."""
+        """One torchrun from job `start`; records every job it started and returns (the first
+        job it did not start, timed out?)."""
         log_path = self.run_dir / f"attempt{attempt}.log"
         followers = {r: _Follower(self.run_dir / f"rank{r}.jsonl") for r in range(self.nproc)}
         for f in followers.values():  # skip what earlier attempts wrote
             f.read()
         env = dict(os.environ, **CHILD_ENV)
         cmd = torchrun_command(self.nproc, self.run_dir, start, self.python)
+        self.kill_reason = None
         with open(log_path, "ab") as logf:
+            # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then
+            # stops torchrun and records what was measured. PR_SET_PDEATHSIG: torchrun still
+            # goes if the launcher is SIGKILLed.
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-        s = {"current": start, "failed_at": None, "batch_done": False, "seen": False,
-             "progress": time.time()}
+                                         start_new_session=True, preexec_fn=_die_with_parent())
+        s: dict[str, Any] = {"current": None, "failed": None, "batch_done": False, "seen": False,
+                             "progress": time.time(), "start": start, "log_mark": 0}
 
         def drain() -> None:
+            # A job first seen in this drain began after the previous drain read the event
+            # files, so its output in the log starts after the size measured then: failures are
+            # classified from there on, not from an earlier job's (recovered) error messages.
+            mark = _size(log_path)
             for r, fol in followers.items():
                 for evt in fol.read():
                     s["progress"], s["seen"] = time.time(), True
                     self._consume(r, evt, runnable, states, s)
-            for i in range(start, s["current"]):  # failures a single-GPU worker survived
+            s["log_mark"] = mark
+            cur = s["current"]
+            for i in range(start, start if cur is None else cur):  # failures a 1-GPU worker survived
                 if states[i].failure and not states[i].recorded:
                     self._record(runnable[i], states[i], *states[i].failure)
 
+        self._drain = drain
         timed_out = False
         while True:
             rc = self.proc.poll()
@@ -603,39 +681,77 @@ class BatchRunner:
             if rc is not None:
                 break
             now = time.time()
-            if s["failed_at"] and now - s["failed_at"] > 30:  # a rank died; others may hang
-                self._kill()
+            failed = s["failed"]
+            if failed and failed[0] == s["current"] and now - failed[1] > self.failure_grace_s:
+                # A rank failed and the workers did not go on (a 1-GPU worker recovers and goes
+                # on to the next job): the other ranks may hang in a collective.
+                self._log_line(f"job {failed[0]} failed {self.failure_grace_s:g} s ago and the "
+                               f"workers did not go on: stopping torchrun")
+                self._kill("failure")
                 break
             if now - s["progress"] > self.timeout:
                 timed_out = True
-                self._kill()
+                self._kill("timeout")
                 break
+            if self._budget_spent():
+                i = s["current"]
+                st = states[i] if i is not None else None
+                in_flight = (st is not None and not st.recorded and st.failure is None
+                             and st.started_at is not None and st.started_at <= self.deadline)
+                if not in_flight:  # no job may start any more
+                    self._kill("budget")
+                    break
             time.sleep(0.2)
         rc = self.proc.wait()
         drain()
-        if s["batch_done"] and rc == 0:
-            return len(runnable), False
+        self._drain = None
         if not s["seen"]:  # the workers never started: the same would happen to every job
+            if self.kill_reason == "budget":
+                return start, False
             status, reason = classify_failure(_tail(log_path), rc)
             reason = f"workers did not start: {reason or f'exit code {rc}'}"
             for i in range(start, len(runnable)):
                 self._record(runnable[i], states[i], "crash", reason)
             return len(runnable), False
-        i = s["current"]  # the job in flight when the batch stopped
-        st = states[i]
-        if st.recorded:
-            return i + 1, timed_out
-        if st.failure:
-            self._record(runnable[i], st, *st.failure)
-        elif timed_out:
-            self._record(runnable[i], st, "timeout",
-                         f"no progress for {self.timeout:.0f} s (NCCL hang?); process group killed")
-        else:
-            status, reason = classify_failure(_tail(log_path), rc)
-            if status == "ok":
-                status, reason = "crash", f"workers exited (code {rc}) before finishing the job"
-            self._record(runnable[i], st, status, reason)
-        return i + 1, timed_out
+        cur = s["current"]
+        if cur is None:  # the workers said hello but began no job
+            if self.kill_reason == "budget":
+                return start, False
+            cur = start
+        for i in range(start, cur + 1):
+            st = states[i]
+            if st.recorded:
+                continue
+            if (i == cur and self.kill_reason == "budget" and st.failure is None
+                    and len(st.bounds) < 2 and (st.started_at is None or st.started_at > self.deadline)):
+                # Begun after the budget ran out and stopped before its first step: not run.
+                states[i] = _JobState()
+                return i, False
+            self._record(runnable[i], st, *self._outcome(runnable[i], i == cur, st, rc, log_path))
+        if s["batch_done"] and rc == 0:
+            return len(runnable), False
+        return cur + 1, timed_out
+
+    def _outcome(self, entry: Entry, in_flight: bool, st: _JobState, rc: int | None,
+                 log_path: Path) -> tuple[str, str]:
+        """(status, error) of a started job that has no record when its torchrun ended."""
+        if st.failure:  # what the worker itself reported wins, whatever happened afterwards
+            return st.failure
+        n = _steps_done(st)
+        if self.kill_reason == "timeout" and in_flight:
+            return "timeout", f"no progress for {self.timeout:.0f} s (NCCL hang?); process group killed"
+        if self.kill_reason == "budget":
+            return "killed", (f"cut by the time budget ({self.max_seconds:g} s) after {n} step(s); "
+                              "torchrun stopped by the launcher, partial steps kept")
+        if self.kill_reason is not None:
+            return "killed", f"torchrun stopped by the launcher ({self.kill_reason}) after {n} step(s)"
+        if not in_flight:
+            missing = [r for r in range(entry.config.world_size) if "done" not in st.ranks.get(r, {})]
+            return "crash", f"the workers went on without reporting this job's outcome (ranks {missing})"
+        status, reason = classify_failure(_tail(log_path, start=st.log_offset), rc)
+        if status == "ok":
+            status, reason = "crash", f"workers exited (code {rc}) before finishing the job"
+        return status, reason
 
     def _consume(self, r: int, evt: dict[str, Any], runnable: list[Entry],
                  states: list[_JobState], s: dict[str, Any]) -> None:
@@ -648,10 +764,15 @@ class BatchRunner:
         if kind == "batch_done":
             s["batch_done"] = True
             return
-        if i is None or not 0 <= i < len(states):
+        if i is None or not s["start"] <= i < len(states):  # (a late event of an earlier torchrun)
             return
         st = states[i]
-        s["current"] = max(s["current"], i)
+        if s["current"] is None or i > s["current"]:
+            s["current"] = i
+            st.log_offset = s["log_mark"]
+        if kind == "start":
+            t = evt.get("t", time.time())
+            st.started_at = t if st.started_at is None else min(st.started_at, t)
         if kind == "step":
             if r == 0:
                 st.bounds.append(evt["tt"])
@@ -659,19 +780,24 @@ class BatchRunner:
         st.ranks.setdefault(r, {})[kind] = evt
         if kind in ("oom", "crash") and st.failure is None:
             st.failure = (kind, evt.get("error"))
-            s["failed_at"] = s["failed_at"] or time.time()
+            if s["failed"] is None or i > s["failed"][0]:
+                s["failed"] = (i, time.time())
             self._log_line(f"job {i} {kind} on rank {r}: {evt.get('error')}")
         if kind == "done" and all("done" in st.ranks.get(q, {})
                                   for q in range(runnable[i].config.world_size)):
             self._record(runnable[i], st, "ok", None)
             self._log_line(f"job {i} ok: {runnable[i].model.name} {runnable[i].config.key()}")
 
-    def _kill(self) -> None:
+    def _kill(self, reason: str) -> None:
+        """Stop torchrun and its workers (they run in sessions of their own) and wait until
+        they are gone, so that no event arrives after the jobs are settled."""
         p = self.proc
         if p is None or p.poll() is not None:
             return
+        self.kill_reason = self.kill_reason or reason
+        tree = _descendants(p.pid)
         try:
-            os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGTERM)  # torchrun passes it on to its workers
             p.wait(timeout=15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             try:
@@ -679,19 +805,123 @@ class BatchRunner:
             except ProcessLookupError:
                 pass
             p.wait()
+        _kill_all(tree)
 
     def _log_line(self, msg: str) -> None:
         print(f"[measure] {msg}", file=sys.stderr, flush=True)
 
 
-def _tail(path: Path, n: int = 200_000) -> str:
+def _steps_done(st: _JobState) -> int:
+    return max(0, len(st.bounds) - 1)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tail(path: Path, n: int = 200_000, start: int = 0) -> str:
+    """The last n bytes of a log, from byte `start` on."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
+            f.seek(max(start, f.tell() - n))
             return f.read().decode("utf-8", "replace")
     except FileNotFoundError:
         return ""
+
+
+# ------------------------------------------------------------------------------- processes
+PR_SET_PDEATHSIG = 1
+_prctl: Any = None
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive SIGTERM when this process dies, even by
+    SIGKILL (``prctl(PR_SET_PDEATHSIG)``; Linux only: None elsewhere). The signal follows the
+    death of the *thread* that started the child, so call Popen from the thread that waits
+    for it. Everything is resolved before the fork; the child only makes two system calls."""
+    global _prctl
+    if not sys.platform.startswith("linux"):
+        return None
+    if _prctl is None:
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.prctl
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+            _prctl = fn
+        except (OSError, AttributeError):
+            _prctl = False
+    if not _prctl:
+        return None
+    prctl, parent, sig = _prctl, os.getpid(), int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before prctl: nobody will signal us
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _proc_stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, start time in clock ticks) of a process, from /proc; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    rest = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and ')'
+    try:
+        return int(rest[1]), rest[0], int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of pid (Linux; [] elsewhere)."""
+    try:
+        names = [n for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return []
+    children: dict[int, list[tuple[int, int]]] = {}
+    for n in names:
+        st = _proc_stat(int(n))
+        if st is not None:
+            children.setdefault(st[0], []).append((int(n), st[2]))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c[0])
+    return out
+
+
+def _alive(pid: int, started: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[2] == started and st[1] != "Z"
+
+
+def _kill_all(procs: list[tuple[int, int]], wait_s: float = 10.0) -> None:
+    """SIGKILL the processes still alive (same pid AND start time: never a recycled pid) and
+    wait until they are gone."""
+    left = [p for p in procs if _alive(*p)]
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    t0 = time.time()
+    while left and time.time() - t0 < wait_s:
+        left = [p for p in left if _alive(*p)]
+        if left:
+            time.sleep(0.05)
+    if left:
+        log.warning("processes %s survived SIGKILL", [p for p, _ in left])
 
 
 def _raise_interrupt(signum, frame):

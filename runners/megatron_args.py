@@ -1,16 +1,19 @@
 """A (model, layout) pair in megatron-core's terms: TransformerConfig keyword arguments, the
-equivalent Megatron-LM command line, and the rules for what megatron-core can run WITHOUT
-Transformer Engine (the only way our GPU machines run it). Pure: no torch, no megatron import.
+Megatron-LM command line (production arguments for a run with Transformer Engine, or exactly
+what this repo's runner runs), and the rules for what megatron-core can run WITHOUT Transformer
+Engine (the only way our GPU machines run it). Pure: no torch, no megatron import.
 
 The kwargs are plain JSON values; the worker turns the few non-JSON ones into torch objects
 (``params_dtype`` / ``pipeline_dtype`` names, ``activation_func`` name).
 """
 from __future__ import annotations
 
+import itertools
 import shlex
 from typing import Any
 
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
+from advisor.search_spaces.layout import violations
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -33,7 +36,12 @@ def moe_layer_pattern(model: ModelSpec) -> list[int] | None:
 
 
 def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> str | None:
-    """Why this (model, layout) cannot run here, in one line; None if it can."""
+    """Why this (model, layout) cannot run here, in one line; None if it can.
+
+    The rules are: what megatron-core cannot do WITHOUT Transformer Engine (this runner's own),
+    the world size of this machine, then the layout legality rules shared with the advisor
+    (``advisor.search_spaces.layout.violations`` with no cluster: the first rule broken)."""
+    cfg = effective_config(cfg)
     # What megatron-core cannot do without Transformer Engine (seen on megatron-core 0.19.2).
     if cfg.precision == "fp8":
         return "fp8 needs Transformer Engine, which is not installed (bf16 only)"
@@ -45,55 +53,17 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
         return "tp_comm_overlap needs Transformer Engine userbuffers"
     if model.mla is not None:
         return "multi-latent attention is not supported by this runner (MLATransformerConfig path untested without TE)"
-    # Illegal layouts.
+    if model.is_moe and cfg.tp > 1:
+        return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
+                "which needs Transformer Engine")
+    # This machine.
     if world_size is not None and cfg.world_size != world_size:
         return (f"world size {world_size} != tp*pp*cp*dp = {cfg.tp}*{cfg.pp}*{cfg.cp}*{cfg.dp} "
                 f"= {cfg.world_size}")
-    if cfg.gbs % (cfg.mbs * cfg.dp):
-        return f"gbs {cfg.gbs} is not a multiple of mbs*dp = {cfg.mbs}*{cfg.dp}"
-    if model.num_attention_heads % cfg.tp:
-        return f"{model.num_attention_heads} attention heads are not divisible by tp {cfg.tp}"
-    kv = model.kv_heads
-    if kv % cfg.tp and cfg.tp % kv:
-        return f"{kv} query groups are neither a multiple nor a divisor of tp {cfg.tp}"
-    if model.ffn_hidden_size % cfg.tp:
-        return f"ffn_hidden_size {model.ffn_hidden_size} is not divisible by tp {cfg.tp}"
-    if cfg.vp > 1 and cfg.pp == 1:
-        return "vp > 1 (interleaved pipeline) needs pp > 1"
-    first, last = cfg.pp_first_layers, cfg.pp_last_layers
-    if first is None and last is None:
-        if model.num_layers % (cfg.pp * cfg.vp):
-            return f"{model.num_layers} layers are not divisible by pp*vp = {cfg.pp}*{cfg.vp}"
-    else:
-        if cfg.pp < 2:
-            return "an uneven pipeline split (pp_first_layers / pp_last_layers) needs pp > 1"
-        middle_stages = cfg.pp - (first is not None) - (last is not None)
-        middle = model.num_layers - (first or 0) - (last or 0)
-        if middle < 0 or (middle_stages == 0 and middle) or (middle_stages and middle % middle_stages):
-            return (f"{model.num_layers} layers cannot be split as first={first}, last={last} over "
-                    f"pp {cfg.pp}")
-        for n in [x for x in (first, last) if x is not None] + (
-                [middle // middle_stages] if middle_stages else []):
-            if n % cfg.vp:
-                return f"a pipeline stage of {n} layers is not divisible by vp {cfg.vp}"
-    if cfg.vp > 1:
-        m = cfg.num_microbatches
-        if m < cfg.pp or m % cfg.pp:
-            return (f"interleaved pipeline needs the number of microbatches ({m}) to be a multiple "
-                    f"of pp ({cfg.pp})")
-    if model.is_moe:
-        if cfg.tp > 1:
-            return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
-                    "which needs Transformer Engine")
-        if model.num_experts % cfg.ep:
-            return f"{model.num_experts} experts are not divisible by ep {cfg.ep}"
-        if (cfg.tp * cfg.cp * cfg.dp) % (cfg.ep * cfg.etp):
-            return (f"ep*etp = {cfg.ep}*{cfg.etp} does not divide tp*cp*dp = "
-                    f"{cfg.tp}*{cfg.cp}*{cfg.dp}")
-        if model.moe.ffn_hidden_size % cfg.etp:
-            return f"expert ffn size {model.moe.ffn_hidden_size} is not divisible by etp {cfg.etp}"
-    elif cfg.ep > 1 or cfg.etp > 1:
-        return "ep/etp > 1 needs a mixture-of-experts model"
+    # Layout legality (the advisor's rules).
+    v = violations(model, None, cfg)
+    if v:
+        return f"illegal layout: {v[0]}"
     return None
 
 
@@ -211,19 +181,151 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
-def megatron_lm_args(model: ModelSpec, cfg: TrainConfig, train_iters: int = 20) -> list[str]:
-    """The same run as Megatron-LM's pretrain_gpt.py command line (mock data, local spec)."""
+IMPLS = ("transformer_engine", "local")
+
+
+def megatron_lm_args(model: ModelSpec, cfg: TrainConfig, train_iters: int = 20, *,
+                     impl: str = "transformer_engine", runner: bool = False) -> list[str]:
+    """The layout as Megatron-LM ``pretrain_gpt.py`` arguments (flag names as in megatron-core
+    0.19's ``megatron/training/arguments.py``).
+
+    ``impl="transformer_engine"`` (the default; what ``advisor recommend`` shows): production
+    arguments to paste into a real run with Transformer Engine: parallelism, batch, sequence,
+    model architecture, precision, recompute, overlap and MoE / MLA flags. Data, tokenizer (and
+    so the vocabulary), optimizer, learning rate, iterations and checkpointing stay the user's.
+
+    ``runner=True`` or ``impl="local"``: the run exactly as this repo's runner does it (local
+    spec without TE, fusions off, mock data, NullTokenizer, ``train_iters`` iterations, Adam)."""
+    if impl not in IMPLS:
+        raise SpecError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    if runner or impl == "local":
+        return _runner_args(model, cfg, train_iters)
+    return _te_args(model, cfg)
+
+
+def megatron_lm_args_string(model: ModelSpec, cfg: TrainConfig, train_iters: int = 20, *,
+                            impl: str = "transformer_engine", runner: bool = False) -> str:
+    """``megatron_lm_args`` as one shell-quoted line."""
+    return shlex.join(megatron_lm_args(model, cfg, train_iters, impl=impl, runner=runner))
+
+
+def _shape_args(model: ModelSpec) -> list[str]:
+    return ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+            "--ffn-hidden-size", str(model.ffn_hidden_size),
+            "--num-attention-heads", str(model.num_attention_heads),
+            "--kv-channels", str(model.head_dim)]
+
+
+def _norm_position_args(model: ModelSpec) -> list[str]:
+    return ["--normalization", "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
+            "--position-embedding-type",
+            "rope" if model.position_embedding == "rope" else "learned_absolute"]
+
+
+def _architecture_flags(model: ModelSpec) -> list[str]:
+    a: list[str] = []
+    if model.kv_heads != model.num_attention_heads:
+        a += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
+    if model.activation == "swiglu":
+        a.append("--swiglu")
+    elif model.activation == "relu2":
+        a.append("--squared-relu")
+    if not model.add_bias_linear:
+        a.append("--disable-bias-linear")
+    if model.qkv_bias and not model.add_bias_linear:
+        a.append("--add-qkv-bias")
+    if not model.tied_embeddings:
+        a.append("--untie-embeddings-and-output-weights")
+    return a
+
+
+def _pipeline_args(cfg: TrainConfig) -> list[str]:
+    a: list[str] = []
+    if cfg.vp > 1:
+        # Megatron-LM also has --num-layers-per-virtual-pipeline-stage; only this one works
+        # together with an uneven first/last stage.
+        a += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vp)]
+    if cfg.pp_first_layers is not None:
+        a += ["--decoder-first-pipeline-num-layers", str(cfg.pp_first_layers)]
+    if cfg.pp_last_layers is not None:
+        a += ["--decoder-last-pipeline-num-layers", str(cfg.pp_last_layers)]
+    return a
+
+
+def _moe_layer_freq(model: ModelSpec, compact: bool = False) -> list[str]:
+    """--moe-layer-freq as a pattern (1 = MoE layer); compact: run-length form that Megatron-LM
+    evaluates, e.g. [0]*3+[1]*58 for DeepSeek-V3."""
+    pattern = moe_layer_pattern(model)
+    if pattern is None or all(pattern):
+        return []
+    if compact:
+        runs = [(v, len(list(g))) for v, g in itertools.groupby(pattern)]
+        return ["--moe-layer-freq", "+".join(f"[{v}]*{n}" if n > 1 else f"[{v}]" for v, n in runs)]
+    return ["--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"]
+
+
+def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
     cfg = effective_config(cfg)
-    a: list[str] = [
-        "--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-        "--ffn-hidden-size", str(model.ffn_hidden_size),
-        "--num-attention-heads", str(model.num_attention_heads),
-        "--kv-channels", str(model.head_dim),
+    a = _shape_args(model) + _norm_position_args(model) + _architecture_flags(model)
+    a += [
+        "--seq-length", str(cfg.seq),
+        "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--transformer-impl", "transformer_engine",
+        "--tensor-model-parallel-size", str(cfg.tp),
+        "--pipeline-model-parallel-size", str(cfg.pp),
+        "--context-parallel-size", str(cfg.cp),
+        "--micro-batch-size", str(cfg.mbs), "--global-batch-size", str(cfg.gbs),
+        "--bf16",
+    ]
+    if cfg.precision == "fp8":
+        a += ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+              "--fp8-amax-compute-algo", "max"]
+    a += _pipeline_args(cfg)
+    if cfg.sequence_parallel:
+        a.append("--sequence-parallel")
+    if cfg.tp_comm_overlap:
+        a.append("--tp-comm-overlap")
+    if cfg.recompute == "selective":
+        a += ["--recompute-granularity", "selective"]  # megatron's default module: core_attn
+    elif cfg.recompute == "full":
+        a += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+              "--recompute-num-layers", "1"]
+    if cfg.distributed_optimizer:
+        a.append("--use-distributed-optimizer")
+    if cfg.overlap_grad_reduce:
+        a.append("--overlap-grad-reduce")
+        # Megatron-LM asserts --overlap-param-gather comes with --overlap-grad-reduce.
+        if cfg.overlap_param_gather:
+            a.append("--overlap-param-gather")
+    if model.mla is not None:
+        m = model.mla
+        a.append("--multi-latent-attention")
+        if m.q_lora_rank:  # 0 = no query compression: megatron's default (None)
+            a += ["--q-lora-rank", str(m.q_lora_rank)]
+        a += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_nope_head_dim),
+              "--qk-pos-emb-head-dim", str(m.qk_rope_head_dim), "--v-head-dim", str(m.v_head_dim)]
+    if model.is_moe:
+        m = model.moe
+        a += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.top_k),
+              "--moe-ffn-hidden-size", str(m.ffn_hidden_size)]
+        if m.shared_ffn_hidden_size:
+            a += ["--moe-shared-expert-intermediate-size", str(m.shared_ffn_hidden_size)]
+        a += _moe_layer_freq(model, compact=True)
+        a += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+              "--expert-model-parallel-size", str(cfg.ep),
+              "--expert-tensor-parallel-size", str(cfg.etp)]
+    return a
+
+
+def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[str]:
+    """What this repo's runner runs (megatron-core without Transformer Engine)."""
+    cfg = effective_config(cfg)
+    a = _shape_args(model) + [
         "--seq-length", str(cfg.seq), "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
         "--vocab-size", str(model.vocab_size),
         "--make-vocab-size-divisible-by", str(VOCAB_DIVISIBLE_BY),
-        "--normalization", "RMSNorm" if model.normalization == "rmsnorm" else "LayerNorm",
-        "--position-embedding-type", "rope" if model.position_embedding == "rope" else "learned_absolute",
+    ] + _norm_position_args(model) + [
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "local",
         "--no-bias-swiglu-fusion" if model.activation == "swiglu" else "--no-bias-gelu-fusion",
@@ -237,28 +339,12 @@ def megatron_lm_args(model: ModelSpec, cfg: TrainConfig, train_iters: int = 20) 
         "--clip-grad", "1.0", "--optimizer", "adam", "--mock-data",
         "--tokenizer-type", "NullTokenizer",
     ]
-    if model.kv_heads != model.num_attention_heads:
-        a += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
-    if model.activation == "swiglu":
-        a.append("--swiglu")
-    elif model.activation == "relu2":
-        a.append("--squared-relu")
-    if not model.add_bias_linear:
-        a.append("--disable-bias-linear")
-    if model.qkv_bias and not model.add_bias_linear:
-        a.append("--add-qkv-bias")
-    if not model.tied_embeddings:
-        a.append("--untie-embeddings-and-output-weights")
+    a += _architecture_flags(model)
     if cfg.precision == "bf16":
         a.append("--bf16")
     else:
         a += ["--bf16", "--fp8-format", "hybrid"]
-    if cfg.vp > 1:
-        a += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vp)]
-    if cfg.pp_first_layers is not None:
-        a += ["--decoder-first-pipeline-num-layers", str(cfg.pp_first_layers)]
-    if cfg.pp_last_layers is not None:
-        a += ["--decoder-last-pipeline-num-layers", str(cfg.pp_last_layers)]
+    a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
     if cfg.recompute == "selective":
@@ -284,11 +370,5 @@ def megatron_lm_args(model: ModelSpec, cfg: TrainConfig, train_iters: int = 20) 
               "--expert-tensor-parallel-size", str(cfg.etp)]
         if m.shared_ffn_hidden_size:
             a += ["--moe-shared-expert-intermediate-size", str(m.shared_ffn_hidden_size)]
-        pattern = moe_layer_pattern(model)
-        if pattern is not None and not all(pattern):
-            a += ["--moe-layer-freq", "[" + ",".join(map(str, pattern)) + "]"]
+        a += _moe_layer_freq(model)
     return a
-
-
-def megatron_lm_args_string(model: ModelSpec, cfg: TrainConfig, train_iters: int = 20) -> str:
-    return shlex.join(megatron_lm_args(model, cfg, train_iters))

@@ -490,22 +490,34 @@ class Sampler:
         return WindowSummary(name, t0, t1, summarize(self._build_trace(t0, t1), t0, t1))
 
     # -- results ------------------------------------------------------------------------------
+    def snapshot(self, t0: float | None = None, t1: float | None = None) -> Trace:
+        """A Trace of what has been sampled so far, safe to call while the sampler runs (a copy:
+        later samples do not change it). With ``t0`` and/or ``t1``: only the samples in
+        [t0, t1] plus one either side, so counters interpolate at the ends (``summarize``)."""
+        if t0 is not None and t1 is not None and t1 < t0:
+            raise ValueError(f"reversed interval [{t0}, {t1}]")
+        return self._build_trace(t0, t1)
+
     def _build_trace(self, t0: float | None, t1: float | None) -> Trace:
-        """Columns as arrays; with t0/t1 only [t0, t1] plus one sample either side (cheap)."""
+        """Columns as arrays (copied under the lock); with t0/t1 only [t0, t1] plus one sample
+        either side (cheap)."""
         cols = {}
         with self._lock:
             for uuid, c in self._cols.items():
                 lo, hi = 0, len(c["t"])
                 if t0 is not None:
                     lo = max(0, bisect.bisect_left(c["t"], t0) - 1)
+                if t1 is not None:
                     hi = min(hi, bisect.bisect_right(c["t"], t1) + 1)
-                cols[uuid] = {k: np.asarray(v[lo:hi], dtype=float) for k, v in c.items()}
+                cols[uuid] = {k: np.array(v[lo:hi], dtype=float) for k, v in c.items()}
+            windows = list(self.windows)
+            meta = self._meta()
         for c in cols.values():  # wall clock can step back; keep columns sorted by t
             if np.any(np.diff(c["t"]) < 0):
                 order = np.argsort(c["t"], kind="stable")
                 for k in c:
                     c[k] = c[k][order]
-        return Trace(list(self.devices), cols, list(self.windows), self._meta())
+        return Trace(list(self.devices), cols, windows, meta)
 
     def _meta(self) -> dict[str, Any]:
         calls = self.n_ticks + self.n_boundary

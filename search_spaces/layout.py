@@ -96,6 +96,8 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
     kv = model.kv_heads
     if model.num_attention_heads % cfg.tp:
         out.append(f"tp={cfg.tp} does not divide the {model.num_attention_heads} attention heads")
+    if model.ffn_hidden_size % cfg.tp:
+        out.append(f"tp={cfg.tp} does not divide the FFN size {model.ffn_hidden_size}")
     if model.mla is None and kv % cfg.tp:
         # megatron.core.transformer.attention divides num_query_groups by the TP size
         out.append(f"tp={cfg.tp} does not divide the {kv} KV groups")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -65,6 +66,14 @@ Root Cause (first observed failure):
 [rank0]: ValueError: num_query_groups (8) must be a multiple or divisor of tensor_model_parallel_size (3).
 """, 1, "crash"),
     "sigkill": ("Killed\n", -9, "crash"),
+    # torchrun itself got SIGTERM from outside the launcher (the launcher's own kills are known
+    # to it and never classified from the log)
+    "signal_exception": ("""[rank0]: step 3
+Traceback (most recent call last):
+  File "/usr/lib/python3/dist-packages/torch/distributed/elastic/agent/server/api.py", line 867, in _invoke_run
+    time.sleep(monitor_interval)
+torch.distributed.elastic.multiprocessing.api.SignalException: Process 437 got signal: 15
+""", 1, "killed"),
     "clean": ("step 1\nstep 2\n", 0, "ok"),
 }
 
@@ -113,7 +122,7 @@ def test_make_entry_derives_dp_and_gbs():
 
 def test_make_entry_refusals():
     assert "world size 4" in M.make_entry(TINY, 4, tp=3).refused
-    assert "divisible" in M.make_entry(TINY, 4, tp=1, pp=4, layers=2).refused
+    assert "2 layers do not split evenly over pp=4" in M.make_entry(TINY, 4, tp=1, pp=4, layers=2).refused
     assert "gbs" in M.make_entry(TINY, 4, mbs=2, gbs=6).refused
     assert "sequence_parallel" in M.make_entry(TINY, 4, tp=2, sequence_parallel=True).refused
     e = M.make_entry(TINY, 4, distributed_optimizer=False)
@@ -208,10 +217,10 @@ def fake_torchrun(monkeypatch):
     monkeypatch.setattr(M, "torchrun_command", cmd)
 
 
-def _entries(kinds, world=2):
+def _entries(kinds, world=2, steps=2):
     out = []
     for k in kinds:
-        e = M.make_entry(TINY, world, mbs=1, gbs=2 * world, warmup=1, steps=2)
+        e = M.make_entry(TINY, world, mbs=1, gbs=2 * world, warmup=1, steps=steps)
         e.id = f"{k}-{len(out)}"
         out.append(e)
     return out
@@ -262,6 +271,164 @@ def test_batch_interrupt_keeps_partial_record(tmp_path, fake_torchrun):
     recs = M.read_jsonl(ds)
     assert [r["status"] for r in recs] == ["ok", "killed"]
     assert recs[1]["steps"] is None or recs[1]["steps"]["measured"] == 0
+
+
+def test_classify_signal_exception_names_the_signal():
+    status, reason = M.classify_failure(LOGS["signal_exception"][0], 1)
+    assert status == "killed" and "signal 15 (SIGTERM)" in reason and "outside" in reason
+
+
+# ------------------------------------------- one GPU: in-process recovery, budget, our own kills
+def test_single_gpu_failure_in_the_last_job_is_recorded(tmp_path, fake_torchrun):
+    # 1xH100 campaign: the 1-GPU worker survived the OOM of the last job, said batch_done and
+    # exited 0, and the launcher returned without recording that job.
+    es = _entries(["ok", "oom"], world=1)
+    recs = M.run_batch(es, tmp_path / "out.jsonl", 1, run_dir=tmp_path / "run", timeout=10,
+                       telemetry="off")
+    assert [(r["id"], r["status"]) for r in recs] == [(es[0].id, "ok"), (es[1].id, "oom")]
+    assert recs[1]["memory"]["at_failure"]["0"]["allocated_gib"] == 130.0
+    assert M.read_jsonl(tmp_path / "out.jsonl") == recs
+
+
+def test_single_gpu_batch_replays_the_h100_campaign(tmp_path, fake_torchrun):
+    # ok, ok, OOM recovered in-process, a job running longer than the failure grace, OOM in the
+    # last job: the launcher used to kill torchrun <grace> s after the first OOM (job 3 became a
+    # `crash` from the SIGTERM it sent itself) and lost the last job's OOM.
+    es = _entries(["ok", "ok", "oom", "slow", "crash", "oom"], world=1, steps=3)
+    recs = M.run_batch(es, tmp_path / "out.jsonl", 1, run_dir=tmp_path / "run", timeout=10,
+                       telemetry="off", failure_grace_s=1.0)
+    assert [r["id"] for r in recs] == [e.id for e in es]  # every job exactly once, in order
+    assert [r["status"] for r in recs] == ["ok", "ok", "oom", "ok", "crash", "oom"]
+    assert recs[3]["steps"]["measured"] == 3 and "SignalException" not in str(recs)
+    assert "ValueError: boom" in recs[4]["error"]
+    assert len(list((tmp_path / "run").glob("attempt*.log"))) == 1  # one torchrun for it all
+
+
+def test_single_gpu_death_is_classified_from_its_own_output(tmp_path, fake_torchrun):
+    # the torchrun log also holds the OOM message of the job before, which the worker survived
+    es = _entries(["oom", "segv"], world=1)
+    recs = M.run_batch(es, None, 1, run_dir=tmp_path / "run", timeout=10, telemetry="off")
+    assert [r["status"] for r in recs] == ["oom", "crash"]
+    assert "segmentation" in recs[1]["error"].lower()
+
+
+def test_budget_applies_inside_a_single_gpu_torchrun(tmp_path, fake_torchrun, capfd):
+    # One torchrun runs the whole batch on one GPU, so a budget checked only between torchruns
+    # never applied. Jobs take ~1.2 s; with 1.8 s the second job is in flight when the budget
+    # runs out and finishes; the third begins after it: stopped at once, no record unless it
+    # measured a step (then `killed`, steps kept); the fourth never starts.
+    es = _entries(["slow"] * 4, world=1, steps=3)
+    recs = M.run_batch(es, tmp_path / "out.jsonl", 1, run_dir=tmp_path / "run", timeout=10,
+                       telemetry="off", max_seconds=1.8)
+    by_id = {r["id"]: r for r in M.read_jsonl(tmp_path / "out.jsonl")}
+    assert len(by_id) == len(recs)
+    assert by_id[es[0].id]["status"] == by_id[es[1].id]["status"] == "ok"
+    assert by_id[es[1].id]["steps"]["measured"] == 3
+    if es[2].id in by_id:
+        cut = by_id[es[2].id]
+        assert cut["status"] == "killed" and "time budget" in cut["error"]
+        assert cut["steps"]["step_times_s"]
+    assert es[3].id not in by_id
+    err = capfd.readouterr().err
+    assert "time budget" in err and "not started" in err
+
+
+def test_budget_between_torchruns_skips_without_records(tmp_path, fake_torchrun, capfd):
+    es = _entries(["oom", "ok", "ok"])  # 2 GPUs: the OOM ends the torchrun
+    slow_sink = lambda rec: time.sleep(1.2)  # the budget runs out while job 0 is recorded
+    recs = M.run_batch(es, None, 2, run_dir=tmp_path / "run", timeout=10, telemetry="off",
+                       max_seconds=1.0, on_record=slow_sink)
+    assert [r["status"] for r in recs] == ["oom"]
+    assert len(list((tmp_path / "run").glob("attempt*.log"))) == 1
+    assert f"2 job(s) not started, not recorded: {es[1].id}, {es[2].id}" in capfd.readouterr().err
+
+
+def test_oom_then_hang_is_oom_after_the_launcher_kills(tmp_path, fake_torchrun):
+    # rank 1 reports an OOM, the others hang in a collective: killed after the grace, recorded
+    # as the OOM it was (not timeout, not crash), and the batch goes on.
+    es = _entries(["ok", "oomhang", "ok"])
+    recs = M.run_batch(es, None, 2, run_dir=tmp_path / "run", timeout=10, telemetry="off",
+                       failure_grace_s=0.5)
+    assert [r["status"] for r in recs] == ["ok", "oom", "ok"]
+    assert "out of memory" in recs[1]["error"]
+
+
+def test_interrupt_after_a_reported_oom_keeps_the_oom(tmp_path, fake_torchrun):
+    es = _entries(["ok", "oomhang", "ok"])
+    ds = tmp_path / "out.jsonl"
+    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=60, telemetry="off")
+    assert [r["status"] for r in M.read_jsonl(ds)] == ["ok", "oom"]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _wait_for_worker_pid(run_dir: Path, timeout_s: float = 20.0) -> int:
+    """The fake worker's pid, once its first job is running."""
+    t0 = time.time()
+    while time.time() - t0 < timeout_s:
+        p = run_dir / "rank0.jsonl"
+        evts = M.read_jsonl(p) if p.exists() else []  # skips a line being written
+        if any(e["ev"] == "step" for e in evts):
+            return next(e["pid"] for e in evts if e["ev"] == "hello")
+        time.sleep(0.05)
+    raise AssertionError("the fake worker did not start")
+
+
+def test_torchrun_killed_from_outside_is_killed_not_crash(tmp_path, fake_torchrun):
+    es = _entries(["hang"], world=1)
+    run_dir = tmp_path / "run"
+    out = {}
+    th = threading.Thread(target=lambda: out.update(recs=M.run_batch(
+        es, None, 1, run_dir=run_dir, timeout=60, telemetry="off")))
+    th.start()
+    os.kill(_wait_for_worker_pid(run_dir), signal.SIGTERM)  # not the launcher's doing
+    th.join(30)
+    assert not th.is_alive()
+    (rec,) = out["recs"]
+    assert rec["status"] == "killed" and "SIGTERM" in rec["error"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_torchrun_does_not_outlive_a_launcher_killed_with_sigkill(tmp_path):
+    # The launcher starts torchrun in a session of its own (its process group is killed without
+    # the launcher; a terminal's Ctrl-C reaches the launcher only). If the launcher is SIGKILLed
+    # (Ray force-kill, OOM killer), torchrun must still go: PR_SET_PDEATHSIG sends it SIGTERM.
+    run_dir = tmp_path / "run"
+    script = tmp_path / "launcher.py"
+    script.write_text(f"""
+import sys
+from advisor.catalog.specs import ModelSpec
+from advisor.runners import measure as M
+M.torchrun_command = lambda n, d, s=0, python=None: [sys.executable, {str(DATA / "fake_worker.py")!r}, str(d), str(s), str(n)]
+e = M.make_entry(ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
+                           num_attention_heads=8, num_query_groups=2, vocab_size=1000), 1, mbs=1, gbs=1)
+e.id = "hang-0"
+M.run_batch([e], None, 1, run_dir={str(run_dir)!r}, timeout=600, telemetry="off")
+""")
+    launcher = subprocess.Popen([sys.executable, str(script)])
+    worker = None
+    try:
+        worker = _wait_for_worker_pid(run_dir)
+        assert _pid_alive(worker)
+        launcher.kill()  # SIGKILL: no handler, no cleanup in the launcher
+        launcher.wait(10)
+        t0 = time.time()
+        while _pid_alive(worker) and time.time() - t0 < 10:
+            time.sleep(0.05)
+        assert not _pid_alive(worker), "torchrun outlived the launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        if worker is not None and _pid_alive(worker):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_world_size_mismatch_is_refused(tmp_path):

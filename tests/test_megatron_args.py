@@ -2,8 +2,10 @@
 (pure, no torch)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -56,13 +58,16 @@ def test_moe_kwargs_and_dense_first_layers():
                                               first_dense_layers=1, shared_ffn_hidden_size=64))
     kw = MA.transformer_config_kwargs(m, TrainConfig())
     assert kw["moe_layer_freq"] == [0, 1, 1, 1] and kw["moe_shared_expert_intermediate_size"] == 64
-    args = MA.megatron_lm_args(m, TrainConfig())
+    args = MA.megatron_lm_args(m, TrainConfig(), runner=True)
     assert args[args.index("--moe-layer-freq") + 1] == "[0,1,1,1]"
+    te = MA.megatron_lm_args(m, TrainConfig())  # production: run-length form Megatron evaluates
+    assert te[te.index("--moe-layer-freq") + 1] == "[0]+[1]*3"
 
 
-def test_megatron_lm_args():
+def test_megatron_lm_args_runner():
     cfg = TrainConfig(tp=2, pp=2, vp=2, dp=1, mbs=1, gbs=8, recompute="full")
-    s = MA.megatron_lm_args_string(LLAMA, cfg)
+    s = MA.megatron_lm_args_string(LLAMA, cfg, runner=True)
+    assert s == MA.megatron_lm_args_string(LLAMA, cfg, impl="local")
     a = shlex.split(s)
     assert a[a.index("--tensor-model-parallel-size") + 1] == "2"
     assert a[a.index("--num-virtual-stages-per-pipeline-rank") + 1] == "2"
@@ -71,7 +76,12 @@ def test_megatron_lm_args():
                  "--transformer-impl", "--untie-embeddings-and-output-weights", "--disable-bias-linear"):
         assert flag in a
     assert a[a.index("--recompute-granularity") + 1] == "full"
-    g = MA.megatron_lm_args(GPT, TrainConfig(distributed_optimizer=False))
+    assert a[a.index("--transformer-impl") + 1] == "local" and "--mock-data" in a
+    assert a[a.index("--train-iters") + 1] == "20" and "--no-rope-fusion" in a
+    sel = MA.megatron_lm_args(LLAMA, TrainConfig(recompute="selective"), 5, runner=True)
+    assert sel[sel.index("--recompute-modules") + 1] == "core_attn"
+    assert sel[sel.index("--train-iters") + 1] == "5"
+    g = MA.megatron_lm_args(GPT, TrainConfig(distributed_optimizer=False), runner=True)
     assert "--swiglu" not in g and "--use-distributed-optimizer" not in g
     assert "--overlap-param-gather" not in g  # only with the distributed optimizer
     assert g[g.index("--position-embedding-type") + 1] == "learned_absolute"
@@ -84,17 +94,23 @@ def test_megatron_lm_args():
     (LLAMA, TrainConfig(tp_comm_overlap=True), None, "tp_comm_overlap"),
     (load_model("deepseek-v3").with_layers(4), TrainConfig(), None, "multi-latent attention"),
     (LLAMA, TrainConfig(tp=2, dp=1), 4, "world size 4"),
-    (LLAMA, TrainConfig(dp=4, mbs=2, gbs=12), None, "gbs 12"),
+    (LLAMA, TrainConfig(dp=4, mbs=2, gbs=12), None, "gbs=12"),
     (GPT, TrainConfig(tp=3), None, "attention heads"),
     (LLAMA.with_layers(6), TrainConfig(pp=4), None, "6 layers"),
-    (LLAMA, TrainConfig(pp=2, vp=3, gbs=8), None, "8 layers are not divisible by pp*vp = 2*3"),
-    (LLAMA, TrainConfig(vp=2), None, "needs pp > 1"),
+    (LLAMA, TrainConfig(pp=2, vp=3, gbs=8), None, "vp=3 does not divide the 4 layers"),
+    (LLAMA, TrainConfig(vp=2), None, "needs pp ≥ 2"),
     (LLAMA, TrainConfig(pp=4, vp=2, mbs=1, gbs=2), None, "multiple of pp"),
-    (MIXTRAL, TrainConfig(ep=3, dp=3, gbs=3), None, "experts are not divisible"),
+    (MIXTRAL, TrainConfig(ep=3, dp=3, gbs=3), None, "ep=3 does not divide the 8 experts"),
     (MIXTRAL, TrainConfig(tp=2, dp=2, ep=2, gbs=2), None, "sequence parallelism"),
     (MIXTRAL, TrainConfig(ep=4, dp=2, gbs=2), None, "does not divide"),
     (LLAMA, TrainConfig(ep=2, dp=2, gbs=2), None, "mixture-of-experts"),
-    (LLAMA, TrainConfig(pp=2, pp_first_layers=9), None, "cannot be split"),
+    (LLAMA, TrainConfig(pp=2, pp_first_layers=9), None, "does not add up to 8 layers"),
+    # megatron divides num_query_groups by tp: 8 KV groups cannot go over tp=16
+    (LLAMA, TrainConfig(tp=16), None, "tp=16 does not divide the 8 KV groups"),
+    (GPT, TrainConfig(seq=4096), None, "2048 learned positions"),
+    (ModelSpec(name="odd-ffn", num_layers=2, hidden_size=256, ffn_hidden_size=1004,
+               num_attention_heads=8, vocab_size=1000), TrainConfig(tp=8), None,
+     "does not divide the FFN size 1004"),
 ])
 def test_refusals(model, cfg, world, needle):
     reason = MA.refusal_reason(model, cfg, world)
@@ -121,3 +137,213 @@ def test_padded_vocab_and_effective_config():
     c = MA.effective_config(TrainConfig(distributed_optimizer=False))
     assert c.overlap_param_gather is False
     assert MA.ddp_kwargs(TrainConfig())["use_distributed_optimizer"] is True
+
+
+# ------------------------------------------------------------------ production (Transformer Engine)
+DEEPSEEK = load_model("deepseek-v3").with_layers(8)
+USERS_OWN = ("--mock-data", "--tokenizer-type", "--train-iters", "--lr", "--weight-decay", "--clip-grad",
+             "--optimizer", "--use-flash-attn", "--vocab-size", "--recompute-modules",
+             "--moe-aux-loss-coeff", "--moe-router-load-balancing-type")
+
+
+def _val(a, flag):
+    return a[a.index(flag) + 1]
+
+
+def test_production_args_are_transformer_engine_without_runner_choices():
+    cfg = TrainConfig(tp=2, pp=2, vp=2, dp=2, mbs=2, gbs=64, seq=8192, recompute="selective")
+    a = MA.megatron_lm_args(LLAMA, cfg)
+    assert a == shlex.split(MA.megatron_lm_args_string(LLAMA, cfg))
+    assert _val(a, "--transformer-impl") == "transformer_engine" and "--bf16" in a
+    for flag in USERS_OWN:
+        assert flag not in a, flag
+    assert not [x for x in a if x.startswith("--no-") and x.endswith("-fusion")]
+    assert (_val(a, "--tensor-model-parallel-size"), _val(a, "--pipeline-model-parallel-size"),
+            _val(a, "--context-parallel-size"), _val(a, "--num-virtual-stages-per-pipeline-rank")) == (
+        "2", "2", "1", "2")
+    assert (_val(a, "--micro-batch-size"), _val(a, "--global-batch-size"), _val(a, "--seq-length")) == (
+        "2", "64", "8192")
+    assert _val(a, "--recompute-granularity") == "selective"  # megatron's default module: core_attn
+    assert _val(a, "--num-query-groups") == "8" and "--swiglu" in a and "--disable-bias-linear" in a
+    for flag in ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"):
+        assert flag in a
+    assert "--fp8-format" not in a and "--sequence-parallel" not in a and "--num-experts" not in a
+    assert "--expert-model-parallel-size" not in a  # dense model
+
+
+def test_production_args_fp8_sp_overlap_full_recompute_uneven_pipeline():
+    cfg = TrainConfig(tp=4, pp=3, dp=1, precision="fp8", sequence_parallel=True, tp_comm_overlap=True,
+                      recompute="full", pp_first_layers=2, pp_last_layers=2, gbs=8)
+    a = MA.megatron_lm_args(LLAMA, cfg)
+    i = a.index("--fp8-format")
+    assert a[i:i + 6] == ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+                          "--fp8-amax-compute-algo", "max"] and "--bf16" in a
+    assert "--sequence-parallel" in a and "--tp-comm-overlap" in a
+    assert (_val(a, "--recompute-granularity"), _val(a, "--recompute-method"),
+            _val(a, "--recompute-num-layers")) == ("full", "uniform", "1")
+    assert (_val(a, "--decoder-first-pipeline-num-layers"),
+            _val(a, "--decoder-last-pipeline-num-layers")) == ("2", "2")
+    # Megatron-LM asserts --overlap-param-gather comes with --overlap-grad-reduce (and dist. opt.)
+    b = MA.megatron_lm_args(LLAMA, TrainConfig(overlap_grad_reduce=False))
+    assert "--overlap-param-gather" not in b and "--overlap-grad-reduce" not in b
+    c = MA.megatron_lm_args(LLAMA, TrainConfig(distributed_optimizer=False))
+    assert "--overlap-param-gather" not in c and "--use-distributed-optimizer" not in c
+    with pytest.raises(MA.SpecError):
+        MA.megatron_lm_args(LLAMA, cfg, impl="apex")
+
+
+def test_production_args_mla_and_moe():
+    a = MA.megatron_lm_args(DEEPSEEK, TrainConfig(ep=8, dp=8, etp=1, gbs=64))
+    m = DEEPSEEK.mla
+    assert "--multi-latent-attention" in a
+    assert (_val(a, "--q-lora-rank"), _val(a, "--kv-lora-rank"), _val(a, "--qk-head-dim"),
+            _val(a, "--qk-pos-emb-head-dim"), _val(a, "--v-head-dim")) == tuple(
+        str(x) for x in (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim))
+    assert (_val(a, "--num-experts"), _val(a, "--moe-router-topk"), _val(a, "--moe-ffn-hidden-size"),
+            _val(a, "--moe-shared-expert-intermediate-size")) == ("256", "8", "2048", "2048")
+    assert _val(a, "--moe-layer-freq") == "[0]*3+[1]*5"  # 3 dense layers kept in the proxy
+    assert "--moe-grouped-gemm" in a and _val(a, "--moe-token-dispatcher-type") == "alltoall"
+    assert (_val(a, "--expert-model-parallel-size"), _val(a, "--expert-tensor-parallel-size")) == ("8", "1")
+    mx = MA.megatron_lm_args(MIXTRAL, TrainConfig(ep=4, dp=4))
+    assert "--moe-layer-freq" not in mx and "--multi-latent-attention" not in mx
+    no_q_compression = dataclasses.replace(DEEPSEEK, mla=dataclasses.replace(m, q_lora_rank=0))
+    assert "--q-lora-rank" not in MA.megatron_lm_args(no_q_compression, TrainConfig(ep=8, dp=8))
+
+
+# ----------------------------------------------- every flag we emit exists in megatron-core 0.19
+WHEELS = sorted((Path(__file__).resolve().parents[1] / ".whl").glob("megatron_core-*.whl"))
+
+
+def _megatron_lm_flags(wheel: Path) -> dict[str, set | None]:
+    """{flag: allowed values or None} of the Megatron-LM parser in the wheel's
+    megatron/training/arguments.py: literal add_argument(...) flags, and the flags
+    ArgumentGroupFactory derives from dataclass fields (its naming rules, emulated on the AST:
+    --field-name; bool fields not defaulting to False become --no-x / --disable-x; argparse_meta
+    arg_names win; Literal[...] gives the choices)."""
+    import ast
+    import zipfile
+
+    z = zipfile.ZipFile(wheel)
+    tree = ast.parse(z.read("megatron/training/arguments.py").decode())
+    flags: dict[str, set | None] = {}
+    owner: dict[int, ast.AST] = {}
+    local_lists: dict[int, dict[str, set]] = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            env = local_lists.setdefault(id(fn), {})
+            for n in ast.walk(fn):
+                owner[id(n)] = fn
+                if (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+                        and isinstance(n.value, (ast.List, ast.Tuple))):
+                    env[n.targets[0].id] = {e.value for e in n.value.elts if isinstance(e, ast.Constant)}
+
+    def consts(node):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant)} if isinstance(
+            node, (ast.List, ast.Tuple)) else None
+
+    factories = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name == "add_argument":
+            choices = next((consts(k.value) for k in node.keywords if k.arg == "choices"), None)
+            for x in node.args:
+                if isinstance(x, ast.Constant) and isinstance(x.value, str) and x.value.startswith("--"):
+                    flags[x.value] = choices
+        elif name == "ArgumentGroupFactory" and node.args and isinstance(node.args[0], ast.Name):
+            excl: set = set()
+            for k in node.keywords:
+                if k.arg == "exclude":
+                    excl = (local_lists.get(id(owner.get(id(node))), {}).get(k.value.id, set())
+                            if isinstance(k.value, ast.Name) else consts(k.value) or set())
+            factories.append((node.args[0].id, excl))
+    classes: dict[str, ast.ClassDef] = {}
+    for n in z.namelist():
+        if n.startswith("megatron/") and n.endswith(".py"):
+            src = z.read(n).decode("utf-8", "replace")
+            if "@dataclass" in src:
+                for c in ast.parse(src).body:
+                    if isinstance(c, ast.ClassDef):
+                        classes.setdefault(c.name, c)
+
+    def fields(name, seen=()):
+        c = classes.get(name)
+        if c is None or name in seen:
+            return {}
+        out = {}
+        for b in c.bases:
+            out.update(fields(getattr(b, "id", getattr(b, "attr", None)), seen + (name,)))
+        for st in c.body:
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) \
+                    and "ClassVar" not in ast.unparse(st.annotation):
+                out[st.target.id] = st
+        return out
+
+    for cls, excl in factories:
+        fs = fields(cls)
+        assert fs, f"dataclass {cls} not found in the wheel"
+        for fname, st in fs.items():
+            if fname in excl:
+                continue
+            default, names, value = None, None, st.value
+            if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+                kw = {k.arg: k.value for k in value.keywords}
+                if isinstance(kw.get("init"), ast.Constant) and kw["init"].value is False:
+                    continue
+                if isinstance(kw.get("default"), ast.Constant):
+                    default = kw["default"].value
+                meta = kw.get("metadata")
+                for k, v in zip(getattr(meta, "keys", []), getattr(meta, "values", [])):
+                    if getattr(k, "value", None) == "argparse_meta":
+                        for k2, v2 in zip(getattr(v, "keys", []), getattr(v, "values", [])):
+                            if getattr(k2, "value", None) == "arg_names":
+                                names = sorted(consts(v2))
+            elif isinstance(value, ast.Constant):
+                default = value.value
+            ann = ast.unparse(st.annotation).replace(" ", "")
+            choices = None
+            for sub in ast.walk(st.annotation):
+                if isinstance(sub, ast.Subscript) and getattr(sub.value, "id", None) == "Literal":
+                    sl = sub.slice
+                    choices = consts(sl) if isinstance(sl, ast.Tuple) else {sl.value}
+            dashed = fname.replace("_", "-")
+            if names:
+                new = names
+            elif ann in ("bool", "Optional[bool]", "bool|None") and default is not False:
+                new = [f"--no-{dashed}", f"--disable-{dashed}"]
+            else:
+                new = [f"--{dashed}"]
+            for f in new:
+                flags[f] = choices
+    return flags
+
+
+@pytest.mark.skipif(not WHEELS, reason="no megatron-core wheel in .whl/")
+def test_every_emitted_flag_exists_in_megatron_core_wheel():
+    known = _megatron_lm_flags(WHEELS[-1])
+    # the emulation finds both kinds of flags, and nothing made up
+    for f in ("--tensor-model-parallel-size", "--num-experts", "--fp8-format", "--disable-bias-linear",
+              "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
+        assert f in known, f
+    assert "--virtual-pipeline-model-parallel-size" not in known  # excluded in arguments.py
+    models = [LLAMA, MIXTRAL, GPT, DEEPSEEK, load_model("nemotron4-15b").with_layers(4),
+              load_model("qwen3-30b-a3b").with_layers(4)]
+    cfgs = [TrainConfig(), TrainConfig(tp=2, pp=2, vp=2, recompute="selective"),
+            TrainConfig(tp=4, pp=3, precision="fp8", sequence_parallel=True, tp_comm_overlap=True,
+                        recompute="full", pp_first_layers=2, pp_last_layers=2, cp=2, ep=2, etp=2),
+            TrainConfig(distributed_optimizer=False, overlap_grad_reduce=False)]
+    emitted = 0
+    for m in models:
+        for c in cfgs:
+            for kw in ({}, {"runner": True}):
+                a = MA.megatron_lm_args(m, c, **kw)
+                for i, x in enumerate(a):
+                    if not x.startswith("--"):
+                        continue
+                    assert x in known, f"{x} is not a Megatron-LM argument ({m.name}, {kw})"
+                    choices = known[x]
+                    if choices is not None and i + 1 < len(a) and not a[i + 1].startswith("--"):
+                        assert a[i + 1] in {str(v) for v in choices}, (x, a[i + 1], choices)
+                    emitted += 1
+    assert emitted > 500

@@ -711,3 +711,58 @@ def test_burn_trace_steps(burn):
     assert out["duration_s"] == 135.0 and len(d["step_peak_power_w"]) == 27
     assert max(d["step_peak_power_w"]) <= 746.0 and min(d["step_peak_power_w"]) > 690.0
     assert sum(d["step_energy_j"]) == pytest.approx(d["energy_j"])
+
+
+# ---------------------------------------------------------------------------------------------
+# snapshot: what the measurement launcher reads while the sampler runs
+
+class SlowSecondDevice(FakeBackend):
+    """Reading device 1 takes 2 ms: a snapshot taken between the two reads of one tick would
+    show device 0 one sample ahead of device 1."""
+
+    def read(self, i: int, counters: bool = True) -> Sample:
+        if i == 1:
+            time.sleep(0.002)
+        return super().read(i, counters)
+
+
+def test_sampler_snapshot_is_a_thread_safe_copy_optionally_sliced():
+    clock = ManualClock(0.0)
+    s = Sampler(FakeBackend(2, clock=clock), rate_hz=4)
+    for k in range(9):
+        clock.t = k * 0.5
+        s.sample_once()
+    u = s.devices[0].uuid
+    full = s.snapshot()
+    assert full.columns[u]["t"].tolist() == [0.5 * k for k in range(9)]
+    assert set(full.columns) == {d.uuid for d in s.devices} and full.meta["backend"] == "fake"
+    # sliced: [t0, t1] plus one sample either side; either end may be open
+    assert s.snapshot(1.2, 2.6).columns[u]["t"].tolist() == [1.0, 1.5, 2.0, 2.5, 3.0]
+    assert s.snapshot(1.0, 2.5).columns[u]["t"].tolist() == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    assert s.snapshot(t1=0.9).columns[u]["t"].tolist() == [0.0, 0.5, 1.0]
+    assert s.snapshot(t0=3.6).columns[u]["t"].tolist() == [3.5, 4.0]
+    assert s.snapshot(10.0, 11.0).columns[u]["t"].tolist() == [4.0]
+    part = s.snapshot(1.2, 2.6)
+    assert summarize(part, 1.2, 2.6)["devices"][u]["mean_power_w"] == pytest.approx(
+        np.mean([80 + 100 * t for t in (1.5, 2.0, 2.5)]))
+    with pytest.raises(ValueError):
+        s.snapshot(2.0, 1.0)
+    # a copy: later samples and edits of the snapshot change neither side
+    clock.t = 5.0
+    s.sample_once()
+    full.columns[u]["power_w"][:] = -1.0
+    assert full.n_samples(u) == 9 and s.snapshot().n_samples(u) == 10
+    assert s.snapshot().columns[u]["power_w"][0] == 80.0
+    # while the thread samples: every snapshot is consistent (all devices, all columns)
+    with Sampler(SlowSecondDevice(2), rate_hz=200) as live:
+        sizes = []
+        for _ in range(40):
+            snap = live.snapshot()
+            n = {d: snap.n_samples(d) for d in snap.columns}
+            assert len(set(n.values())) == 1, n
+            for c in snap.columns.values():
+                assert {len(v) for v in c.values()} == {len(c["t"])}
+            sizes.append(next(iter(n.values())))
+            time.sleep(0.003)
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+    assert live.trace.n_samples(live.devices[0].uuid) >= sizes[-1]
