@@ -385,19 +385,21 @@ class Tuner:
                 "precision": self.plan.workload.precision, "objective": self.s.objective,
                 "runner": self.s.runner}
         have = self.study.user_attrs
-        if not have:
-            for k, v in want.items():
-                self.study.set_user_attr(k, v)
+        # Two drivers may create the study at the same moment: attributes the other driver has not
+        # written yet are missing, not different. Only a stored, different value is a conflict.
+        diff = [f"{k}={have[k]!r}" for k, v in want.items() if k in have and have[k] != v]
+        if diff:
+            raise SpecError(f"study {self.plan.study_name!r} in {self.plan.storage} was made with "
+                            f"{', '.join(diff)}; give another --study-name")
+        missing = {k: v for k, v in want.items() if k not in have}
+        for k, v in missing.items():
+            self.study.set_user_attr(k, v)
+        if missing:
             import warnings
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
                 self.study.set_metric_names(["tokens_per_s_per_gpu", self.obj])
-            return
-        diff = [f"{k}={have.get(k)!r}" for k, v in want.items() if have.get(k) != v]
-        if diff:
-            raise SpecError(f"study {self.plan.study_name!r} in {self.plan.storage} was made with "
-                            f"{', '.join(diff)}; give another --study-name")
 
     def _recover(self) -> None:
         """Trials a dead driver left RUNNING (journal) or that stopped beating (RDB)."""

@@ -60,16 +60,24 @@ def test_killed_driver_trial_is_failed_by_heartbeat_and_retried_once(tmp_path):
     deadline = time.time() + 60
     while (not data.exists() or len(data.read_text().splitlines()) < 2) and time.time() < deadline:
         time.sleep(0.1)
+    from advisor.study import rdb_url
+
+    # kill while a trial is in flight (the driver may be between two trials right after a record)
+    while time.time() < deadline:
+        running = optuna.load_study(study_name=name, storage=rdb_url(URL)).get_trials(states=(TS.RUNNING,))
+        if running:
+            break
+        time.sleep(0.1)
+    assert running, "no trial in flight to kill"
     p.send_signal(signal.SIGKILL)
     p.wait()
+    time.sleep(4)  # past the heartbeat grace (3 s): the dead driver's trial is stale for the next one
     r = subprocess.run(cmd, capture_output=True, text=True, env={**env, "ADVISOR_SIM_DELAY_S": "0.2"}, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
 
-    from advisor.study import rdb_url
-
     trials = optuna.load_study(study_name=name, storage=rdb_url(URL)).get_trials()
     failed = [t for t in trials if t.state == TS.FAIL]
-    assert len(failed) == 1  # the trial in flight when the driver died
+    assert len(failed) == 1, [(t.number, t.state.name, t.user_attrs.get("status")) for t in trials]
     assert len([t for t in trials if t.user_attrs.get("retry_of") == failed[0].number]) == 1
     launched = [t for t in trials if t.user_attrs.get("launched") and t.state == TS.COMPLETE]
     assert len(launched) == 6 and len({t.user_attrs["layout_key"] for t in launched}) == 6
