@@ -101,10 +101,11 @@ def _full_layer_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constan
     return layer_activation_bytes(model, layer, cfg.replace(recompute="none"), c)
 
 
-def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageMemory]:
-    """Memory of one GPU in every pipeline stage."""
+def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
+                 layer_counts: list[int] | None = None) -> list[StageMemory]:
+    """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`."""
     out = []
-    for stage, layers in enumerate(stage_layers(model, cfg)):
+    for stage, layers in enumerate(stage_layers(model, cfg, layer_counts)):
         dense, experts = stage_params(model, cfg, layers, stage)
         params = dense + experts
         weights = params * c.bytes_weight

@@ -15,12 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
-from advisor.models.constants import DEFAULT, GIB, Constants
-from advisor.models.memory import layer_activation_bytes, stage_params
+from advisor.models.constants import DEFAULT, Constants
+from advisor.models.memory import stage_memory
 from advisor.models.power import PowerEstimate, estimate_power
 from advisor.models.step_time import StageTime, StepTime, stage_times, step_time
-from advisor.search_spaces.layout import (IllegalLayout, in_flight_microbatches, layer_kind_counts,
-                                          stage_layer_counts)
+from advisor.search_spaces.layout import IllegalLayout, stage_layer_counts
 
 _SUMMED = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s",
            "ep_comm_s", "overhead_s", "forward_s", "backward_s")
@@ -111,30 +110,8 @@ class LayerCosts:
                         overhead_s=b.overhead_s, stages=stages, num_microbatches=m)
 
     def memory_gib(self, counts: list[int]) -> list[float]:
-        """Per-GPU memory of each stage for any split; mirrors models.memory.stage_memory (which
-        takes the split from the config) with the same public helpers."""
-        model, cfg, c = self.model, self.cfg, self.c
-        out, start = [], 0
-        for k, n in enumerate(counts):
-            layers = range(start, start + n)
-            start += n
-            dense, experts = stage_params(model, cfg, layers, k)
-            params = dense + experts
-            weights = params * (c.bytes_weight + (c.bytes_fp8_weight_copy if cfg.precision == "fp8" else 0.0))
-            grads = params * c.bytes_grad
-            opt = (c.bytes_optimizer * (dense / (cfg.dp * cfg.cp) + experts / cfg.expert_dp)
-                   if cfg.distributed_optimizer else c.bytes_optimizer * params)
-            kinds = layer_kind_counts(model, layers)
-            acts = sum(m * layer_activation_bytes(model, i, cfg, c) for i, m in kinds.items())
-            acts *= in_flight_microbatches(cfg, k)
-            if cfg.recompute == "full" and n:
-                acts += max(layer_activation_bytes(model, i, cfg.replace(recompute="none"), c) for i in kinds)
-            logits = 0.0
-            if k == cfg.pp - 1:
-                logits = cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp * (c.bytes_activation + 4.0)
-            total = weights + grads + opt + (acts + logits) * (1.0 + c.fragmentation)
-            out.append(total / GIB + c.runtime_overhead_gib)
-        return out
+        """Per-GPU memory of each stage for any split."""
+        return [m.total_gib for m in stage_memory(self.model, self.cfg, self.c, layer_counts=list(counts))]
 
     def heat(self, counts: list[int] | None = None) -> list[StageHeat]:
         counts = list(counts or self.default_counts())

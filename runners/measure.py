@@ -32,7 +32,7 @@ import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.runners import megatron_args as MA

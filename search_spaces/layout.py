@@ -42,9 +42,13 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last:
     return counts
 
 
-def stage_layers(model: ModelSpec, cfg: TrainConfig) -> list[range]:
-    """Layer indices held by each pipeline stage (all virtual chunks of a rank together)."""
-    counts = stage_layer_counts(model.num_layers, cfg.pp, cfg.pp_first_layers, cfg.pp_last_layers)
+def stage_layers(model: ModelSpec, cfg: TrainConfig, counts: list[int] | None = None) -> list[range]:
+    """Layer indices held by each pipeline stage (all virtual chunks of a rank together), for the
+    config's split or for `counts` layers per stage (any split, e.g. one placement tries)."""
+    if counts is None:
+        counts = stage_layer_counts(model.num_layers, cfg.pp, cfg.pp_first_layers, cfg.pp_last_layers)
+    elif len(counts) != cfg.pp or sum(counts) != model.num_layers or min(counts) < 1:
+        raise IllegalLayout(f"split {list(counts)} is not {cfg.pp} stages of >= 1 layer adding up to {model.num_layers}")
     out, start = [], 0
     for c in counts:
         out.append(range(start, start + c))
