@@ -5,7 +5,7 @@ import json
 import sys
 
 import typer
-from rich.console import Console
+from advisor.report import make_console
 from rich.table import Table
 
 WHAT = ("models", "gpus", "clusters")
@@ -66,4 +66,4 @@ def catalog_cmd(
         for c in items:
             t.add_row(c.name, c.gpu.name, str(c.num_nodes), str(c.gpus_per_node), f"{c.intra_node_bw_gbs:.0f}",
                       f"{c.inter_node_bw_gbs:.0f}", f"{c.power_cap_w:.0f}")
-    Console().print(t)
+    make_console().print(t)

@@ -61,7 +61,7 @@ def place_cmd(
 
 
 def _print_plan(p, model: str, cluster: str) -> None:
-    from rich.console import Console
+    from advisor.report import make_console
     from rich.table import Table
 
     run = p.candidate if p.applied else p.identity
@@ -79,7 +79,7 @@ def _print_plan(p, model: str, cluster: str) -> None:
         planned = [run.temps[n][g] for g in row["gpus"]]
         t.add_row(str(s), str(h.layers), f"{h.demand_mean_w:.0f}", row["node"], ",".join(map(str, row["gpus"])),
                   f"{max(ident):.0f}", f"{max(planned):.0f}", f"{run.stage_slowdown[s]:.3f}")
-    con = Console()
+    con = make_console()
     con.print(t)
     con.print(f"{'APPLIED' if p.applied else 'NOT APPLIED'}: {p.reason}")
     for n, name in enumerate(names):
@@ -164,7 +164,7 @@ def thermal_profile_cmd(
         json.dump(prof.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
-    from rich.console import Console
+    from advisor.report import make_console
     from rich.table import Table
 
     t = Table(title=f"slot profile of {prof.node} -> {path}")
@@ -175,4 +175,4 @@ def thermal_profile_cmd(
         t.add_row(str(g.index), g.uuid, g.pci_bus_id, f"{g.ambient_c:.1f}", f"{g.c_per_w:.4f}", f"{g.temp_c(700):.1f}",
                   f"{e.get('gemm_tflops', float('nan')):.1f}", f"{e.get('speed_at_cap', float('nan')):.4f}",
                   f"{e.get('throttle_fraction', float('nan')):.2f}")
-    Console().print(t)
+    make_console().print(t)
