@@ -1,159 +1,212 @@
 """How many measured trials does a search need to reach a layout within 2% of the best of the
-exhaustive grid? `advisor tune`'s study (TPE with the analytical top-K enqueued first), the same
-TPE without the seeds, random order and grid (enumeration) order.
+grid? `advisor tune`'s study (TPE with the analytical top-K enqueued first; also with
+`--sampler surrogate`), the same TPE without the seeds, random order and grid (enumeration) order.
 
-The grid: a measured one when data/measurements/*.jsonl holds one (>= --min-grid ok records of one
-model x GPUs x workload, the largest such group), else every runnable layout of a small case run
-through the simulated runner (labelled "simulated"). Each search only looks values up in the
-grid, so all strategies see the same measurements; a layout that failed (OOM, crash) costs a
-trial and finds nothing.
+Two kinds of grid:
 
-    python bench/tune_efficiency.py [--model llama3-8b --cluster h200x4 --seeds 10 --budget 80]
+* measured (`--measured FILE.jsonl`): a replay of measured trials. Every group of the file (one
+  model shape x cluster x seq / gbs / precision) with >= --min-layouts measured layouts is a grid.
+  The studies are the real `advisor.study.Tuner` on `make_plan`'s plan with its layouts cut down
+  to the measured ones, and each trial is answered with the measured record of its layout
+  (`advisor.runners.replay`). Without --measured and --simulated, data/measurements/*.jsonl is
+  searched for a group with >= --min-grid measured layouts.
+* simulated (`--simulated`, or no measured grid big enough): every runnable layout of a small
+  case run through the simulated runner (labelled "simulated").
+
+Each search only looks values up in the grid, so all strategies see the same measurements. A
+layout that failed (OOM, crash) costs a trial and finds nothing. A study's trial is a launched
+measurement (what `--trials` counts): proposals it screens out or has already measured are free.
+
+    python bench/tune_efficiency.py --measured data/measurements/h200x4-campaign.jsonl --seeds 50
+    python bench/tune_efficiency.py --simulated [--model llama3-8b --cluster h200x4 --seeds 10 --budget 80]
 """
 from __future__ import annotations
 
 import argparse
 import glob
-import json
 import random
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import optuna
 
 from advisor.api import default_workload, resolve
-from advisor.catalog.specs import ModelSpec, TrainConfig
-from advisor.runners.ray_exec import InlineExecutor
+from advisor.runners.replay import (TOL, MeasuredGroup, Replay, load_groups, tokens_per_gpu,
+                                    trials_to_within)
 from advisor.runners.simulate import run_trial
-from advisor.search_spaces.space import layout_key, optuna_space
-from advisor.study import Tuner, TuneSettings, make_plan
+from advisor.search_spaces.space import layout_key
+from advisor.study import TuneSettings, make_plan
 
-TOL = 0.02
+tps = tokens_per_gpu
+STUDY = "advisor tune (TPE + analytical top-K)"
+SURROGATE = "advisor tune --sampler surrogate"
 
 
-def measured_grid(min_grid: int):
-    groups = defaultdict(dict)
-    for path in glob.glob("data/measurements/*.jsonl"):
-        for line in open(path, encoding="utf-8"):
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("simulated") or r.get("schema") != "advisor.measurement/1" or not r.get("config"):
-                continue
-            c = r["config"]
-            world = c["tp"] * c["pp"] * c["cp"] * c["dp"]
-            g = (r.get("model_name"), r.get("layers"), (r.get("cluster") or {}).get("gpu"), world,
-                 c["seq"], c["gbs"], c["precision"])
-            groups[g][TrainConfig.from_dict(c).key()] = r
-    best = max(groups.items(), key=lambda kv: sum(x["status"] == "ok" for x in kv[1].values()), default=None)
-    if best is None or sum(x["status"] == "ok" for x in best[1].values()) < min_grid:
+def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bool) -> dict[str, list]:
+    """Trials to the first layout within TOL of the grid's best, per strategy and run."""
+    grid, best = rep.grid, rep.grid.best
+    results: dict[str, list] = {"grid order": [trials_to_within([grid.tps(k) for k in rep.order], best)]}
+    rnd = []
+    for s in range(max(seeds, random_runs)):
+        ks = rep.order[:]
+        random.Random(s).shuffle(ks)
+        rnd.append(trials_to_within([grid.tps(k) for k in ks], best))
+    results["random order"] = rnd
+    until = (1 - TOL) * best
+    studies = [("TPE, no seeds", 0, "tpe"), (STUDY, 4, "tpe")] + ([(SURROGATE, 4, "surrogate")] if surrogate else [])
+    for name, top_k, sampler in studies:
+        results[name] = [trials_to_within(rep.run(top_k, sampler, s, budget, until=until).values, best)
+                         for s in range(seeds)]
+    return results
+
+
+def print_table(results: dict[str, list], budget: int, worst: str = "worst") -> None:
+    print(f"{'strategy':40s} {'runs':>5s} {'median':>7s} {'mean':>7s} {worst:>6s} {'not found':>10s}")
+    print(f"(median over all runs, a run that never found one counting as {worst}; mean and {worst} over the runs that did)")
+    for name, xs in results.items():
+        got = [x for x in xs if x is not None]
+        m = statistics.median([x if x is not None else float("inf") for x in xs])  # not found counts as worst
+        med = f"{m:.0f}" if m != float("inf") else f">{budget}"
+        mean = f"{statistics.mean(got):.1f}" if got else "-"
+        mx = f"{max(got)}" if got else "-"
+        print(f"{name:40s} {len(xs):5d} {med:>7s} {mean:>7s} {mx:>6s} {len(xs) - len(got):10d}")
+
+
+def describe_group(rep: Replay) -> None:
+    """What was measured, and how the study's analytical seeds stand on it."""
+    g, best = rep.grid, rep.grid.best
+    target = (1 - TOL) * best
+    n = len(g.records)
+    ok = sum(r.get("status") == "ok" for r in g.records.values())
+    hits = [k for k in rep.order if g.tps(k) >= target]
+    best_key = max(g.records, key=g.tps)
+    print(f"{n} layouts measured in the study's space ({ok} ok), best {best:,.0f} tok/s/GPU ({best_key}); "
+          f"{len(hits)} within {TOL:.0%} of it")
+    rep_n = sum(1 for k in g.records if g.repeats.get(k, 1) > 1)
+    if rep_n:
+        print(f"{rep_n} layout(s) measured more than once: the median record is replayed")
+    if rep.outside:
+        print(f"left out: {len(rep.outside)} measured layout(s) outside the study's space: {', '.join(rep.outside)}")
+    print(f"random order needs (n+1)/(hits+1) = {(n + 1) / (len(hits) + 1):.1f} trials on average")
+    full = rep.full_plan(4)
+    runnable = [layout_key(c) for c in full.layouts if layout_key(c) not in full.screened]
+    pos = next((i for i, k in enumerate(runnable, 1) if k in g.records and g.tps(k) >= target), None)
+    if pos is not None:
+        print(f"the whole space has {len(runnable)} runnable layouts, {n} of them measured; in its enumeration "
+              f"order the first measured one within {TOL:.0%} is #{pos}: a grid search of the whole space needs "
+              f"<= {pos} trials to get within {TOL:.0%} of the best *measured* layout")
+    print(f"the study's seeds (make_plan: analytical top-{full.settings.top_k} by throughput, then "
+          f"{full.settings.top_k // 2} {'energy' if full.settings.objective == 'energy' else 'balanced'}), "
+          f"in enqueue order:")
+    first = None
+    for i, cfg in enumerate(full.enqueue, 1):
+        k = layout_key(cfg)
+        if k in g.records:
+            v = g.tps(k)
+            within = v >= target
+            first = first or (i if within else None)
+            what = f"measured {v:,.0f} ({v / best - 1:+.1%} vs best){', within 2%' if within else ''}"
+        else:
+            what = "not measured: dropped from the replay"
+        print(f"  {i}. {k}: {what}")
+    if first is not None:
+        skipped = sum(1 for c in full.enqueue[:first - 1] if layout_key(c) not in g.records)
+        note = ("" if not skipped else
+                f"; {skipped} unmeasured seed(s) come before it, which the real study measures first "
+                f"(one of them may be within {TOL:.0%} too)")
+        print(f"  -> seed #{first} is within {TOL:.0%} of the measured best{note}")
+    share = projection_share(rep, target)
+    if share is not None:
+        print(f"parameter combinations of the study's space that resolve to a layout within {TOL:.0%}: {share:.1%} "
+              f"(those layouts are {len(hits) / n:.1%} of the measured ones); a sampler that draws combinations "
+              f"(TPE's start-up) sees that share")
+
+
+def projection_share(rep: Replay, target: float, limit: int = 20000) -> float | None:
+    """Share of the plan's parameter combinations that `optuna_suggest` resolves to a layout
+    within TOL of the best: unmeasured combinations land on their nearest measured layout, so a
+    densely measured region gets less of the parameter space than a sparse one."""
+    import itertools
+    import math
+
+    from advisor.search_spaces.space import resolve_params
+
+    plan = rep.plan(0)
+    if not plan.space or math.prod(len(v) for v in plan.space.values()) > limit:
         return None
-    return best
+    combos = list(itertools.product(*plan.space.values()))
+    hit = sum(rep.grid.tps(layout_key(resolve_params(dict(zip(plan.space, c)), plan.layouts, plan.space))) >= target
+              for c in combos)
+    return hit / len(combos)
 
 
-class Replay(InlineExecutor):
-    """Answers each trial with the grid's record of its layout."""
-
-    def __init__(self, grid):
-        super().__init__()
-        self.grid = grid
-
-    def submit(self, job):
-        job.result = dict(self.grid[job.cfg.key()])
-        self._done.append(job)
-        return job
-
-
-def tps(rec) -> float:
-    return (rec.get("throughput") or {}).get("tokens_per_s_per_gpu") or 0.0 if rec["status"] == "ok" else 0.0
-
-
-def first_hit(seq_tps: list[float], target: float) -> int | None:
-    for i, v in enumerate(seq_tps, 1):
-        if v >= target:
-            return i
-    return None
+def measured_mode(groups: list[MeasuredGroup], a) -> None:
+    for grp in groups:
+        t0 = time.time()
+        rep = Replay(grp)
+        print(f"\n=== replay of measured trials: {grp.label} ({', '.join(sorted(grp.sources))})")
+        if len(rep.grid.records) < 2:
+            print("fewer than 2 measured layouts in the study's space: skipped")
+            continue
+        describe_group(rep)
+        budget = min(a.budget, len(rep.grid.records))
+        results = search(rep, a.seeds, budget, a.random_runs or 1000, surrogate=True)
+        print(f"\nreplay of measured trials: trials until one within {TOL:.0%} of the best measured "
+              f"({len(rep.grid.records)} layouts, studies: {a.seeds} seeds, budget {budget})")
+        print_table(results, budget, worst="max")
+        print(f"({time.time() - t0:.0f} s)")
 
 
-def run_tuner(settings, layouts, grid, seed, top_k, budget):
-    s = TuneSettings(**{**settings.__dict__, "seed": seed, "top_k": top_k, "trials": budget})
-    plan = make_plan(s)
-    plan.dataset = None
-    keep = {k for k in grid}
-    plan.layouts = [c for c in plan.layouts if c.key() in keep]
-    plan.space = optuna_space(plan.layouts)
-    plan.screened = {k: v for k, v in plan.screened.items() if k in {layout_key(c) for c in plan.layouts}}
-    plan.enqueue = [c for c in plan.enqueue if c.key() in keep]
-    tu = Tuner(plan, Replay(grid), storage=optuna.storages.InMemoryStorage())
-    tu.run()
-    trials = [t for t in tu.study.get_trials() if t.user_attrs.get("launched")]
-    return [tps(t.user_attrs["record"]) for t in sorted(trials, key=lambda t: t.number)]
+def simulated_mode(a) -> None:
+    m, c = resolve(a.model, a.cluster)
+    wl = default_workload(m, c, a.seq, a.gbs)
+    plan = make_plan(TuneSettings(model=a.model, cluster=a.cluster, seq=wl.seq, gbs=wl.gbs, runner="simulate",
+                                  storage=":memory:"))
+    layouts = [x for x in plan.layouts if layout_key(x) not in plan.screened]
+    grp = MeasuredGroup(m, c.name, wl.seq, wl.gbs, wl.precision,
+                        records={layout_key(x): run_trial(m, c, x) for x in layouts})
+    rep = Replay(grp, runner="simulate")
+    grid, best = rep.grid.records, rep.grid.best
+    ok = sum(r["status"] == "ok" for r in grid.values())
+    hits = sum(tps(r) >= (1 - TOL) * best for r in grid.values())
+    print(f"grid: SIMULATED (analytical model + 3% noise): {m.name} on {c.name}, seq {wl.seq}, gbs {wl.gbs}")
+    print(f"{len(grid)} layouts measured ({ok} ok), best {best:,.0f} tok/s/GPU; {hits} within {TOL:.0%} of it")
+    results = search(rep, a.seeds, a.budget, a.random_runs or 100, surrogate=False)
+    print(f"\ntrials until one within {TOL:.0%} of the grid's best (budget {a.budget} for the studies)")
+    print_table(results, a.budget)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--measured", action="append", default=[], metavar="FILE.jsonl",
+                    help="replay the measured grids of these records (repeatable, globs)")
+    ap.add_argument("--min-layouts", type=int, default=8, help="with --measured: smallest grid replayed")
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--cluster", default="h200x4")
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--gbs", type=int, default=None)
     ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--budget", type=int, default=80, help="most trials a search may measure")
-    ap.add_argument("--min-grid", type=int, default=20)
+    ap.add_argument("--budget", type=int, default=80, help="most trials a study may measure")
+    ap.add_argument("--random-runs", type=int, default=None, help="random orders drawn (default 1000 measured, 100 simulated)")
+    ap.add_argument("--min-grid", type=int, default=20,
+                    help="without --measured: smallest group of data/measurements/*.jsonl replayed")
     ap.add_argument("--simulated", action="store_true", help="ignore measured grids")
     a = ap.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     t0 = time.time()
-    found = None if a.simulated else measured_grid(a.min_grid)
-    if found:
-        (name, layers, gpu, world, seq, gbs, prec), grid = found
-        rec0 = next(iter(grid.values()))
-        model = ModelSpec.from_dict(rec0["model"])
-        cluster_name = f"{gpu}x{world}"
-        label = f"measured: {name}" + (f" [{layers}L]" if layers else "") + f" on {cluster_name}, seq {seq}, gbs {gbs}"
-        settings = TuneSettings(model=model, cluster=cluster_name, seq=seq, gbs=gbs, precision=prec,
-                                runner="megatron", storage=":memory:")
-        layouts = [TrainConfig.from_dict(r["config"]) for r in grid.values()]
+    if a.measured:
+        files = sorted({f for pat in a.measured for f in (glob.glob(pat) or [pat])})
+        groups = load_groups(files, a.min_layouts)
+        if not groups:
+            print(f"no group of {', '.join(files)} has >= {a.min_layouts} measured layouts", file=sys.stderr)
+            return 1
     else:
-        m, c = resolve(a.model, a.cluster)
-        wl = default_workload(m, c, a.seq, a.gbs)
-        settings = TuneSettings(model=a.model, cluster=a.cluster, seq=wl.seq, gbs=wl.gbs, runner="simulate",
-                                storage=":memory:")
-        plan = make_plan(settings)
-        layouts = [x for x in plan.layouts if layout_key(x) not in plan.screened]
-        grid = {x.key(): run_trial(m, c, x) for x in layouts}
-        label = f"SIMULATED (analytical model + 3% noise): {m.name} on {c.name}, seq {wl.seq}, gbs {wl.gbs}"
-    order = [x.key() for x in layouts]
-    best = max(tps(r) for r in grid.values())
-    target = (1 - TOL) * best
-    ok = sum(r["status"] == "ok" for r in grid.values())
-    hits = sum(tps(r) >= target for r in grid.values())
-    print(f"grid: {label}")
-    print(f"{len(grid)} layouts measured ({ok} ok), best {best:,.0f} tok/s/GPU; {hits} within {TOL:.0%} of it")
-    results: dict[str, list] = {}
-    results["grid order"] = [first_hit([tps(grid[k]) for k in order], target)]
-    rnd = []
-    for s in range(max(a.seeds, 100)):
-        ks = order[:]
-        random.Random(s).shuffle(ks)
-        rnd.append(first_hit([tps(grid[k]) for k in ks], target))
-    results["random order"] = rnd
-    results["TPE, no seeds"] = [first_hit(run_tuner(settings, layouts, grid, s, 0, a.budget), target)
-                                for s in range(a.seeds)]
-    results["advisor tune (TPE + analytical top-K)"] = [
-        first_hit(run_tuner(settings, layouts, grid, s, 4, a.budget), target) for s in range(a.seeds)]
-    print(f"\ntrials until one within {TOL:.0%} of the grid's best (budget {a.budget} for the studies)")
-    print(f"{'strategy':40s} {'runs':>5s} {'median':>7s} {'mean':>7s} {'worst':>6s} {'not found':>10s}")
-    print("(median over all runs, a run that never found one counting as worst; mean and worst over the runs that did)")
-    for name, xs in results.items():
-        got = [x for x in xs if x is not None]
-        m = statistics.median([x if x is not None else float("inf") for x in xs])  # not found counts as worst
-        med = f"{m:.0f}" if m != float("inf") else f">{a.budget}"
-        mean = f"{statistics.mean(got):.1f}" if got else "-"
-        worst = f"{max(got)}" if got else "-"
-        print(f"{name:40s} {len(xs):5d} {med:>7s} {mean:>7s} {worst:>6s} {len(xs) - len(got):10d}")
+        groups = [] if a.simulated else load_groups(sorted(glob.glob("data/measurements/*.jsonl")), a.min_grid)
+    if groups:
+        measured_mode(groups, a)
+    else:
+        simulated_mode(a)
     print(f"\n({time.time() - t0:.0f} s)")
     return 0
 
