@@ -286,11 +286,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         a.append("--sequence-parallel")
     if cfg.tp_comm_overlap:
         a.append("--tp-comm-overlap")
-    if cfg.recompute == "selective":
-        a += ["--recompute-granularity", "selective"]  # megatron's default module: core_attn
-    elif cfg.recompute == "full":
-        a += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-              "--recompute-num-layers", "1"]
+    a += _recompute_args(cfg, name_modules=False)  # selective: megatron's default module, core_attn
     if cfg.distributed_optimizer:
         a.append("--use-distributed-optimizer")
     if cfg.overlap_grad_reduce:
@@ -316,6 +312,16 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
               "--expert-model-parallel-size", str(cfg.ep),
               "--expert-tensor-parallel-size", str(cfg.etp)]
     return a
+
+
+def _recompute_args(cfg: TrainConfig, name_modules: bool) -> list[str]:
+    """Recompute flags: selective = core attention (named explicitly for the runner's records),
+    full = every layer, one at a time."""
+    if cfg.recompute == "selective":
+        return ["--recompute-granularity", "selective"] + (["--recompute-modules", "core_attn"] if name_modules else [])
+    if cfg.recompute == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return []
 
 
 def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[str]:
@@ -347,11 +353,7 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
-    if cfg.recompute == "selective":
-        a += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
-    elif cfg.recompute == "full":
-        a += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-              "--recompute-num-layers", "1"]
+    a += _recompute_args(cfg, name_modules=True)
     if cfg.distributed_optimizer:
         a.append("--use-distributed-optimizer")
     if cfg.overlap_grad_reduce:

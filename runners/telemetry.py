@@ -654,6 +654,16 @@ def _device_summary(c: dict[str, np.ndarray], union: list[tuple[float, float]]) 
     return out
 
 
+def _clipped(t: np.ndarray, union: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals of `union` clipped to the span [t[0], t[-1]] the samples cover."""
+    out = []
+    for a, b in union:
+        a, b = max(a, t[0]), min(b, t[-1])
+        if b >= a:
+            out.append((a, b))
+    return out
+
+
 def _counter_delta(t: np.ndarray, v: np.ndarray, union: list[tuple[float, float]]) -> float | None:
     """Sum over intervals of v(b) - v(a), v linearly interpolated between samples; intervals are
     clipped to the span the counter covers. None if unsupported, uncovered or decreasing."""
@@ -661,14 +671,9 @@ def _counter_delta(t: np.ndarray, v: np.ndarray, union: list[tuple[float, float]
     tv, vv = t[ok], v[ok]
     if tv.size == 0:
         return None
-    total, covered = 0.0, False
-    for a, b in union:
-        a, b = max(a, tv[0]), min(b, tv[-1])
-        if b < a:
-            continue
-        covered = True
-        total += float(np.interp(b, tv, vv) - np.interp(a, tv, vv))
-    if not covered or total < 0:
+    spans = _clipped(tv, union)
+    total = sum(float(np.interp(b, tv, vv) - np.interp(a, tv, vv)) for a, b in spans)
+    if not spans or total < 0:
         return None
     return total
 
@@ -681,17 +686,14 @@ def _energy(c: dict[str, np.ndarray], union: list[tuple[float, float]]) -> tuple
     tp, pp = c["t"][ok], c["power_w"][ok]
     if tp.size < 2:
         return None, None
-    total, covered = 0.0, False
-    for a, b in union:
-        a, b = max(a, tp[0]), min(b, tp[-1])
-        if b < a:
-            continue
-        covered = True
+    spans = _clipped(tp, union)
+    total = 0.0
+    for a, b in spans:
         inside = (tp > a) & (tp < b)
         ts = np.concatenate([[a], tp[inside], [b]])
         ps = np.concatenate([[np.interp(a, tp, pp)], pp[inside], [np.interp(b, tp, pp)]])
         total += float(np.sum((ps[1:] + ps[:-1]) * np.diff(ts)) / 2)
-    return (total, "power_trapezoid") if covered else (None, None)
+    return (total, "power_trapezoid") if spans else (None, None)
 
 
 # --------------------------------------------------------------------------------------------
