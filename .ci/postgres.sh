@@ -14,7 +14,11 @@ python3 -c "import psycopg2" 2>/dev/null || python3 -m pip install -q psycopg2-b
 ver=$(ls /usr/lib/postgresql | sort -V | tail -1)
 pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$ver main" || pg_createcluster "$ver" main --port 5432
 if ! pg_lsclusters -h | awk -v v="$ver" '$1==v && $2=="main" {print $4}' | grep -qx online; then
-  pg_ctlcluster "$ver" main start -- -o "-c listen_addresses=127.0.0.1 -c port=5432" -w
+  # The server outlives this script: it must not inherit fd 3 (the caller's $(...) pipe would never
+  # close and CI would hang) nor the CI log's stdout/stderr.
+  pg_ctlcluster "$ver" main start -- -o "-c listen_addresses=127.0.0.1 -c port=5432" -w \
+    </dev/null >/tmp/advisor-postgres-start.log 2>&1 3>&- ||
+    { cat /tmp/advisor-postgres-start.log; exit 1; }
 fi
 pg_isready -h 127.0.0.1 -p 5432 -t 30
 psql_() { runuser -u postgres -- psql -p 5432 -v ON_ERROR_STOP=1 -qtA "$@"; }
