@@ -22,6 +22,7 @@ def tune_cmd(
     precision: Precision = "bf16",
     layers: Optional[int] = typer.Option(None, "--layers", help="measure a proxy of the model with this many layers"),
     trials: int = typer.Option(24, "--trials", help="measurements to launch in the whole study (a resumed study goes on to this total)"),
+    batch: int = typer.Option(1, "--batch", help="trials launched together as one job: one torchrun measures them one after another (start-up paid once per job)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="stop launching trials after this many seconds"),
     trial_timeout: float = typer.Option(900.0, "--trial-timeout", help="a trial running longer is cancelled and recorded as timeout"),
     runner: str = typer.Option("megatron", "--runner", help="megatron (GPUs, megatron-core) or simulate (analytical model + noise)"),
@@ -48,7 +49,7 @@ def tune_cmd(
 
     opts = {"sigma": sigma, **options_from_env()} if runner == "simulate" else {"steps": steps, "warmup": warmup}
     s = TuneSettings(model=model, cluster=cluster, seq=seq, gbs=gbs, precision=precision, layers=layers,
-                     trials=trials, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
+                     trials=trials, batch=batch, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
                      dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts)
     if dry_run:
@@ -88,7 +89,7 @@ def _print_plan(plan) -> None:
     con.print(f"space: {sp['layouts']} legal layouts; pruned by memory (never launched): {sp['pruned_by_memory']}; "
               f"refused by the runner: {sp['refused_by_runner']}; runnable: {sp['runnable']}")
     con.print("params: " + "; ".join(f"{k} {v}" for k, v in sp["params"].items()))
-    con.print(f"trials to measure: {plan.settings.trials}; dataset: {plan.dataset}")
+    con.print(f"trials to measure: {plan.settings.trials}, {plan.settings.batch} per launch; dataset: {plan.dataset}")
     con.print(f"enqueued first (analytical top-{len(plan.enqueue)}):")
     for c in plan.enqueue:
         con.print(f"  {_layout(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)

@@ -15,6 +15,10 @@ Every trial asks Optuna for one layout (``search_spaces.space.optuna_suggest``),
   * a layout already measured in this study is not run again: the trial copies that trial's
     values (``duplicate_of``), or is PRUNED when that measurement is still in flight;
   * otherwise it is claimed, launched on the executor (Ray), and told when its record comes back.
+With ``batch`` > 1, up to that many claimed trials go out as ONE job (the megatron runner measures
+them in one torchrun, so start-up is paid once per job instead of once per trial); each trial is
+still told from its own record as the job returns. TPE (constant liar) and the surrogate sampler
+both see the trials in flight, so the proposals of one batch differ.
 The analytical top-K (``advisor.api.recommend``) are enqueued when the study is created.
 ``trials`` counts launched measurements in the whole study, so a resumed driver goes on to the
 same total.
@@ -23,7 +27,10 @@ Resume rule (documented in docs/tune.md). A journal-file study has one driver at
 exclusive ``flock`` on ``<journal>.<study>.lock``, released by the kernel when the driver dies).
 A driver starting on it finds the trials left RUNNING by the dead driver: one whose record had
 already reached its user attributes is told from that record; any other is marked FAIL and its
-parameters are enqueued once (``retry_of``). An RDB study may have several drivers: each in-flight
+parameters are enqueued once (``retry_of``), unless its record is in the study's spool
+(``<journal>.<study>.spool.jsonl``, where the runner appends every record the moment its trial
+ends): then it is told from that record, so a trial measured in a job the dead driver never saw
+return is neither lost nor run again. An RDB study may have several drivers: each in-flight
 trial sends Optuna heartbeats, ``optuna.storages.fail_stale_trials`` fails trials whose driver
 stopped beating, and the stale-trial callback enqueues their parameters once; layouts are claimed
 in an ``advisor_layout_claims`` table (primary key study + layout) so two drivers never measure
@@ -35,6 +42,7 @@ import json
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -61,6 +69,7 @@ class TuneSettings:
     precision: str = "bf16"
     layers: int | None = None  # measure a proxy with this many layers
     trials: int = 24  # launched measurements in the whole study
+    batch: int = 1  # trials launched together as one job (one torchrun with the megatron runner)
     timeout_s: float | None = None  # this driver stops launching after this long
     trial_timeout_s: float = 900.0
     runner: str = "simulate"
@@ -107,6 +116,7 @@ class Plan:
             "model": self.model.name, "cluster": self.cluster.name,
             "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs, "precision": self.workload.precision},
             "objective": self.settings.objective, "trials": self.settings.trials,
+            "batch": self.settings.batch,
             "gpus_per_trial": self.cluster.world_size,
             "space": {"layouts": len(self.layouts), "params": {k: v for k, v in self.space.items()},
                       "pruned_by_memory": by.get("memory", 0), "refused_by_runner": by.get("runs", 0),
@@ -135,6 +145,8 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         raise SpecError(f"runner must be one of {', '.join(RUNNERS)}, got {s.runner!r}")
     if s.trials < 1:
         raise SpecError("--trials must be at least 1")
+    if s.batch < 1:
+        raise SpecError("--batch must be at least 1")
     if s.sampler not in ("tpe", "surrogate"):
         raise SpecError(f"--sampler must be tpe or surrogate, got {s.sampler!r}")
     if s.precision not in ("bf16", "fp8"):
@@ -359,11 +371,13 @@ class Tuner:
         self.by_key = {layout_key(c): c for c in plan.layouts}
         self.cap_w = plan.cluster.power_cap_w
         self.obj = OBJECTIVES[self.s.objective]
-        self.lock, url = None, None
+        self.lock, url, self.spool = None, None, None
         if storage is None:
             url = plan.storage if _is_url(plan.storage) else None
             if not _is_url(plan.storage):
-                self.lock = _FileLock(Path(str(Path(plan.storage).expanduser()) + f".{_safe(plan.study_name)}.lock"))
+                base = str(Path(plan.storage).expanduser()) + f".{_safe(plan.study_name)}"
+                self.lock = _FileLock(Path(base + ".lock"))
+                self.spool = Path(base + ".spool.jsonl")
             storage = open_storage(plan.storage)
         self.storage = storage
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -374,6 +388,7 @@ class Tuner:
         self.claims = _Claims(url, plan.study_name)
         self.executor = executor
         self.inflight: dict[int, tuple[Any, Any]] = {}  # trial number -> (trial, heartbeat thread)
+        self.jobs_inflight = 0  # launches (of up to `batch` trials each) not back yet
         self.launched_here = 0
         self.fail_streak, self.last_error = 0, None
         self._preds: dict[str, Any] = {}
@@ -407,8 +422,9 @@ class Tuner:
         if self.lock is None:
             _fail_stale(self.study)
             return
+        spooled = self._spooled()
         for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
-            rec = t.user_attrs.get("record")
+            rec = t.user_attrs.get("record") or spooled.get(t.user_attrs.get("record_id"))
             trial = self.optuna.trial.Trial(self.study, t._trial_id)
             if rec is not None:
                 self._tell_record(trial, rec, append=True)
@@ -416,6 +432,21 @@ class Tuner:
                 self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
                 self.study.tell(trial, state=TS.FAIL)
                 _requeue_once(self.study, t)
+
+    def _spooled(self) -> dict[str, dict]:
+        """Records in this study's spool, by id (a torn last line, from a kill, is skipped)."""
+        out: dict[str, dict] = {}
+        if self.spool is None or not self.spool.exists():
+            return out
+        with open(self.spool, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and rec.get("id"):
+                    out[rec["id"]] = rec
+        return out
 
     def _sync_claims_and_dataset(self) -> None:
         TS = self.optuna.trial.TrialState
@@ -529,10 +560,10 @@ class Tuner:
         tid = st.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
         return st.get_trial(tid)
 
-    def _start_one(self) -> bool:
-        """Ask for a trial and dispose of it; True if a measurement was launched."""
+    def _propose(self) -> tuple[Any, TrainConfig] | None:
+        """Ask for a trial and dispose of it: (trial, layout) when it is to be measured (claimed,
+        its heartbeat running, in `inflight`), else None (told or pruned at once)."""
         from optuna.storages._heartbeat import get_heartbeat_thread
-        from advisor.runners.ray_exec import Job
 
         TS = self.optuna.trial.TrialState
         trial = self.study.ask()
@@ -553,7 +584,7 @@ class Tuner:
                 trial.set_user_attr("status", "infeasible" if what == "memory" else "refused")
                 trial.set_user_attr("error", reason)
                 self._tell(trial, values, cons)
-                return False
+                return None
             owner = self.claims.claim(key, trial.number)
             if owner != trial.number:
                 o = self._owner_state(owner)
@@ -561,33 +592,72 @@ class Tuner:
                     trial.set_user_attr("duplicate_of", owner)
                     trial.set_user_attr("status", o.user_attrs.get("status"))
                     self._tell(trial, list(o.values), dict(o.constraints))
-                    return False
+                    return None
                 if o.state == TS.RUNNING or not self.claims.take_over(key, owner, trial.number):
                     trial.set_user_attr("duplicate_of", owner)
                     self.study.tell(trial, state=TS.PRUNED)
-                    return False
+                    return None
             trial.set_user_attr("launched", True)
             trial.set_user_attr("runner", self.s.runner)
-            opts = dict(self.s.runner_options)
-            self.executor.submit(Job(trial, self.s.runner, self.plan.model, self.plan.cluster, cfg,
-                                     self.s.trial_timeout_s, opts))
+            trial.set_user_attr("record_id", f"t{trial.number}-{uuid.uuid4().hex[:8]}")
             self.inflight[trial.number] = (trial, hb)
-            self.launched_here += 1
-            return True
+            return trial, cfg
         finally:
             if trial.number not in self.inflight:
                 hb.join()
 
+    def _launch(self, picked: list[tuple[Any, TrainConfig]]) -> None:
+        """One job for the proposed trials (one torchrun with the megatron runner)."""
+        from advisor.runners.ray_exec import Job
+
+        opts = dict(self.s.runner_options)
+        if self.spool is not None and self.s.runner != "simulate":
+            opts["spool"] = str(self.spool.resolve())
+        trials = [t for t, _ in picked]
+        self.executor.submit(Job(trials, self.s.runner, self.plan.model, self.plan.cluster, [c for _, c in picked],
+                                 self.s.trial_timeout_s, opts, ids=[t.user_attrs["record_id"] for t in trials]))
+        self.jobs_inflight += 1
+        self.launched_here += len(picked)
+
+    def _start_batch(self, idle: int) -> int:
+        """Propose until `batch` trials are to be measured (or the study's target, the space or the
+        patience runs out), launch them as one job; the new count of idle proposals."""
+        want = min(self.s.batch, self.s.trials - self.measured())
+        picked: list[tuple[Any, TrainConfig]] = []
+        while len(picked) < want and idle < self.s.patience:
+            got = self._propose()
+            if got is None:
+                idle += 1
+            else:
+                idle = 0
+                picked.append(got)
+            if len(self.claims_taken()) >= self.plan.runnable:
+                break
+        if picked:
+            self._launch(picked)
+        return idle
+
     def _finish(self, job) -> None:
-        st = (job.result or {}).get("status")
-        self.fail_streak = self.fail_streak + 1 if st in ("crash", "timeout", "killed") else 0
-        self.last_error = (job.result or {}).get("error")
-        trial, hb = self.inflight.pop(job.tag.number)
-        try:
-            self._tell_record(trial, job.result, append=True)
-        finally:
-            hb.join()
-        self._report(trial)
+        from advisor.runners.ray_exec import failure_records
+
+        self.jobs_inflight -= 1
+        spooled = None
+        results = job.results or failure_records(job, "crash", "the job returned no records")
+        for tag, rec in zip(job.tags, results):
+            if rec.get("status") in ("crash", "timeout", "killed"):
+                # The job as a whole failed (cancelled, worker died): what the runner measured
+                # before that is in the spool.
+                spooled = self._spooled() if spooled is None else spooled
+                rec = spooled.get(tag.user_attrs.get("record_id")) or rec
+            st = rec.get("status")
+            self.fail_streak = self.fail_streak + 1 if st in ("crash", "timeout", "killed") else 0
+            self.last_error = rec.get("error")
+            trial, hb = self.inflight.pop(tag.number)
+            try:
+                self._tell_record(trial, rec, append=True)
+            finally:
+                hb.join()
+            self._report(trial)
 
     def _best(self) -> dict | None:
         front = self.pareto()
@@ -652,8 +722,8 @@ class Tuner:
                     stopped = "trials"
                 else:
                     stopped = ""
-                if not stopped and len(self.inflight) < slots:
-                    idle = 0 if self._start_one() else idle + 1
+                if not stopped and self.jobs_inflight < slots:
+                    idle = self._start_batch(idle)
                     continue
                 if not self.inflight:
                     break
@@ -679,11 +749,20 @@ class Tuner:
                 if t.user_attrs.get("launched")}
 
     def _abandon(self) -> None:
-        """Interrupted: in-flight trials are failed and enqueued once again (the resume rule)."""
+        """Interrupted: in-flight trials whose record is in the spool are told from it; the others
+        are failed and enqueued once again (the resume rule)."""
         TS = self.optuna.trial.TrialState
+        try:
+            spooled = self._spooled()
+        except Exception:  # noqa: BLE001 - best effort
+            spooled = {}
         for trial, hb in list(self.inflight.values()):
             try:
                 hb.join()
+                rec = spooled.get(trial.user_attrs.get("record_id"))
+                if rec is not None:
+                    self._tell_record(trial, rec, append=True)
+                    continue
                 frozen = self.study._storage.get_trial(trial._trial_id)
                 self.study._storage.set_trial_user_attr(trial._trial_id, "stale", True)
                 self.study.tell(trial, state=TS.FAIL)
@@ -691,6 +770,7 @@ class Tuner:
             except Exception:  # noqa: BLE001 - best effort; the next driver's recovery does the same
                 pass
         self.inflight.clear()
+        self.jobs_inflight = 0
 
 
 def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = None, executor=None,

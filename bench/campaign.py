@@ -107,7 +107,24 @@ def h200x4_rerun() -> list[dict]:
     return [dict(rows[k], id=f"h200x4-{k}") for k in RERUN]
 
 
-BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1}
+def h200x4_full() -> list[dict]:
+    """llama3-8b at full depth (32 layers) on one 4-GPU node: TP=4 and TP x PP inside NVLink (the
+    4-GPU version of the 8-GPU full-node issue's TP=8 / TP x PP runs)."""
+    L = {"model": "llama3-8b", "seq": 4096, "gbs": 32, **QUICK}
+    return [
+        dict(L, tp=4, mbs=1),
+        dict(L, tp=4, mbs=2),
+        dict(L, tp=2, pp=2, mbs=1),
+        dict(L, tp=2, pp=2, vp=2, mbs=1),
+        dict(L, pp=4, mbs=1),
+        dict(L, pp=4, vp=2, mbs=1),
+        dict(L, tp=2, dp=2, mbs=1),
+        dict(L, dp=4, mbs=1),
+    ]
+
+
+BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1,
+           "h200x4-full": h200x4_full}
 
 
 def write() -> None:

@@ -1,5 +1,10 @@
-"""Running trials: one function that measures a layout with a named runner, and two executors
+"""Running trials: one function that measures layouts with a named runner, and two executors
 that call it — inline (in this process, one at a time; no Ray) and on Ray.
+
+A job is one launch of one or more trials of the same cluster size: with the megatron runner a
+job of several trials is ONE torchrun that measures them one after another (start-up and imports
+are paid once; a crash or hang costs only its own trial, see ``runners/measure.py``), and each
+trial still gets its own record.
 
 On Ray each trial is a task holding the GPUs its layout needs: ``num_gpus = world size`` on one
 node, or, when the cluster spans nodes, a placement group of one bundle per node
@@ -40,51 +45,91 @@ def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfi
     return cfg, MA.refusal_reason(model, cfg, cluster.world_size)
 
 
-def execute(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, timeout_s: float,
+def execute(runner: str, model: ModelSpec, cluster: ClusterSpec, cfgs: list[TrainConfig], timeout_s: float,
             options: Mapping[str, Any], node_rank: int = 0, nnodes: int = 1,
-            rendezvous: tuple[str, int] | None = None) -> dict[str, Any] | None:
-    """Measure `cfg` once with `runner` (on node `node_rank` of `nnodes`); the record, or None on
-    node ranks > 0. Runs wherever it is called: in the driver (inline) or in a Ray task."""
+            rendezvous: tuple[str, int] | None = None,
+            ids: list[str] | None = None) -> list[dict[str, Any]] | None:
+    """Measure each of `cfgs` once with `runner` (on node `node_rank` of `nnodes`): one record
+    per layout, in order, or None on node ranks > 0. `timeout_s` is one trial's; `ids` name the
+    records (random when not given). Runs wherever it is called: in the driver (inline) or in a
+    Ray task.
+
+    ``options["spool"]`` (megatron runner): a JSONL file each record is appended to as soon as
+    its trial ends, so a driver killed in the middle of a job finds the trials already done."""
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     if runner == "simulate":
         from advisor.runners.simulate import run_trial
 
-        return run_trial(model, cluster, cfg, timeout_s=timeout_s, options=options, node_rank=node_rank)
+        recs = []
+        for cfg in cfgs:  # like the megatron runner: a trial that raises costs only itself
+            try:
+                recs.append(run_trial(model, cluster, cfg, timeout_s=timeout_s, options=options, node_rank=node_rank))
+            except Exception as e:  # noqa: BLE001 - a crashing trial is a result
+                recs.append(new_record(model, cluster, cfg, "crash", f"{type(e).__name__}: {e}", runner))
+        if node_rank:
+            return None
+        for rec, i in zip(recs, ids or []):
+            rec["id"] = i
+        return recs
     from advisor.runners import measure as M
 
     o = dict(options)
-    entry = M.make_entry(model, cfg.world_size, steps=int(o.get("steps", 10)), warmup=int(o.get("warmup", 3)),
-                         **cfg.to_dict())
-    records = M.run_batch([entry], dataset=None, nproc=cfg.world_size,
+    entries = [M.make_entry(model, cfg.world_size, steps=int(o.get("steps", 10)), warmup=int(o.get("warmup", 3)),
+                            id=(ids[k] if ids else None), **cfg.to_dict()) for k, cfg in enumerate(cfgs)]
+    records = M.run_batch(entries, dataset=o.get("spool"), nproc=cfgs[0].world_size,
                           timeout=float(o.get("progress_timeout_s", min(timeout_s, 300.0))),
                           telemetry_hz=float(o.get("telemetry_hz", 20.0)))
-    if not records:
-        return new_record(model, cluster, cfg, "crash", "the runner returned no record", runner)
-    rec = dict(records[0])
-    rec.setdefault("runner", runner)
-    rec.setdefault("simulated", False)
-    return rec
+    by_id = {r.get("id"): r for r in records}
+    out = []
+    for e, cfg in zip(entries, cfgs):
+        rec = by_id.get(e.id)
+        if rec is None:
+            rec = new_record(model, cluster, cfg, "crash", "the runner returned no record", runner)
+            rec["id"] = e.id
+        rec = dict(rec)
+        rec.setdefault("runner", runner)
+        rec.setdefault("simulated", False)
+        out.append(rec)
+    return out
 
 
-def _failure(job: "Job", status: str, error: str) -> dict[str, Any]:
-    return new_record(job.model, job.cluster, job.cfg, status, error, job.runner)
+def failure_records(job: "Job", status: str, error: str) -> list[dict[str, Any]]:
+    recs = [new_record(job.model, job.cluster, cfg, status, error, job.runner) for cfg in job.cfgs]
+    for rec, i in zip(recs, job.ids or []):
+        rec["id"] = i
+    return recs
 
 
 @dataclass
 class Job:
-    tag: Any  # the caller's handle (the Optuna trial)
+    """One launch: the layouts `cfgs` (one trial each, tagged by `tags`) measured one after
+    another on the same GPUs. `results` gets one record per layout, in order."""
+
+    tags: list[Any]  # the caller's handles (the Optuna trials), one per layout
     runner: str
     model: ModelSpec
     cluster: ClusterSpec
-    cfg: TrainConfig
-    timeout_s: float
+    cfgs: list[TrainConfig]
+    timeout_s: float  # one trial's; the job may take len(cfgs) times that
     options: Mapping[str, Any]
+    ids: list[str] | None = None  # the records' ids, one per layout (random when None)
     started: float = field(default_factory=time.time)
     refs: list = field(default_factory=list)
     pg: Any = None
     cancelled_at: float | None = None  # when its deadline passed and it was cancelled
     aborted: bool = False  # a node rank failed and the others were stopped
-    result: dict | None = None
+    results: list[dict] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.cfgs)
+        if not n or len(self.tags) != n or (self.ids is not None and len(self.ids) != n):
+            raise ValueError(f"a job needs one tag (and id) per layout: {len(self.tags)} tags, "
+                             f"{len(self.ids or [])} ids, {n} layouts")
+
+    @property
+    def deadline_s(self) -> float:
+        """The whole job's wall time: one trial's timeout per layout."""
+        return self.timeout_s * len(self.cfgs)
 
 
 class InlineExecutor:
@@ -100,9 +145,10 @@ class InlineExecutor:
 
     def submit(self, job: Job) -> Job:
         try:
-            job.result = execute(job.runner, job.model, job.cluster, job.cfg, job.timeout_s, job.options)
+            job.results = execute(job.runner, job.model, job.cluster, job.cfgs, job.timeout_s, job.options,
+                                  ids=job.ids)
         except Exception as e:  # noqa: BLE001 - a crashing trial is a result
-            job.result = _failure(job, "crash", f"{type(e).__name__}: {e}")
+            job.results = failure_records(job, "crash", f"{type(e).__name__}: {e}")
         self._done.append(job)
         return job
 
@@ -118,13 +164,13 @@ def _remote_fns():
     import ray
 
     @ray.remote(max_retries=0)
-    def run_rank(runner, model, cluster, cfg, timeout_s, options, node_rank, nnodes, rendezvous):
+    def run_rank(runner, model, cluster, cfgs, timeout_s, options, node_rank, nnodes, rendezvous, ids):
         ctx = ray.get_runtime_context()
-        rec = execute(runner, model, cluster, cfg, timeout_s, options, node_rank, nnodes, rendezvous)
+        recs = execute(runner, model, cluster, cfgs, timeout_s, options, node_rank, nnodes, rendezvous, ids)
         where = {"node_rank": node_rank, "node_ip": ray.util.get_node_ip_address(),
                  "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                  "master": list(rendezvous) if rendezvous else None}
-        return rec, where
+        return recs, where
 
     @ray.remote(num_cpus=0, max_retries=0)
     def rendezvous_point():
@@ -166,15 +212,15 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as PGS
 
         c = job.cluster
-        args = (job.runner, job.model, c, job.cfg, job.timeout_s, dict(job.options))
+        args = (job.runner, job.model, c, job.cfgs, job.timeout_s, dict(job.options))
         if c.num_nodes == 1:
-            job.refs = [self._run_rank.options(num_gpus=c.world_size, num_cpus=1).remote(*args, 0, 1, None)]
+            job.refs = [self._run_rank.options(num_gpus=c.world_size, num_cpus=1).remote(*args, 0, 1, None, job.ids)]
         else:
             job.pg = placement_group([{"GPU": c.gpus_per_node, "CPU": 1}] * c.num_nodes, strategy="STRICT_SPREAD")
             rdv = self._rendezvous.options(scheduling_strategy=PGS(job.pg, placement_group_bundle_index=0)).remote()
             job.refs = [self._run_rank.options(num_gpus=c.gpus_per_node, num_cpus=1,
                                                scheduling_strategy=PGS(job.pg, placement_group_bundle_index=i)
-                                               ).remote(*args, i, c.num_nodes, rdv)
+                                               ).remote(*args, i, c.num_nodes, rdv, job.ids)
                         for i in range(c.num_nodes)]
         job.started = time.time()
         self.jobs.append(job)
@@ -196,7 +242,7 @@ class RayExecutor:
                     for r in not_ready:
                         self.ray.cancel(r, force=True)
                 continue
-            job.result = self._collect(job)
+            job.results = self._collect(job)
             self.jobs.remove(job)
             if job.pg is not None:
                 self.ray.util.remove_placement_group(job.pg)
@@ -211,7 +257,7 @@ class RayExecutor:
             return e
 
     def _enforce_deadline(self, job: Job, now: float) -> None:
-        if job.cancelled_at is None and now - job.started > job.timeout_s:
+        if job.cancelled_at is None and now - job.started > job.deadline_s:
             job.cancelled_at = now
             for r in job.refs:
                 self.ray.cancel(r, force=False)  # KeyboardInterrupt: the runner kills its torchrun
@@ -219,27 +265,29 @@ class RayExecutor:
             for r in job.refs:
                 self.ray.cancel(r, force=True)
 
-    def _collect(self, job: Job) -> dict[str, Any]:
-        rec, where, errors = None, [], []
+    def _collect(self, job: Job) -> list[dict[str, Any]]:
+        recs, where, errors = None, [], []
         for ref in job.refs:
             try:
                 r, w = self.ray.get(ref)
                 where.append(w)
-                rec = r if w["node_rank"] == 0 else rec
+                recs = r if w["node_rank"] == 0 else recs
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
         timed_out = job.cancelled_at is not None
-        if errors or rec is None:
+        if errors or recs is None:
             e = errors[0] if errors else None
             if timed_out and (e is None or isinstance(e, (self.ray.exceptions.TaskCancelledError,
                                                             self.ray.exceptions.WorkerCrashedError))):
-                rec = _failure(job, "timeout", f"no result after {job.timeout_s:.0f} s; the trial was cancelled")
+                recs = failure_records(job, "timeout", f"no result after {job.deadline_s:.0f} s; the trial was cancelled")
             else:
-                rec = _failure(job, "crash", _describe(e))
-        if job.cancelled_at is not None and rec.get("status") == "killed":
-            rec["status"] = "timeout"
-        rec["placement"] = sorted(where, key=lambda w: w["node_rank"])
-        return rec
+                recs = failure_records(job, "crash", _describe(e))
+        placement = sorted(where, key=lambda w: w["node_rank"])
+        for rec in recs:
+            if timed_out and rec.get("status") == "killed":
+                rec["status"] = "timeout"
+            rec["placement"] = placement
+        return recs
 
     def shutdown(self) -> None:
         for job in self.jobs:

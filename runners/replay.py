@@ -160,15 +160,18 @@ class ReplayExecutor(InlineExecutor):
         from advisor.runners.simulate import new_record
         from advisor.search_spaces.space import layout_key
 
-        key = layout_key(job.cfg)
-        self.asked.append(key)
-        if key in self.records:
-            job.result = json.loads(json.dumps(self.records[key]))  # a copy the study may annotate
-        else:
-            self.misses.append(key)
-            if self.strict:
-                raise ReplayMiss(f"the study asked for {key}, which was not measured")
-            job.result = new_record(job.model, job.cluster, job.cfg, "crash", "not measured (replay)", job.runner)
+        job.results = []
+        for cfg in job.cfgs:
+            key = layout_key(cfg)
+            self.asked.append(key)
+            if key in self.records:
+                job.results.append(json.loads(json.dumps(self.records[key])))  # a copy the study may annotate
+            else:
+                self.misses.append(key)
+                if self.strict:
+                    raise ReplayMiss(f"the study asked for {key}, which was not measured")
+                job.results.append(new_record(job.model, job.cluster, cfg, "crash", "not measured (replay)",
+                                              job.runner))
         self._done.append(job)
         return job
 

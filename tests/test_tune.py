@@ -75,8 +75,9 @@ def test_simulated_oom_near_capacity_and_injected_failures(small):
         run_trial(m, c, layouts[0], options={"inject": {layouts[0].key(): "crash"}})
     assert options_from_env({"ADVISOR_SIM_INJECT": "tp2-pp1=crash,tp4=hang", "ADVISOR_SIM_DELAY_S": "0.5"}) == {
         "inject": {"tp2-pp1": "crash", "tp4": "hang"}, "delay_s": 0.5}
-    rec = execute("simulate", m, c, layouts[0], 10, {})
-    assert rec["schema"] == "advisor.measurement/1"
+    recs = execute("simulate", m, c, layouts[:2], 10, {}, ids=["a", "b"])
+    assert [r["schema"] for r in recs] == ["advisor.measurement/1"] * 2 and [r["id"] for r in recs] == ["a", "b"]
+    assert [r["config"] for r in recs] == [layouts[0].to_dict(), layouts[1].to_dict()]
 
 
 def test_megatron_runner_screen_turns_off_sp_and_refuses_multinode():

@@ -68,6 +68,18 @@ def test_trials_run_concurrently_on_both_nodes(cluster, tmp_path):
     assert time.time() - t0 < 6 * 2  # sequential would take 12 s of trial time alone
 
 
+def test_batched_jobs_are_ray_tasks_of_several_trials(cluster, tmp_path):
+    r = _run(_cmd(cluster, tmp_path, "batch", "--batch", "3", "--json"))
+    assert json.loads(r.stdout)["measured"] == 6
+    recs = _records(tmp_path / "batch.jsonl")
+    by_task = {}
+    for x in recs:  # the trials of one job ran in one task: same node, same GPUs
+        p = x["placement"][0]
+        by_task.setdefault((p["node_id"], tuple(p["gpu_ids"])), []).append(x["trial"])
+    assert sorted(len(v) for v in by_task.values()) == [3, 3]
+    assert len({x["id"] for x in recs}) == len({x["trial"] for x in recs}) == 6
+
+
 def test_multi_node_trial_gets_one_bundle_per_node_and_a_rendezvous(cluster, tmp_path):
     _run(_cmd(cluster, tmp_path, "multi", topo="h100x4x2", trials=2))
     recs = _records(tmp_path / "multi.jsonl")

@@ -111,14 +111,14 @@ def test_replay_executor_refuses_an_unmeasured_layout(grid_file):
     m, c = resolve(g.model, g.cluster)
     ex = ReplayExecutor(g.records)
     cfg = TrainConfig.from_dict(g.records[order[1]]["config"])
-    job = ex.submit(Job(None, "megatron", m, c, cfg, 10.0, {}))
-    assert job.result["status"] == "ok" and tokens_per_gpu(job.result) == values[order[1]]
+    job = ex.submit(Job([None], "megatron", m, c, [cfg], 10.0, {}))
+    assert job.results[0]["status"] == "ok" and tokens_per_gpu(job.results[0]) == values[order[1]]
     other = TrainConfig(tp=4, dp=1, gbs=32, seq=4096, mbs=8, recompute="full")
     assert layout_key(other) not in g.records
     with pytest.raises(ReplayMiss):
-        ex.submit(Job(None, "megatron", m, c, other, 10.0, {}))
+        ex.submit(Job([None], "megatron", m, c, [other], 10.0, {}))
     lax = ReplayExecutor(g.records, strict=False)
-    assert lax.submit(Job(None, "megatron", m, c, other, 10.0, {})).result["status"] == "crash"
+    assert lax.submit(Job([None], "megatron", m, c, [other], 10.0, {})).results[0]["status"] == "crash"
     assert lax.misses == [layout_key(other)]
 
 

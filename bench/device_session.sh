@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# GPU evidence that needs a 4-GPU node, one step per device-tool call (each fits its 10 minutes).
+# Run from the repo root on nvidia-h200-x4 with the wheels carried (carry [".whl"], built here by
+# `bash ../shared/gpu/pack-wheels.sh .`); everything it produces lands under $OUT, mirroring the
+# repo's paths, to be committed as data:
+#
+#   bash bench/device_session.sh placement   # docs/placement.md: rank -> planned GPU check,
+#                                            # thermal profile of every slot, placed vs identity
+#   bash bench/device_session.sh full-depth  # llama3-8b at 32 layers: TP=4, TP x PP, PP=4, DP
+#   bash bench/device_session.sh tune [S]    # the real study of docs/tune.md; launches nothing
+#                                            # after S seconds (default 360); run again to resume
+#
+# Steps are independent: each installs what it needs on the bare machine first.
+set -uo pipefail
+step=${1:?usage: bash bench/device_session.sh placement|full-depth|tune [seconds]}
+OUT=${OUT:-/tmp/advisor-out}
+mkdir -p "$OUT"
+log() { echo "== $(date +%T) $*"; }
+
+# -- environment: the wheels, then this package, into /tmp (the image has torch, no index) --
+[ -d .whl ] || { echo "error: no .whl/ here: run 'bash ../shared/gpu/pack-wheels.sh .' and carry .whl"; exit 2; }
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
+if [ -f .whl/ray.tar.xz ]; then tar -xJf .whl/ray.tar.xz -C /tmp/site || exit 2; fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/adv . || exit 2
+export PYTHONPATH=/tmp/adv:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
+advisor() { python3 -m advisor "$@"; }
+nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,temperature.gpu,power.limit --format=csv > "$OUT/gpus.csv"
+cat "$OUT/gpus.csv"
+ngpu=$(($(wc -l < "$OUT/gpus.csv") - 1))
+[ "$ngpu" -ge 4 ] || { echo "error: this step needs 4 GPUs, found $ngpu"; exit 2; }
+
+case "$step" in
+placement)
+  d="$OUT/data/placement"; mkdir -p "$d"
+  log "1/3 launch check: the rank of stage k runs on the planned GPU (NVML UUID inside the job)"
+  python3 bench/placement_gpu_check.py > "$d/h200x4-launch-check.txt" 2>&1
+  echo "exit $?" >> "$d/h200x4-launch-check.txt"; tail -15 "$d/h200x4-launch-check.txt"
+
+  log "2/3 thermal profile of every slot (same GEMM load on all GPUs)"
+  advisor thermal-profile --seconds 100 --idle 10 --cool 15 --node h200x4 \
+    --out "$d/h200x4-profile.json" --json > "$d/h200x4-profile.summary.json" 2> "$d/h200x4-profile.log"
+  echo "exit $?"; cat "$d/h200x4-profile.summary.json" | head -40
+
+  log "3/3 the same PP layout placed by the measured profile and in identity order"
+  lay=(--model llama3-8b --tp 1 --pp 4 --mbs 1 --gbs 32 --seq 4096)
+  run=("${lay[@]}" --warmup 3 --steps 10 --min-seconds 60 --timeout 240)
+  advisor place -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
+    --seq 4096 --json > "$d/h200x4-plan.json" 2>&1
+  advisor place -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
+    --seq 4096 --margin 0 --json > "$d/h200x4-plan-margin0.json" 2>&1
+  cat "$d/h200x4-plan.json" "$d/h200x4-plan-margin0.json"
+  # identity first: the placed run starts on GPUs at least as warm (the comparison is conservative)
+  advisor measure "${run[@]}" --dataset "$d/h200x4-placement-runs.jsonl" 2>&1 | tail -3
+  advisor launch -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
+    --seq 4096 --margin 0 -- python3 -m advisor measure "${run[@]}" \
+    --dataset "$d/h200x4-placement-runs.jsonl" 2>&1 | tail -3
+  ;;
+full-depth)
+  d="$OUT/data/measurements"; mkdir -p "$d"
+  log "llama3-8b, 32 layers, seq 4096, gbs 32 on 4 GPUs (bench/campaign_configs/h200x4-full.jsonl)"
+  advisor measure --batch bench/campaign_configs/h200x4-full.jsonl --dataset "$d/h200x4-full-depth.jsonl" \
+    --max-seconds 480 --timeout 240 2>&1 | tail -12
+  ;;
+tune)
+  budget=${2:-360}
+  study=data/studies/llama3-8b-h200x4
+  mkdir -p data/studies "$OUT/data/studies" "$OUT/data/measurements"
+  ray_arg=()
+  python3 -c "import ray" 2>/dev/null || { echo "ray is not importable here: trials run inline"; ray_arg=(--ray-address inline); }
+  log "study (resumes from $study.journal when it exists)"
+  timeout $((budget + 200)) python3 -m advisor tune --model llama3-8b --cluster h200x4 --seq 4096 --gbs 32 \
+    --layers 8 --runner megatron --trials 24 --batch 8 --steps 5 --warmup 2 --trial-timeout 300 \
+    --timeout "$budget" --storage "$study.journal" --dataset data/measurements/tune-llama3-8b-h200x4.jsonl \
+    --json "${ray_arg[@]}" > "$OUT/$study.json" 2> "$OUT/$study.log"
+  echo "exit $?"; tail -5 "$OUT/$study.log"
+  cp "$study".journal "$study".journal.*.spool.jsonl "$OUT/data/studies/" 2>/dev/null
+  cp data/measurements/tune-llama3-8b-h200x4.jsonl "$OUT/data/measurements/" 2>/dev/null
+  python3 - "$OUT/$study.json" <<'EOF'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except Exception as e:
+    sys.exit(f"no study summary: {e}")
+print("measured", d.get("measured"), "stopped:", d.get("stopped"), "counts:", d.get("counts"))
+for r in d.get("pareto", []):
+    print(r["trial"], r["key"], round(r["tokens_per_s_per_gpu"]), r.get("peak_power_w"))
+EOF
+  ;;
+*) echo "error: unknown step '$step' (placement, full-depth or tune)"; exit 2 ;;
+esac
+log "done; files under $OUT"
