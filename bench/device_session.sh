@@ -17,13 +17,14 @@ OUT=${OUT:-/tmp/advisor-out}
 mkdir -p "$OUT"
 log() { echo "== $(date +%T) $*"; }
 
-# -- environment: the wheels, then this package, into /tmp (the image has torch, no index) --
+# -- environment: the wheels into /tmp/site (the image has torch, no index); advisor runs from
+# this checkout (advisor/__init__.py finds the layer folders beside it) --
 [ -d .whl ] || { echo "error: no .whl/ here: run 'bash ../shared/gpu/pack-wheels.sh .' and carry .whl"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
 if [ -f .whl/ray.tar.xz ]; then tar -xJf .whl/ray.tar.xz -C /tmp/site || exit 2; fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/adv . || exit 2
-export PYTHONPATH=/tmp/adv:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
+python3 -c "import advisor.runners.measure, optuna, megatron.core" || exit 2
 advisor() { python3 -m advisor "$@"; }
 nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,temperature.gpu,power.limit --format=csv > "$OUT/gpus.csv"
 cat "$OUT/gpus.csv"

@@ -145,3 +145,19 @@ def test_catalog_commands(what):
     p = run_cli("catalog", what, "--json")
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)) >= 2
+
+
+def test_a_checkout_imports_its_layer_folders_without_an_install(tmp_path):
+    """`python -m advisor` in the repo root, PYTHONPATH=<repo>, or a Ray worker started there: the
+    package comes from the checkout and so do its subpackages (no site, so no editable finder)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import importlib.util as u, advisor; "
+            "print(advisor.__file__); print(u.find_spec('advisor.catalog').origin); "
+            "print(u.find_spec('advisor.runners.measure').origin)")
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    assert lines == [str(root / "advisor" / "__init__.py"), str(root / "catalog" / "__init__.py"),
+                     str(root / "runners" / "measure.py")]

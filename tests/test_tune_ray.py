@@ -130,6 +130,6 @@ def test_driver_killed_mid_study_resumes_without_loss_or_repeats(cluster, tmp_pa
     assert recs[: len(before)] == before
     stale = [t for t in trials if t.user_attrs.get("stale")]
     assert stale and all(t.state == TS.FAIL for t in stale)  # the in-flight ones of the dead driver
-    for t in stale:
-        assert len([x for x in trials if x.user_attrs.get("retry_of") == t.number]) == 1
+    for t in stale:  # one retry each; a trial killed before its sampler gave it a layout has none to retry
+        assert len([x for x in trials if x.user_attrs.get("retry_of") == t.number]) == (1 if t.params else 0)
     assert not [t for t in trials if t.state == TS.RUNNING]
