@@ -148,17 +148,31 @@ def thermal_profile_cmd(
     idle: float = typer.Option(15.0, "--idle", help="idle seconds recorded before the burn"),
     cool: float = typer.Option(30.0, "--cool", help="seconds recorded after the burn"),
     rate: float = typer.Option(2.0, "--rate", help="telemetry samples per second"),
+    from_trace: Optional[str] = typer.Option(None, "--from-trace", help="fit a recorded telemetry trace (*.trace.json.gz: a burn or a whole measurement batch) instead of measuring; no GPU needed"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Measure every GPU slot of this node: the same GEMM burn on all GPUs at once, then fit
-    T = ambient + c_per_w · P per slot. Needs NVML and torch with CUDA."""
+    T = ambient + c_per_w · P per slot. Needs NVML and torch with CUDA (not with --from-trace)."""
     import socket
 
-    from advisor.placement.measure import measure_profile
+    if from_trace is not None:
+        from advisor.cli import fail
+        from advisor.placement.profile import profile_from_trace
+        from advisor.runners.telemetry import Trace
 
-    name = node or socket.gethostname()
-    path = out or f"profile-{name}.json"
-    prof = measure_profile(seconds, name, idle_s=idle, cool_s=cool, rate_hz=rate, trace_out=path + ".trace.json.gz")
+        try:
+            trace = Trace.load(from_trace)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            fail(f"cannot read trace {from_trace}: {e}")
+        prof = profile_from_trace(trace, node)
+        name = prof.node
+        path = out or f"profile-{name}.json"
+    else:
+        from advisor.placement.measure import measure_profile
+
+        name = node or socket.gethostname()
+        path = out or f"profile-{name}.json"
+        prof = measure_profile(seconds, name, idle_s=idle, cool_s=cool, rate_hz=rate, trace_out=path + ".trace.json.gz")
     prof.save(path)
     if as_json:
         json.dump(prof.to_dict(), sys.stdout, indent=1)
@@ -170,9 +184,12 @@ def thermal_profile_cmd(
     t = Table(title=f"slot profile of {prof.node} -> {path}")
     for col in ("index", "uuid", "PCI", "ambient °C", "°C/W", "°C at 700 W", "TFLOP/s", "speed", "throttled"):
         t.add_column(col)
+    def num(v, fmt):  # a trace fit has no burn numbers
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
     for g in prof.cuda_order():
         e = g.extra
         t.add_row(str(g.index), g.uuid, g.pci_bus_id, f"{g.ambient_c:.1f}", f"{g.c_per_w:.4f}", f"{g.temp_c(700):.1f}",
-                  f"{e.get('gemm_tflops', float('nan')):.1f}", f"{e.get('speed_at_cap', float('nan')):.4f}",
-                  f"{e.get('throttle_fraction', float('nan')):.2f}")
+                  num(e.get("gemm_tflops"), ".1f"), num(e.get("speed_at_cap"), ".4f"),
+                  num(e.get("throttle_fraction"), ".2f"))
     make_console().print(t)

@@ -16,6 +16,10 @@ Two kinds of grid:
 Each search only looks values up in the grid, so all strategies see the same measurements. A
 layout that failed (OOM, crash) costs a trial and finds nothing. A study's trial is a launched
 measurement (what `--trials` counts): proposals it screens out or has already measured are free.
+With `--batch B` the study also runs as `advisor tune --batch B`: B trials per launch (one
+torchrun each), the sampler hearing of them only when the job returns. Its cost is every trial
+launched up to the end of the job that found the layout, whole jobs counted (the sampling price
+of batching; the start-ups it saves are not in this count).
 
     python bench/tune_efficiency.py --measured data/measurements/h200x4-campaign.jsonl --seeds 50
     python bench/tune_efficiency.py --simulated [--model llama3-8b --cluster h200x4 --seeds 10 --budget 80]
@@ -43,7 +47,8 @@ STUDY = "advisor tune (TPE + analytical top-K)"
 SURROGATE = "advisor tune --sampler surrogate"
 
 
-def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bool) -> dict[str, list]:
+def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bool,
+           batches: tuple[int, ...] = ()) -> dict[str, list]:
     """Trials to the first layout within TOL of the grid's best, per strategy and run."""
     grid, best = rep.grid, rep.grid.best
     results: dict[str, list] = {"grid order": [trials_to_within([grid.tps(k) for k in rep.order], best)]}
@@ -58,11 +63,19 @@ def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bo
     for name, top_k, sampler in studies:
         results[name] = [trials_to_within(rep.run(top_k, sampler, s, budget, until=until).values, best)
                          for s in range(seeds)]
+    for b in batches:
+        runs = []
+        for s in range(seeds):
+            vals = rep.run(4, "tpe", s, budget, until=until, batch=b).values
+            hit = trials_to_within(vals, best)
+            runs.append(None if hit is None else min(len(vals), -(-hit // b) * b))  # whole jobs
+        results[f"{STUDY}, --batch {b} (whole jobs)"] = runs
     return results
 
 
 def print_table(results: dict[str, list], budget: int, worst: str = "worst") -> None:
-    print(f"{'strategy':40s} {'runs':>5s} {'median':>7s} {'mean':>7s} {worst:>6s} {'not found':>10s}")
+    w = max(40, *(len(k) for k in results))
+    print(f"{'strategy':{w}s} {'runs':>5s} {'median':>7s} {'mean':>7s} {worst:>6s} {'not found':>10s}")
     print(f"(median over all runs, a run that never found one counting as {worst}; mean and {worst} over the runs that did)")
     for name, xs in results.items():
         got = [x for x in xs if x is not None]
@@ -70,7 +83,7 @@ def print_table(results: dict[str, list], budget: int, worst: str = "worst") -> 
         med = f"{m:.0f}" if m != float("inf") else f">{budget}"
         mean = f"{statistics.mean(got):.1f}" if got else "-"
         mx = f"{max(got)}" if got else "-"
-        print(f"{name:40s} {len(xs):5d} {med:>7s} {mean:>7s} {mx:>6s} {len(xs) - len(got):10d}")
+        print(f"{name:{w}s} {len(xs):5d} {med:>7s} {mean:>7s} {mx:>6s} {len(xs) - len(got):10d}")
 
 
 def describe_group(rep: Replay) -> None:
@@ -151,7 +164,7 @@ def measured_mode(groups: list[MeasuredGroup], a) -> None:
             continue
         describe_group(rep)
         budget = min(a.budget, len(rep.grid.records))
-        results = search(rep, a.seeds, budget, a.random_runs or 1000, surrogate=True)
+        results = search(rep, a.seeds, budget, a.random_runs or 1000, surrogate=True, batches=tuple(a.batch))
         print(f"\nreplay of measured trials: trials until one within {TOL:.0%} of the best measured "
               f"({len(rep.grid.records)} layouts, studies: {a.seeds} seeds, budget {budget})")
         print_table(results, budget, worst="max")
@@ -172,7 +185,7 @@ def simulated_mode(a) -> None:
     hits = sum(tps(r) >= (1 - TOL) * best for r in grid.values())
     print(f"grid: SIMULATED (analytical model + 3% noise): {m.name} on {c.name}, seq {wl.seq}, gbs {wl.gbs}")
     print(f"{len(grid)} layouts measured ({ok} ok), best {best:,.0f} tok/s/GPU; {hits} within {TOL:.0%} of it")
-    results = search(rep, a.seeds, a.budget, a.random_runs or 100, surrogate=False)
+    results = search(rep, a.seeds, a.budget, a.random_runs or 100, surrogate=False, batches=tuple(a.batch))
     print(f"\ntrials until one within {TOL:.0%} of the grid's best (budget {a.budget} for the studies)")
     print_table(results, a.budget)
 
@@ -192,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-grid", type=int, default=20,
                     help="without --measured: smallest group of data/measurements/*.jsonl replayed")
     ap.add_argument("--simulated", action="store_true", help="ignore measured grids")
+    ap.add_argument("--batch", type=int, action="append", default=[], metavar="B",
+                    help="also run the study with B trials per launch (repeatable)")
     a = ap.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     t0 = time.time()

@@ -241,23 +241,25 @@ class Replay:
             self._plans[top_k] = make_plan(replay_settings(self.group, self.runner, top_k=top_k))
         return self._plans[top_k]
 
-    def plan(self, top_k: int = 4, sampler: str = "tpe", seed: int | None = 0, budget: int | None = None):
+    def plan(self, top_k: int = 4, sampler: str = "tpe", seed: int | None = 0, budget: int | None = None,
+             batch: int = 1):
         full = self.full_plan(top_k)
         # without a budget the study stops by itself once every layout of the grid is measured
-        s = dataclasses.replace(full.settings, sampler=sampler, seed=seed,
+        s = dataclasses.replace(full.settings, sampler=sampler, seed=seed, batch=batch,
                                 trials=budget or len(self.grid.records))
         return restrict_plan(dataclasses.replace(full, settings=s), self.grid.records)
 
     def run(self, top_k: int = 4, sampler: str = "tpe", seed: int | None = 0, budget: int | None = None,
-            until: float | None = None) -> ReplayRun:
-        """One study (InMemoryStorage, one trial at a time). `until`: end it once a measured
-        trial reaches this many tokens/s/GPU (nothing before that point changes)."""
+            until: float | None = None, batch: int = 1) -> ReplayRun:
+        """One study (InMemoryStorage, one job of `batch` trials at a time). `until`: end it once
+        a measured trial reaches this many tokens/s/GPU (nothing before that point changes; the
+        rest of that trial's job was launched with it and is in `launched`)."""
         import optuna
 
         from advisor.search_spaces.space import layout_key
         from advisor.study import Tuner
 
-        plan = self.plan(top_k, sampler, seed, budget)
+        plan = self.plan(top_k, sampler, seed, budget, batch)
         ex = ReplayExecutor(self.grid.records)
 
         def progress(_event: dict) -> None:
@@ -271,7 +273,7 @@ class Replay:
             stopped = "found"
         trials = sorted(tu.study.get_trials(deepcopy=False), key=lambda t: t.number)
         launched = [t.user_attrs["layout_key"] for t in trials if t.user_attrs.get("launched")]
-        assert launched == ex.asked  # one slot: trials are launched in trial order
+        assert launched == ex.asked  # one slot: trials are launched in trial order (a job's in its order)
         return ReplayRun(launched, [self.grid.tps(k) for k in launched],
                          [t.user_attrs.get("layout_key") for t in trials], stopped,
                          [layout_key(c) for c in plan.enqueue])

@@ -209,3 +209,30 @@ def test_thermal_profile_refuses_without_torch(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: thermal-profile needs torch")
     assert not (tmp_path / "p.json").exists()
+
+
+# -------------------------------------------------------------------------- profile from a trace
+def test_thermal_profile_from_a_recorded_trial_trace(tmp_path):
+    """A 24 s trial of the h200x4 campaign (4 GPUs at 125-817 W) fits every slot with its real UUID
+    and PCI id, and ranks the slots as the recorded 4 x H200 burn did (0 and 3 hotter)."""
+    from advisor.placement import load_profile
+
+    out = tmp_path / "p.json"
+    r = advisor("thermal-profile", "--from-trace", ROOT / "data/traces/h200x4-b-00.trace.json.gz",
+                "--node", "h200x4", "--out", out, "--json")
+    assert r.returncode == 0, r.stderr
+    prof = load_profile(out)
+    assert prof.node == "h200x4" and json.loads(r.stdout)["node"] == "h200x4"
+    assert [g.pci_bus_id for g in prof.cuda_order()] == [f"00000000:00:0{i}.0" for i in range(6, 10)]
+    assert all(g.uuid.startswith("GPU-") and 0.02 < g.c_per_w < 0.08 for g in prof.gpus)
+    t = [g.temp_c(700) for g in prof.cuda_order()]
+    assert min(t[0], t[3]) > max(t[1], t[2])
+
+
+def test_thermal_profile_from_a_bad_trace_is_one_line(tmp_path):
+    short = advisor("thermal-profile", "--from-trace", ROOT / "data/traces/h200x4-a-23.trace.json.gz",
+                    "--out", tmp_path / "p.json")  # 8.6 s of samples: too short to fit
+    missing = advisor("thermal-profile", "--from-trace", tmp_path / "none.trace.json.gz")
+    for r in (short, missing):
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "at least 20 s" in short.stderr and not (tmp_path / "p.json").exists()

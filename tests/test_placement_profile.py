@@ -146,8 +146,14 @@ def test_measure_profile_pipeline_with_fake_gpus(monkeypatch):
     """thermal-profile's pipeline (sampler, one burn process per GPU, fit, throttle counters) on the
     fake telemetry backend with stand-in burn processes; the real run is tests/gpu."""
     telemetry = pytest.importorskip("advisor.runners.telemetry")
+    import functools
     import time
     import types
+
+    from advisor.placement import profile as P
+
+    # the fake burn runs in seconds, not minutes: allow the fit a short trace
+    monkeypatch.setattr(P, "fit_thermal", functools.partial(fit_thermal, min_duration_s=1.0))
 
     import advisor.placement.measure as M
 
