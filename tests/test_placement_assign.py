@@ -206,3 +206,21 @@ def test_profile_count_and_size_must_match_cluster():
         plan(*LLAMA70_TP1, [profile([(35, 0.04)] * 2)])
     with pytest.raises(IllegalLayout):
         plan("llama3-70b", "h200x4", TrainConfig(tp=1, pp=3, dp=1, gbs=64), [profile([(35, 0.04)] * 4)])
+
+
+def test_stage_heat_ranks_measured_pipeline_stages():
+    """The GPUs of the h200x4 campaign measured each stage's mean power (11 trials with PP > 1):
+    the model names the hottest stage of every one, within a few % per stage."""
+    import glob
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("stage_heat_check", root / "bench" / "stage_heat_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows, skipped = mod.rows_from(sorted(glob.glob(str(root / "data" / "measurements" / "*.jsonl"))))
+    s = mod.summarize(rows)
+    assert s["trials"] >= 11 and skipped == 0
+    assert s["hottest_stage_right"] == s["trials"]
+    assert s["stage_power_mape_pct"] < 6.0 and s["spread_corr"] > 0.8
