@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU evidence that needs a 4-GPU node, one step per device-tool call (each fits its 10 minutes).
 # Run from the repo root on nvidia-h200-x4 with the wheels carried (carry [".whl"], built here by
-# `bash ../shared/gpu/pack-wheels.sh .`); everything it produces lands under $OUT, mirroring the
+# `bash ../shared/gpu/pack-wheels.sh "$PWD"`: an absolute path, or its Ray step writes nowhere);
+# everything it produces lands under $OUT, mirroring the
 # repo's paths, to be committed as data:
 #
 #   bash bench/device_session.sh placement   # docs/placement.md: rank -> planned GPU check,
@@ -19,9 +20,11 @@ log() { echo "== $(date +%T) $*"; }
 
 # -- environment: the wheels into /tmp/site (the image has torch, no index); advisor runs from
 # this checkout (advisor/__init__.py finds the layer folders beside it) --
-[ -d .whl ] || { echo "error: no .whl/ here: run 'bash ../shared/gpu/pack-wheels.sh .' and carry .whl"; exit 2; }
+[ -d .whl ] || { echo "error: no .whl/ here: run 'bash ../shared/gpu/pack-wheels.sh \"\$PWD\"' and carry .whl"; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
-if [ -f .whl/ray.tar.xz ]; then tar -xJf .whl/ray.tar.xz -C /tmp/site || exit 2; fi
+# ray.tar.xz is Ray's wheel unpacked by Python's zipfile, which drops the exec bits of its
+# binaries (gcs_server, raylet): Ray then fails with "Permission denied" until they are restored.
+if [ -f .whl/ray.tar.xz ]; then tar -xJf .whl/ray.tar.xz -C /tmp/site && chmod -R u+x /tmp/site/ray/core || exit 2; fi
 export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
 python3 -c "import advisor.runners.measure, optuna, megatron.core" || exit 2
