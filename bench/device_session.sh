@@ -9,7 +9,7 @@
 #                                            # thermal profile of every slot, placed vs identity
 #   bash bench/device_session.sh full-depth  # llama3-8b at 32 layers: TP=4, TP x PP, PP=4, DP
 #   bash bench/device_session.sh tune [S]    # the real study of docs/tune.md; launches nothing
-#                                            # after S seconds (default 360); run again to resume
+#                                            # after S seconds (default 330); run again to resume
 #
 # Steps are independent: each installs what it needs on the bare machine first.
 set -uo pipefail
@@ -67,13 +67,13 @@ full-depth)
     --max-seconds 480 --timeout 240 2>&1 | tail -12
   ;;
 tune)
-  budget=${2:-360}
+  budget=${2:-330}
   study=data/studies/llama3-8b-h200x4
   mkdir -p data/studies "$OUT/data/studies" "$OUT/data/measurements"
   ray_arg=()
   python3 -c "import ray" 2>/dev/null || { echo "ray is not importable here: trials run inline"; ray_arg=(--ray-address inline); }
   log "study (resumes from $study.journal when it exists)"
-  timeout $((budget + 200)) python3 -m advisor tune --model llama3-8b --cluster h200x4 --seq 4096 --gbs 32 \
+  timeout $((budget + 190)) python3 -m advisor tune --model llama3-8b --cluster h200x4 --seq 4096 --gbs 32 \
     --layers 8 --runner megatron --trials 24 --batch 8 --steps 5 --warmup 2 --trial-timeout 300 \
     --timeout "$budget" --storage "$study.journal" --dataset data/measurements/tune-llama3-8b-h200x4.jsonl \
     --json "${ray_arg[@]}" > "$OUT/$study.json" 2> "$OUT/$study.log"
