@@ -463,6 +463,8 @@ class _JobState:
     recorded: bool = False
     started_at: float | None = None  # worker clock of its first `start` event
     log_offset: int = 0  # its output in the torchrun log starts at or after this byte
+    torchrun_started: float | None = None  # when the launcher started the torchrun that ran it
+    first_in_torchrun: bool = False  # no job ran before it in that torchrun
 
 
 class BatchRunner:
@@ -532,6 +534,9 @@ class BatchRunner:
             log.exception("assembling the record of %s failed", entry.id)
             rec = assemble_record(entry, status, f"{error or ''} [record assembly: {e}]".strip(),
                                   ranks, bounds, None, self.env, gpus_per_node=self.nproc)
+        if st is not None and st.torchrun_started is not None:
+            rec["timing"] = job_timing(st.torchrun_started, st.first_in_torchrun, st.started_at,
+                                       bounds[0] if bounds else None, time.time())
         self._emit(rec)
 
     def _trace_between(self, t0: float, t1: float):
@@ -649,6 +654,7 @@ class BatchRunner:
         env = dict(os.environ, **CHILD_ENV)
         cmd = torchrun_command(self.nproc, self.run_dir, start, self.python)
         self.kill_reason = None
+        launched_at = time.time()
         with open(log_path, "ab") as logf:
             # A session of its own: a terminal's Ctrl-C reaches the launcher only, which then
             # stops torchrun and records what was measured. PR_SET_PDEATHSIG: torchrun still
@@ -656,7 +662,8 @@ class BatchRunner:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, preexec_fn=_die_with_parent())
         s: dict[str, Any] = {"current": None, "failed": None, "batch_done": False, "seen": False,
-                             "progress": time.time(), "start": start, "log_mark": 0}
+                             "progress": time.time(), "start": start, "log_mark": 0,
+                             "torchrun_started": launched_at}
 
         def drain() -> None:
             # A job first seen in this drain began after the previous drain read the event
@@ -773,6 +780,9 @@ class BatchRunner:
         if kind == "start":
             t = evt.get("t", time.time())
             st.started_at = t if st.started_at is None else min(st.started_at, t)
+            if st.torchrun_started is None:
+                st.torchrun_started = s["torchrun_started"]
+                st.first_in_torchrun = i == s["start"]
         if kind == "step":
             if r == 0:
                 st.bounds.append(evt["tt"])
@@ -809,6 +819,19 @@ class BatchRunner:
 
     def _log_line(self, msg: str) -> None:
         print(f"[measure] {msg}", file=sys.stderr, flush=True)
+
+
+def job_timing(torchrun_started: float, first: bool, job_started: float | None, first_step: float | None,
+               end: float) -> dict[str, Any]:
+    """Where a job's wall time went (s): `startup_s` (torchrun launch to the job's start: process
+    launch, imports, NCCL init; only for the first job of a torchrun), `build_s` (job start to its
+    first step boundary: model, optimizer, data), `run_s` (first step boundary to its record)."""
+    def gap(a, b):
+        return round(b - a, 3) if a is not None and b is not None else None
+
+    return {"torchrun_started": torchrun_started, "first_in_torchrun": first,
+            "startup_s": gap(torchrun_started, job_started) if first else None,
+            "build_s": gap(job_started, first_step), "run_s": gap(first_step, end)}
 
 
 def _steps_done(st: _JobState) -> int:

@@ -251,6 +251,18 @@ def test_batch_ok_oom_hang_segv_refused(tmp_path, fake_torchrun):
     assert tel["mean_power_w"] > 0 and tel["energy_per_token_j"] > 0
     assert tel["sampler_overhead_pct"] is not None
     assert [rm["pci_bus_id"] for rm in ok["rank_map"]] == ["00000000:18:00.0", "00000000:19:00.0"]
+    # where the wall time went: start-up only for the first job of each torchrun (the batch starts
+    # one, the OOM, hang and segfault each end theirs and the next job starts a new one)
+    tm = {e.id: by_id[e.id].get("timing") for e in es}
+    assert tm[es[1].id] is None  # refused: never ran
+    firsts = [e.id for e in es if tm[e.id] and tm[e.id]["first_in_torchrun"]]
+    assert firsts == [es[0].id, es[3].id, es[5].id, es[7].id]
+    for i in firsts:
+        assert 0 <= tm[i]["startup_s"] < 30
+    assert tm[es[2].id]["startup_s"] is None and not tm[es[2].id]["first_in_torchrun"]
+    for e in (es[0], es[3], es[5], es[7]):
+        t = tm[e.id]
+        assert 0 <= t["build_s"] < 5 and 0.2 < t["run_s"] < 10  # 3 steps of 0.1 s after the first boundary
 
 
 def test_batch_workers_that_never_start(tmp_path, monkeypatch):
