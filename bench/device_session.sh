@@ -50,14 +50,15 @@ placement)
   lay=(--model llama3-8b --tp 1 --pp 4 --mbs 1 --gbs 32 --seq 4096)
   run=("${lay[@]}" --warmup 3 --steps 10 --min-seconds 60 --timeout 240)
   advisor place -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
-    --seq 4096 --json > "$d/h200x4-plan.json" 2>&1
+    --seq 4096 --json > "$d/h200x4-plan.json" 2>> "$d/h200x4-place.log"
   advisor place -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
-    --seq 4096 --margin 0 --json > "$d/h200x4-plan-margin0.json" 2>&1
+    --seq 4096 --margin 0 --json > "$d/h200x4-plan-margin0.json" 2>> "$d/h200x4-place.log"
   cat "$d/h200x4-plan.json" "$d/h200x4-plan-margin0.json"
   # identity first: the placed run starts on GPUs at least as warm (the comparison is conservative)
-  advisor measure "${run[@]}" --dataset "$d/h200x4-placement-runs.jsonl" 2>&1 | tail -3
+  advisor measure "${run[@]}" --out "$d/h200x4-run-identity.json" \
+    --dataset "$d/h200x4-placement-runs.jsonl" 2>&1 | tail -3
   advisor launch -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
-    --seq 4096 --margin 0 -- python3 -m advisor measure "${run[@]}" \
+    --seq 4096 --margin 0 -- python3 -m advisor measure "${run[@]}" --out "$d/h200x4-run-placed.json" \
     --dataset "$d/h200x4-placement-runs.jsonl" 2>&1 | tail -3
   ;;
 full-depth)
