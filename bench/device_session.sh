@@ -60,6 +60,8 @@ placement)
   advisor launch -p "$d/h200x4-profile.json" -m llama3-8b -c h200x4 --tp 1 --pp 4 --mbs 1 --gbs 32 \
     --seq 4096 --margin 0 -- python3 -m advisor measure "${run[@]}" --out "$d/h200x4-run-placed.json" \
     --dataset "$d/h200x4-placement-runs.jsonl" 2>&1 | tail -3
+  python3 bench/placement_compare.py --identity "$d/h200x4-run-identity.json" --placed "$d/h200x4-run-placed.json" \
+    --plan "$d/h200x4-plan-margin0.json" 2>&1 | tee "$d/h200x4-placement-compare.txt"
   ;;
 full-depth)
   d="$OUT/data/measurements"; mkdir -p "$d"

@@ -236,3 +236,28 @@ def test_thermal_profile_from_a_bad_trace_is_one_line(tmp_path):
     for r in (short, missing):
         assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert "at least 20 s" in short.stderr and not (tmp_path / "p.json").exists()
+
+
+def test_placement_compare_reads_two_measured_runs(tmp_path):
+    """bench/placement_compare.py on a campaign PP4 record and a copy of it with the last stage
+    moved to the first slot and 1% faster steps."""
+    import copy
+    import importlib.util
+
+    recs = {json.loads(x)["id"]: json.loads(x) for x in open(ROOT / "data/measurements/h200x4-campaign.jsonl")}
+    ident = recs["h200x4-a-10"]
+    placed = copy.deepcopy(ident)
+    for rm in placed["rank_map"]:
+        rm["stage"] = {0: 3, 3: 0}.get(rm["stage"], rm["stage"])
+    for k in ("median_s", "p10_s", "p90_s"):
+        placed["steps"][k] *= 0.99
+    spec = importlib.util.spec_from_file_location("placement_compare", ROOT / "bench" / "placement_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod.compare(ident, placed, {"predicted_gain_pct": 2.3, "applied": True})
+    assert c["stages_moved"] and abs(c["measured_gain_pct"] - 1.0) < 1e-9 and c["gain_beyond_spread"] is True
+    assert c["identity"]["stages"][3]["mean_power_w"] > 600 and c["predicted_gain_pct"] == 2.3
+    bad = copy.deepcopy(placed)
+    bad["config"]["mbs"] = 2
+    with pytest.raises(SystemExit, match="not the same layout"):
+        mod.compare(ident, bad, None)
