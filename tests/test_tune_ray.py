@@ -69,11 +69,12 @@ def test_trials_run_concurrently_on_both_nodes(cluster, tmp_path):
 
 
 def test_batched_jobs_are_ray_tasks_of_several_trials(cluster, tmp_path):
-    r = _run(_cmd(cluster, tmp_path, "batch", "--batch", "3", "--json"))
+    # 1 s per trial: the two jobs overlap, so Ray runs them on the two nodes at once
+    r = _run(_cmd(cluster, tmp_path, "batch", "--batch", "3", "--json"), env=_env(ADVISOR_SIM_DELAY_S=1))
     assert json.loads(r.stdout)["measured"] == 6
     recs = _records(tmp_path / "batch.jsonl")
     by_task = {}
-    for x in recs:  # the trials of one job ran in one task: same node, same GPUs
+    for x in recs:  # the trials of one job ran in one task: same node, same GPUs; the jobs in parallel
         p = x["placement"][0]
         by_task.setdefault((p["node_id"], tuple(p["gpu_ids"])), []).append(x["trial"])
     assert sorted(len(v) for v in by_task.values()) == [3, 3]
