@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tarfile
 import time
@@ -184,6 +185,13 @@ def table(path: Path) -> None:
               f"{f(th.get('tokens_per_s'), ',.0f')} | {f(th.get('mfu'), '.3f')} | {f(m.get('max_gib'), '.1f')} | "
               f"{f(t.get('mean_power_w'), '.0f')} | {f(t.get('peak_power_w'), '.0f')} | "
               f"{f(t.get('min_sm_clock_mhz'), '.0f')} | {f(thr, '.2f')} |")
+    tm = [r["timing"] for r in rows if isinstance(r.get("timing"), dict)]
+    if tm:  # where the wall time went (records written since the timing block exists)
+        def med(key):
+            xs = [x[key] for x in tm if isinstance(x.get(key), (int, float))]
+            return f"{statistics.median(xs):.1f} s (n={len(xs)})" if xs else "-"
+        print(f"\nmedian torchrun start-up (first job of each torchrun) {med('startup_s')}; "
+              f"model build per job {med('build_s')}; steps per job {med('run_s')}")
 
 
 def main(argv=None) -> int:
