@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
+from advisor.catalog.specs import ModelSpec, SpecError
 from advisor.runners import measure as M
 
 DATA = Path(__file__).parent / "data" / "measure"

@@ -3,7 +3,6 @@ profiles from telemetry traces."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np

@@ -134,7 +134,7 @@ def test_journal_resume_fails_orphans_and_reenqueues_once(tmp_path):
     # a driver that died with one trial in flight (launched, no record) ...
     study = optuna.load_study(study_name=tu.plan.study_name, storage=tu.storage)
     t = study.ask()
-    cfg = optuna_suggest(t, tu.plan.layouts, tu.plan.space)
+    optuna_suggest(t, tu.plan.layouts, tu.plan.space)
     t.set_user_attr("launched", True)
     # ... and one whose record reached the storage before it died
     t2 = study.ask({k: optuna.distributions.CategoricalDistribution(v) for k, v in tu.plan.space.items()})

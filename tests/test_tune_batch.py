@@ -109,7 +109,7 @@ def test_driver_dead_mid_batch_keeps_the_trials_its_job_finished(tmp_path):
     dead = Tuner(make_plan(s), InlineExecutor())
     dead._recover()
     dead._enqueue_seeds()
-    (t1, c1), (t2, c2) = dead._propose(), dead._propose()
+    (t1, c1), (t2, _) = dead._propose(), dead._propose()
     from advisor.runners.ray_exec import execute
 
     rec = execute("simulate", dead.plan.model, dead.plan.cluster, [c1], 60, {}, ids=[t1.user_attrs["record_id"]])[0]
