@@ -5,10 +5,12 @@ from typing import Annotated, Optional
 
 import typer
 
-Model = Annotated[str, typer.Option("--model", "-m", help="catalog name (see 'advisor catalog models') or a HF config.json")]
-Cluster = Annotated[str, typer.Option("--cluster", "-c", help="<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file")]
-OptModel = Annotated[Optional[str], typer.Option("--model", "-m", help="catalog name (see 'advisor catalog models') or a HF config.json")]
-OptCluster = Annotated[Optional[str], typer.Option("--cluster", "-c", help="<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file")]
+_MODEL_HELP = "catalog name (see 'advisor catalog models') or a HF config.json"
+_CLUSTER_HELP = "<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file"
+Model = Annotated[str, typer.Option("--model", "-m", help=_MODEL_HELP)]
+Cluster = Annotated[str, typer.Option("--cluster", "-c", help=_CLUSTER_HELP)]
+OptModel = Annotated[Optional[str], typer.Option("--model", "-m", help=_MODEL_HELP)]
+OptCluster = Annotated[Optional[str], typer.Option("--cluster", "-c", help=_CLUSTER_HELP)]
 Seq = Annotated[Optional[int], typer.Option("--seq", help="sequence length (default: the model's context, at most 8192)")]
 Gbs = Annotated[Optional[int], typer.Option("--gbs", help="global batch in sequences (default 128, more on big clusters)")]
 Precision = Annotated[str, typer.Option("--precision", help="bf16 or fp8")]

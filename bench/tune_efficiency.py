@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import random
 import statistics
 import sys
@@ -59,18 +60,20 @@ def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bo
         rnd.append(trials_to_within([grid.tps(k) for k in ks], best))
     results["random order"] = rnd
     until = (1 - TOL) * best
-    studies = [("TPE, no seeds", 0, "tpe"), (STUDY, 4, "tpe")] + ([(SURROGATE, 4, "surrogate")] if surrogate else [])
-    for name, top_k, sampler in studies:
-        results[name] = [trials_to_within(rep.run(top_k, sampler, s, budget, until=until).values, best)
+    studies = ([("TPE, no seeds", 0, "tpe", 1), (STUDY, 4, "tpe", 1)]
+               + ([(SURROGATE, 4, "surrogate", 1)] if surrogate else [])
+               + [(f"{STUDY}, --batch {b} (whole jobs)", 4, "tpe", b) for b in batches])
+    for name, top_k, sampler, b in studies:
+        results[name] = [jobs_cost(rep.run(top_k, sampler, s, budget, until=until, batch=b).values, best, b)
                          for s in range(seeds)]
-    for b in batches:
-        runs = []
-        for s in range(seeds):
-            vals = rep.run(4, "tpe", s, budget, until=until, batch=b).values
-            hit = trials_to_within(vals, best)
-            runs.append(None if hit is None else min(len(vals), -(-hit // b) * b))  # whole jobs
-        results[f"{STUDY}, --batch {b} (whole jobs)"] = runs
     return results
+
+
+def jobs_cost(values: list[float], best: float, batch: int) -> int | None:
+    """Trials run until one within TOL of `best`, counting the whole job (of `batch` trials) it
+    came back in; None if none did."""
+    hit = trials_to_within(values, best)
+    return None if hit is None else min(len(values), math.ceil(hit / batch) * batch)
 
 
 def print_table(results: dict[str, list], budget: int, worst: str = "worst") -> None:
@@ -141,7 +144,6 @@ def projection_share(rep: Replay, target: float, limit: int = 20000) -> float | 
     within TOL of the best: unmeasured combinations land on their nearest measured layout, so a
     densely measured region gets less of the parameter space than a sparse one."""
     import itertools
-    import math
 
     from advisor.search_spaces.space import resolve_params
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import psutil
+
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.runners import megatron_args as MA
 
@@ -891,60 +893,38 @@ def _die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
-def _proc_stat(pid: int) -> tuple[int, str, int] | None:
-    """(ppid, state, start time in clock ticks) of a process, from /proc; None if gone."""
+def _descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of pid (psutil remembers each one's start time, so a recycled pid is
+    never mistaken for it)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    rest = stat[stat.rfind(")") + 2:].split()  # the command name may hold spaces and ')'
-    try:
-        return int(rest[1]), rest[0], int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _descendants(pid: int) -> list[tuple[int, int]]:
-    """(pid, start time) of every live descendant of pid (Linux; [] elsewhere)."""
-    try:
-        names = [n for n in os.listdir("/proc") if n.isdigit()]
-    except OSError:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
         return []
-    children: dict[int, list[tuple[int, int]]] = {}
-    for n in names:
-        st = _proc_stat(int(n))
-        if st is not None:
-            children.setdefault(st[0], []).append((int(n), st[2]))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c[0])
-    return out
 
 
-def _alive(pid: int, started: int) -> bool:
-    st = _proc_stat(pid)
-    return st is not None and st[2] == started and st[1] != "Z"
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def _kill_all(procs: list[tuple[int, int]], wait_s: float = 10.0) -> None:
-    """SIGKILL the processes still alive (same pid AND start time: never a recycled pid) and
-    wait until they are gone."""
-    left = [p for p in procs if _alive(*p)]
-    for pid, _ in left:
+def _kill_all(procs: list[psutil.Process], wait_s: float = 10.0) -> None:
+    """SIGKILL the processes still alive and wait until they are gone (a zombie counts as gone:
+    its parent may be dead and nobody may reap it)."""
+    left = [p for p in procs if _alive(p)]
+    for p in left:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+            p.kill()
+        except psutil.Error:
             pass
     t0 = time.time()
     while left and time.time() - t0 < wait_s:
-        left = [p for p in left if _alive(*p)]
+        left = [p for p in left if _alive(p)]
         if left:
             time.sleep(0.05)
     if left:
-        log.warning("processes %s survived SIGKILL", [p for p, _ in left])
+        log.warning("processes %s survived SIGKILL", [p.pid for p in left])
 
 
 def _raise_interrupt(signum, frame):

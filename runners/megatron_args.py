@@ -272,12 +272,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "transformer_engine",
-        "--tensor-model-parallel-size", str(cfg.tp),
-        "--pipeline-model-parallel-size", str(cfg.pp),
-        "--context-parallel-size", str(cfg.cp),
-        "--micro-batch-size", str(cfg.mbs), "--global-batch-size", str(cfg.gbs),
-        "--bf16",
-    ]
+    ] + _parallel_size_args(cfg) + ["--bf16"]
     if cfg.precision == "fp8":
         a += ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
               "--fp8-amax-compute-algo", "max"]
@@ -314,6 +309,13 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
     return a
 
 
+def _parallel_size_args(cfg: TrainConfig) -> list[str]:
+    """TP / PP / CP sizes and the batch (DP follows from the world size)."""
+    return ["--tensor-model-parallel-size", str(cfg.tp), "--pipeline-model-parallel-size", str(cfg.pp),
+            "--context-parallel-size", str(cfg.cp),
+            "--micro-batch-size", str(cfg.mbs), "--global-batch-size", str(cfg.gbs)]
+
+
 def _recompute_args(cfg: TrainConfig, name_modules: bool) -> list[str]:
     """Recompute flags: selective = core attention (named explicitly for the runner's records),
     full = every layer, one at a time."""
@@ -337,10 +339,7 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
         "--no-bias-swiglu-fusion" if model.activation == "swiglu" else "--no-bias-gelu-fusion",
         "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
         "--no-gradient-accumulation-fusion",
-        "--tensor-model-parallel-size", str(cfg.tp),
-        "--pipeline-model-parallel-size", str(cfg.pp),
-        "--context-parallel-size", str(cfg.cp),
-        "--micro-batch-size", str(cfg.mbs), "--global-batch-size", str(cfg.gbs),
+    ] + _parallel_size_args(cfg) + [
         "--train-iters", str(train_iters), "--lr", "1e-4", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--optimizer", "adam", "--mock-data",
         "--tokenizer-type", "NullTokenizer",

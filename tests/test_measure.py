@@ -274,13 +274,17 @@ def test_batch_workers_that_never_start(tmp_path, monkeypatch):
     assert "did not start" in recs[0]["error"] and "megatron" in recs[0]["error"]
 
 
-def test_batch_interrupt_keeps_partial_record(tmp_path, fake_torchrun):
-    es = _entries(["ok", "hang", "ok"])
+def _interrupted_batch(tmp_path, kinds: list[str]) -> list[dict]:
+    """Run a batch, Ctrl-C it after 2 s, and return what reached its dataset."""
     ds = tmp_path / "out.jsonl"
     threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
-        M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=60, telemetry="off")
-    recs = M.read_jsonl(ds)
+        M.run_batch(_entries(kinds), ds, 2, run_dir=tmp_path / "run", timeout=60, telemetry="off")
+    return M.read_jsonl(ds)
+
+
+def test_batch_interrupt_keeps_partial_record(tmp_path, fake_torchrun):
+    recs = _interrupted_batch(tmp_path, ["ok", "hang", "ok"])
     assert [r["status"] for r in recs] == ["ok", "killed"]
     assert recs[1]["steps"] is None or recs[1]["steps"]["measured"] == 0
 
@@ -366,12 +370,7 @@ def test_oom_then_hang_is_oom_after_the_launcher_kills(tmp_path, fake_torchrun):
 
 
 def test_interrupt_after_a_reported_oom_keeps_the_oom(tmp_path, fake_torchrun):
-    es = _entries(["ok", "oomhang", "ok"])
-    ds = tmp_path / "out.jsonl"
-    threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=60, telemetry="off")
-    assert [r["status"] for r in M.read_jsonl(ds)] == ["ok", "oom"]
+    assert [r["status"] for r in _interrupted_batch(tmp_path, ["ok", "oomhang", "ok"])] == ["ok", "oom"]
 
 
 def _pid_alive(pid: int) -> bool:
