@@ -7,13 +7,14 @@
 #
 #   bash bench/device_session.sh placement   # docs/placement.md: rank -> planned GPU check,
 #                                            # thermal profile of every slot, placed vs identity
-#   bash bench/device_session.sh full-depth  # llama3-8b at 32 layers: TP=4, TP x PP, PP=4, DP
+#   bash bench/device_session.sh full-depth [S]  # llama3-8b at 32 layers: TP=4, TP x PP, PP=4,
+#                                            # DP; starts no config after S seconds (default 480)
 #   bash bench/device_session.sh tune [S]    # the real study of docs/tune.md; launches nothing
 #                                            # after S seconds (default 330); run again to resume
 #
 # Steps are independent: each installs what it needs on the bare machine first.
 set -uo pipefail
-step=${1:?usage: bash bench/device_session.sh placement|full-depth|tune [seconds]}
+step=${1:?usage: bash bench/device_session.sh placement|full-depth [seconds]|tune [seconds]}
 OUT=${OUT:-/tmp/advisor-out}
 mkdir -p "$OUT"
 log() { echo "== $(date +%T) $*"; }
@@ -67,7 +68,7 @@ full-depth)
   d="$OUT/data/measurements"; mkdir -p "$d"
   log "llama3-8b, 32 layers, seq 4096, gbs 32 on 4 GPUs (bench/campaign_configs/h200x4-full.jsonl)"
   advisor measure --batch bench/campaign_configs/h200x4-full.jsonl --dataset "$d/h200x4-full-depth.jsonl" \
-    --max-seconds 480 --timeout 240 2>&1 | tail -12
+    --max-seconds "${2:-480}" --timeout 240 2>&1 | tail -12
   ;;
 tune)
   budget=${2:-330}
