@@ -30,6 +30,10 @@ export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTI
   NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
 python3 -c "import advisor.runners.measure, optuna, megatron.core" || exit 2
 advisor() { python3 -m advisor "$@"; }
+# A process an earlier step left on the GPUs (seen: torchrun workers of a killed tune driver, 60-90
+# GiB each) makes this step's jobs run out of memory: end them first, and say so.
+stale=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' ')
+if [ -n "$stale" ]; then echo "ending processes left on the GPUs: $(echo $stale)"; kill -9 $stale 2>/dev/null; sleep 3; fi
 nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,temperature.gpu,power.limit --format=csv > "$OUT/gpus.csv"
 cat "$OUT/gpus.csv"
 ngpu=$(($(wc -l < "$OUT/gpus.csv") - 1))
@@ -77,8 +81,11 @@ tune)
   ray_arg=()
   python3 -c "import ray" 2>/dev/null || { echo "ray is not importable here: trials run inline"; ray_arg=(--ray-address inline); }
   log "study (resumes from $study.journal when it exists)"
-  timeout $((budget + 190)) python3 -m advisor tune --model llama3-8b --cluster h200x4 --seq 4096 --gbs 32 \
-    --layers 8 --runner megatron --trials 24 --batch 8 --steps 5 --warmup 2 --trial-timeout 300 \
+  # A layout of this proxy takes 10-16 s inside a torchrun (build + 7 steps; start-up 15 s), so a
+  # trial with no progress for 90 s is hung (one did, for 5 min, in the first run). SIGINT lets
+  # the driver settle the trials in flight (told from the spool, or failed and re-enqueued).
+  timeout -s INT -k 30 $((budget + 190)) python3 -m advisor tune --model llama3-8b --cluster h200x4 --seq 4096 --gbs 32 \
+    --layers 8 --runner megatron --trials 24 --batch 8 --steps 5 --warmup 2 --trial-timeout 90 \
     --timeout "$budget" --storage "$study.journal" --dataset data/measurements/tune-llama3-8b-h200x4.jsonl \
     --json "${ray_arg[@]}" > "$OUT/$study.json" 2> "$OUT/$study.log"
   echo "exit $?"; tail -5 "$OUT/$study.log"

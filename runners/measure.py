@@ -14,7 +14,8 @@ workers started gets exactly one record; what a worker reported (``oom`` / ``cra
 the status even if torchrun is killed afterwards, and the launcher's own kills (interrupt,
 budget) give ``killed`` with the steps done, never a ``crash`` classified from the log.
 torchrun runs in a session of its own with ``PR_SET_PDEATHSIG`` (Linux): it ends with the
-launcher even when the launcher is SIGKILLed; its workers are killed with it.
+launcher even when the launcher is SIGKILLed, and each worker arms ``PR_SET_PDEATHSIG`` (SIGKILL)
+itself: no worker outlives its torchrun, whatever killed it (``runners/parent_watch.py``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import psutil
 
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.runners import megatron_args as MA
+from advisor.runners.parent_watch import preexec_die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -662,7 +664,7 @@ class BatchRunner:
             # stops torchrun and records what was measured. PR_SET_PDEATHSIG: torchrun still
             # goes if the launcher is SIGKILLed.
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, preexec_fn=_die_with_parent())
+                                         start_new_session=True, preexec_fn=preexec_die_with_parent())
         s: dict[str, Any] = {"current": None, "failed": None, "batch_done": False, "seen": False,
                              "progress": time.time(), "start": start, "log_mark": 0,
                              "torchrun_started": launched_at}
@@ -859,40 +861,6 @@ def _tail(path: Path, n: int = 200_000, start: int = 0) -> str:
 
 
 # ------------------------------------------------------------------------------- processes
-PR_SET_PDEATHSIG = 1
-_prctl: Any = None
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child receive SIGTERM when this process dies, even by
-    SIGKILL (``prctl(PR_SET_PDEATHSIG)``; Linux only: None elsewhere). The signal follows the
-    death of the *thread* that started the child, so call Popen from the thread that waits
-    for it. Everything is resolved before the fork; the child only makes two system calls."""
-    global _prctl
-    if not sys.platform.startswith("linux"):
-        return None
-    if _prctl is None:
-        try:
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.prctl
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-            _prctl = fn
-        except (OSError, AttributeError):
-            _prctl = False
-    if not _prctl:
-        return None
-    prctl, parent, sig = _prctl, os.getpid(), int(signal.SIGTERM)
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:  # the launcher died before prctl: nobody will signal us
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
 def _descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of pid (psutil remembers each one's start time, so a recycled pid is
     never mistaken for it)."""

@@ -39,6 +39,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from parent_watch import die_with_parent  # beside this file (sys.path[0] when run as a script)
 
 GIB = 2 ** 30
 EXIT_OOM, EXIT_CRASH = 3, 4
@@ -329,6 +330,9 @@ def main(argv=None):
     ap.add_argument("run_dir")
     ap.add_argument("start", type=int)
     a = ap.parse_args(argv)
+    # SIGKILL when torchrun's agent dies, however it died: a worker left behind holds its GPU's
+    # memory (seen: 60-90 GiB per GPU after a tune driver was killed) and the next job OOMs.
+    die_with_parent()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world = int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(local_rank)

@@ -43,3 +43,66 @@ def test_batch_on_local_gpus(tmp_path):
         assert max(r["memory"]["start_allocated_gib_per_rank"]) < 1.0  # nothing left from earlier jobs
         if r["telemetry"] is not None:
             assert set(r["telemetry"]["per_gpu"]) == {rm["uuid"] for rm in r["rank_map"]}
+
+
+def test_no_worker_outlives_a_sigkilled_launcher_and_torchrun(tmp_path):
+    # The launcher (a Ray task, `advisor measure`) and torchrun can both be SIGKILLed (Ray
+    # force-kill, the OOM killer, a driver's timeout). Each worker armed PR_SET_PDEATHSIG
+    # (runners/parent_watch.py), so none is left holding GPU memory for the next job to OOM on.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    n = torch.cuda.device_count()
+    run_dir = tmp_path / "run"
+    script = tmp_path / "launcher.py"
+    script.write_text(f"""
+from advisor.catalog.specs import ModelSpec
+from advisor.runners import measure as M
+tiny = ModelSpec(name="tiny", num_layers=4, hidden_size=512, ffn_hidden_size=1408,
+                 num_attention_heads=8, num_query_groups=4, vocab_size=32000)
+e = M.make_entry(tiny, {n}, seq=1024, mbs=1, gbs=8 * {n}, warmup=1, steps=100000)
+M.run_batch([e], None, {n}, run_dir={str(run_dir)!r}, timeout=300, telemetry="off")
+""")
+    launcher = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ))
+    workers: list[psutil.Process] = []
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 180:  # until rank 0 reports steps: armed, built, training
+            p = run_dir / "rank0.jsonl"
+            if p.exists() and sum(1 for e in M.read_jsonl(p) if e["ev"] == "step") >= 3:
+                break
+            assert launcher.poll() is None, "the launcher ended before the job trained"
+            time.sleep(0.5)
+        else:
+            raise AssertionError("no training steps within 180 s")
+        tree = psutil.Process(launcher.pid).children(recursive=True)
+        workers = [p for p in tree if "megatron_worker.py" in " ".join(p.cmdline())
+                   and "torch.distributed.run" not in p.cmdline()]  # torchrun's own args name it
+        assert len(workers) == n, f"expected {n} workers, found {len(workers)}"
+        for p in [psutil.Process(launcher.pid)] + [p for p in tree if p not in workers]:
+            p.send_signal(signal.SIGKILL)  # launcher and torchrun: nobody left to clean up
+        gone, alive = psutil.wait_procs(workers, timeout=20)
+        assert not alive, f"workers {[p.pid for p in alive]} outlived torchrun"
+        pids = {p.pid for p in workers}
+        t0 = time.time()
+        while time.time() - t0 < 20:
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout.split()
+            if not pids & {int(x) for x in out if x.isdigit()}:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the GPUs still list a killed worker")
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for p in workers:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

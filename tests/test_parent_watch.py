@@ -1,0 +1,69 @@
+"""Processes that must not outlive their parent (runners/parent_watch.py): a torchrun worker left
+behind keeps its GPU memory, and the next job on that GPU runs out of memory."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from advisor.runners import parent_watch
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+
+RUNNERS = os.path.dirname(parent_watch.__file__)
+# A stand-in for torchrun's agent: starts a worker that arms die_with_parent the way
+# megatron_worker.py does (imported as a sibling module), prints its pid, then waits.
+AGENT = f"""
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", '''
+import sys, time
+sys.path.insert(0, {RUNNERS!r})
+from parent_watch import die_with_parent
+assert die_with_parent()
+print("armed", flush=True)
+time.sleep(120)
+'''], stdout=subprocess.PIPE, text=True)
+assert worker.stdout.readline().strip() == "armed"
+print(worker.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_worker_dies_when_its_agent_is_sigkilled():
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(agent.stdout.readline())
+        time.sleep(0.5)
+        assert _alive(worker), "the worker died while its agent lived"
+        agent.kill()  # no handler, no cleanup: as when Ray or the OOM killer takes torchrun down
+        agent.wait(10)
+        t0 = time.time()
+        while _alive(worker) and time.time() - t0 < 10:
+            time.sleep(0.05)
+        assert not _alive(worker), "the worker outlived its agent"
+    finally:
+        agent.kill()
+        agent.wait()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_a_parent_already_gone_means_the_signal_comes_at_once():
+    # The pid the caller believed to be its parent is not its parent now: it was reparented
+    # before it could arm the signal.
+    code = (f"import sys, os; sys.path.insert(0, {RUNNERS!r}); from parent_watch import die_with_parent; "
+            "die_with_parent(parent=os.getppid() + 1); import time; time.sleep(30)")
+    p = subprocess.run([sys.executable, "-c", code], timeout=20)
+    assert p.returncode == -signal.SIGKILL
+
