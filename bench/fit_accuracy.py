@@ -57,14 +57,15 @@ def simulated_file() -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-def section_accuracy(ds, folds: int) -> None:
+def section_accuracy(ds, folds: int, by_depth: bool = False) -> None:
     from advisor.cmd_fit import format_report
     from advisor.models import calibrate
 
     t0 = time.perf_counter()
-    cal = calibrate.fit(ds, folds=folds)
+    cal = calibrate.fit(ds, folds=folds, by_depth=by_depth)
     print(format_report(cal))
     print(f"(fit + CV in {time.perf_counter() - t0:.0f} s)")
+    print_oof_by_file(cal)
     print("80% interval of the level used, out-of-fold:")
     for t, row in cal.cv["targets"].items():
         iv = row["interval"]
@@ -75,6 +76,23 @@ def section_accuracy(ds, folds: int) -> None:
             lo, hi = iv.get("q_lo", iv["lo"]), iv.get("q_hi", iv["hi"])
             unit = "" if t in calibrate.ADDITIVE else " (log ratio)"
             print(f"  {t:22s} residual quantiles 10% / 90%: {lo:+.3f} / {hi:+.3f}{unit}")
+
+
+def print_oof_by_file(cal) -> None:
+    """The out-of-fold error of each level and of the level used, per data file."""
+    from advisor.models import calibrate
+
+    src = np.array([s.rsplit(":", 1)[0] for s in cal.oof["source"]])
+    print("out-of-fold error per data file (analytical / calibrated / surrogate; * = level used):")
+    for t, row in cal.cv["targets"].items():
+        y = cal.oof["y"][t]
+        for f in dict.fromkeys(src):
+            m = (src == f) & np.isfinite(y)
+            if not m.any():
+                continue
+            errs = [calibrate.error(t, y[m], cal.oof["levels"][t][lv][m]) for lv in calibrate.MODES]
+            cells = " / ".join(f"{e:6.2f}{'*' if lv == row['chosen'] else ' '}" for e, lv in zip(errs, calibrate.MODES))
+            print(f"  {t:22s} {f:32s} n={m.sum():3d} {row['metric']:7s} {cells}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,6 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--min-grid", type=int, default=8)
     ap.add_argument("--skip-sampler", action="store_true")
+    ap.add_argument("--by-depth", action="store_true",
+                    help="CV folds hold out one depth of a model (train on its other depths) "
+                         "instead of whole architectures")
     a = ap.parse_args(argv)
     from advisor.models import dataset
 
@@ -185,7 +206,7 @@ def main(argv=None) -> int:
     for line in ds.rejected[:10]:
         print(f"      {line}")
     print("\n## 1. accuracy on held-out model shapes (analytical vs calibrated vs surrogate)\n")
-    section_accuracy(ds, a.folds)
+    section_accuracy(ds, a.folds, a.by_depth)
     if not a.skip_sampler:
         print("\n## 2. active learning: SurrogateSampler vs TPE vs random on the measured grid")
         section_sampler(ds, a.seeds, a.min_grid)

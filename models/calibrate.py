@@ -225,13 +225,15 @@ def metric_name(target: str) -> str:
 # the whole fit
 # ------------------------------------------------------------------------------------------------
 
-def cv_splits(ds: Dataset, folds: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
+def cv_splits(ds: Dataset, folds: int, by_depth: bool = False) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
     """Grouped k-fold by model shape (architecture without depth); by shape with depth when there
-    are fewer than 2 architectures; ungrouped (and said so) when even that is one group."""
+    are fewer than 2 architectures or when `by_depth` (then a fold holds out one depth of a model
+    and trains on its other depths); ungrouped (and said so) when even that is one group."""
     from sklearn.model_selection import GroupKFold, KFold
 
     n = len(ds)
-    for with_layers, how in ((False, "model architecture"), (True, "model architecture and depth")):
+    schemes = ((False, "model architecture"), (True, "model architecture and depth"))
+    for with_layers, how in schemes[1:] if by_depth else schemes:
         groups = ds.groups(with_layers)
         k = min(folds, len(set(groups)))
         if k >= 2:
@@ -243,8 +245,10 @@ def cv_splits(ds: Dataset, folds: int) -> tuple[list[tuple[np.ndarray, np.ndarra
             f"KFold({k}) UNGROUPED: one model shape only, CV does not test other shapes")
 
 
-def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log=None) -> "Calibration":
-    """Cross-validate the three levels per target, choose one per target, refit on everything."""
+def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log=None,
+        by_depth: bool = False) -> "Calibration":
+    """Cross-validate the three levels per target, choose one per target, refit on everything.
+    The out-of-fold predictions stay on the result as `oof` (not saved to the file)."""
     say = log or (lambda s: None)
     records = ds.records
     if len(records) < 3:
@@ -252,7 +256,7 @@ def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log
                                + (f" ({len(ds.rejected)} rejected)" if ds.rejected else ""))
     y = {t: ds.y(t) for t in TARGETS}
     analytical = _values(records, _predict_rows(records, DEFAULT))
-    splits, how = cv_splits(ds, folds)
+    splits, how = cv_splits(ds, folds, by_depth)
     n = len(records)
     oof = {t: {k: np.full(n, np.nan) for k in ("analytical", "calibrated", "surrogate", "mu", "sd")}
            for t in TARGETS}
@@ -303,7 +307,8 @@ def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log
                   "gpus": sorted({r.cluster.gpu.name for r in records}),
                   "world_sizes": sorted({r.cluster.world_size for r in records})}
     return Calibration(constants=final.constants, targets=targets, surrogates=sur, trained_on=trained_on,
-                       cv=cv, fit_info=final.fit_info)
+                       cv=cv, fit_info=final.fit_info,
+                       oof={"source": [r.source for r in records], "y": y, "levels": oof})
 
 
 def _interval(t: str, mode: str, y: np.ndarray, o: dict[str, np.ndarray]) -> dict:
@@ -359,6 +364,8 @@ class Calibration:
     fit_info: dict = field(default_factory=dict)
     feature_names: tuple[str, ...] = FEATURE_NAMES
     source: str = ""
+    # out-of-fold predictions of the fit that made this ({"source", "y", "levels"}); not saved
+    oof: dict = field(default_factory=dict, repr=False)
 
     @property
     def screening_constants(self) -> Constants:

@@ -85,6 +85,28 @@ def test_one_architecture_groups_by_depth_then_says_ungrouped(sim):
     assert "UNGROUPED" in how
 
 
+def test_by_depth_holds_out_one_depth_and_trains_on_the_others(sim):
+    llama = [r for r in sim.records if r.model.name.startswith("llama3-8b")]
+    deeper = [D.Record(r.id + "x", r.source, r.model.with_layers(8), r.cluster, r.cfg, r.y) for r in llama]
+    ds = D.Dataset(records=sim.records + deeper)
+    splits, how = C.cv_splits(ds, 10, by_depth=True)
+    assert how.startswith("GroupKFold(") and "depth" in how
+    depth, arch = ds.groups(with_layers=True), ds.groups()
+    for train, test in splits:
+        assert not set(depth[train]) & set(depth[test])
+    # some fold tests one llama depth while training on the other
+    assert any(set(arch[train]) & set(arch[test]) for train, test in splits)
+
+
+def test_fit_keeps_its_out_of_fold_predictions(cal):
+    n = cal.trained_on["n_rows"]
+    assert len(cal.oof["source"]) == n and all(":" in s for s in cal.oof["source"])
+    for t, row in cal.cv["targets"].items():
+        y, levels = cal.oof["y"][t], cal.oof["levels"][t]
+        assert row[row["chosen"]]["error"] == pytest.approx(C.error(t, y, levels[row["chosen"]]))
+    assert "oof" not in cal.to_payload()
+
+
 def test_cv_reports_three_levels_and_never_uses_a_worse_one(cal):
     for t, row in cal.cv["targets"].items():
         assert set(C.MODES) <= set(row)
