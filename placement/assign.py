@@ -52,6 +52,10 @@ class ThrottleCurve:
     # else slowdown_temp_c - 2.
     thermal_target_c: float | None = None
 
+    def leakage(self, temp_c: float) -> float:
+        """Dynamic power at temp_c relative to ref_temp_c (floored at 0.5)."""
+        return max(0.5, 1.0 + self.leak_per_c * (temp_c - self.ref_temp_c))
+
     def target_c(self, cluster: ClusterSpec) -> float:
         g = cluster.gpu
         if self.thermal_target_c is not None:
@@ -76,8 +80,7 @@ def slot_speeds(slots: list[SlotProfile], cluster: ClusterSpec, curve: ThrottleC
     speeds = [s.extra.get("speed_at_cap") for s in slots]
     if not slots or any(not isinstance(v, (int, float)) or v <= 0 for v in speeds):
         return [1.0] * len(slots)
-    silicon = [v * max(0.5, 1.0 + curve.leak_per_c * (s.temp_c(float(s.extra.get("load_power_w") or cluster.power_cap_w))
-                                                       - curve.ref_temp_c))
+    silicon = [v * curve.leakage(s.temp_c(float(s.extra.get("load_power_w") or cluster.power_cap_w)))
                for v, s in zip(speeds, slots)]
     mean = sum(silicon) / len(silicon)
     return [v / mean for v in silicon]
@@ -91,9 +94,8 @@ def slot_effect(heat: StageHeat, slot: SlotProfile, cluster: ClusterSpec,
     p_thermal = slot.power_at_temp_w(curve.target_c(cluster))
     cap = max(min(cluster.power_cap_w, p_thermal), cluster.gpu.idle_w + 1.0)
     t0 = slot.temp_c(min(heat.demand_mean_w, cap))
-    leak = max(0.5, 1.0 + curve.leak_per_c * (t0 - curve.ref_temp_c))
     pe = heat.power(dataclasses.replace(cluster, power_cap_w=cap),
-                    c.replace(capped_gemm_speed=c.capped_gemm_speed * speed / leak))
+                    c.replace(capped_gemm_speed=c.capped_gemm_speed * speed / curve.leakage(t0)))
     limit = "none"
     if pe.compute_slowdown > 1.0:
         limit = "thermal" if p_thermal < cluster.power_cap_w else "power cap"
@@ -161,9 +163,9 @@ class Assigner:
                                 f"{cluster.gpus_per_node} per node")
         cache: dict = {}
         # eff[node][stage][cuda index]
-        self.eff = [[[self._effect(cache, h, s, sp, cluster, curve, c)
-                      for s, sp in zip(slots, slot_speeds(slots, cluster, curve))] for h in heats]
-                    for slots in self.slots]
+        speeds = [slot_speeds(slots, cluster, curve) for slots in self.slots]
+        self.eff = [[[self._effect(cache, h, s, sp, cluster, curve, c) for s, sp in zip(slots, node_speeds)]
+                     for h in heats] for slots, node_speeds in zip(self.slots, speeds)]
 
     @staticmethod
     def _effect(cache, h, s, speed, cluster, curve, c) -> SlotEffect:

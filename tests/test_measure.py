@@ -16,6 +16,7 @@ import pytest
 
 from advisor.catalog.specs import ModelSpec, SpecError
 from advisor.runners import measure as M
+from support import pid_alive, wait_gone
 
 DATA = Path(__file__).parent / "data" / "measure"
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
@@ -373,14 +374,6 @@ def test_interrupt_after_a_reported_oom_keeps_the_oom(tmp_path, fake_torchrun):
     assert [r["status"] for r in _interrupted_batch(tmp_path, ["ok", "oomhang", "ok"])] == ["ok", "oom"]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
 def _wait_for_worker_pid(run_dir: Path, timeout_s: float = 20.0) -> int:
     """The fake worker's pid, once its first job is running."""
     t0 = time.time()
@@ -428,17 +421,14 @@ M.run_batch([e], None, 1, run_dir={str(run_dir)!r}, timeout=600, telemetry="off"
     worker = None
     try:
         worker = _wait_for_worker_pid(run_dir)
-        assert _pid_alive(worker)
+        assert pid_alive(worker)
         launcher.kill()  # SIGKILL: no handler, no cleanup in the launcher
         launcher.wait(10)
-        t0 = time.time()
-        while _pid_alive(worker) and time.time() - t0 < 10:
-            time.sleep(0.05)
-        assert not _pid_alive(worker), "torchrun outlived the launcher"
+        assert wait_gone(worker), "torchrun outlived the launcher"
     finally:
         launcher.kill()
         launcher.wait()
-        if worker is not None and _pid_alive(worker):
+        if worker is not None and pid_alive(worker):
             os.kill(worker, signal.SIGKILL)
 
 

@@ -2,7 +2,6 @@
 full-depth measurements."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,20 +10,14 @@ from advisor.models.calibrate import resolve_calibration
 from advisor.models.constants import DEFAULT
 from advisor.models.dataset import load
 from advisor.models.memory import stage_memory
+from support import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = str(ROOT / "data" / "measurements" / "h200x4-full-depth.jsonl")
 
 
-def bench(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_memory_terms_split_the_models_activations_and_logits():
-    rows = bench("memory_terms").stage_rows([FULL])
+    rows = load_bench("memory_terms").stage_rows([FULL])
     recs = {r.id: r for r in load([FULL]).records}
     assert len(rows) == 16 and len({r[0] for r in rows}) == 8  # 1 + 1 + 2 + 2 + 4 + 4 + 1 + 1 stages
     k = 1.0 + DEFAULT.fragmentation
@@ -36,7 +29,7 @@ def test_memory_terms_split_the_models_activations_and_logits():
 
 
 def test_compare_leaves_the_runtime_overhead_out_of_analytical_memory_only():
-    cmp = bench("compare_measurements")
+    cmp = load_bench("compare_measurements")
     _, plain = cmp.evaluate([FULL])
     cal = resolve_calibration("default")
     _, calibrated = cmp.evaluate([FULL], cal)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from advisor.runners import parent_watch
+from support import pid_alive, wait_gone
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 
@@ -31,31 +32,20 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_worker_dies_when_its_agent_is_sigkilled():
     agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
     worker = None
     try:
         worker = int(agent.stdout.readline())
         time.sleep(0.5)
-        assert _alive(worker), "the worker died while its agent lived"
+        assert pid_alive(worker), "the worker died while its agent lived"
         agent.kill()  # no handler, no cleanup: as when Ray or the OOM killer takes torchrun down
         agent.wait(10)
-        t0 = time.time()
-        while _alive(worker) and time.time() - t0 < 10:
-            time.sleep(0.05)
-        assert not _alive(worker), "the worker outlived its agent"
+        assert wait_gone(worker), "the worker outlived its agent"
     finally:
         agent.kill()
         agent.wait()
-        if worker is not None and _alive(worker):
+        if worker is not None and pid_alive(worker):
             os.kill(worker, signal.SIGKILL)
 
 

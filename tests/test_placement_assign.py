@@ -2,7 +2,6 @@
 brute force on small instances) and the plan's decision rule."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from pathlib import Path
 
@@ -16,16 +15,10 @@ from advisor.placement import (LayerCosts, Planner, ThrottleCurve, load_profile,
                                profile_from_dict, slot_effect, stage_heat)
 from advisor.placement.assign import Geometry
 from advisor.search_spaces.layout import IllegalLayout
+from support import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BURN_PROFILE = ROOT / "data" / "profiles" / "h200x4-burn.json"
-
-
-def sim_module():
-    spec = importlib.util.spec_from_file_location("thermal_sim", ROOT / "bench" / "thermal_sim.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def profile(slots, node="n"):
@@ -220,7 +213,7 @@ def test_planner_predicts_the_measured_placed_vs_identity_gain():
 
 
 def test_paper_cases_planner_takes_llama_split_and_declines_gpt3_split():
-    sim = sim_module()
+    sim = load_bench("thermal_sim")
     hgx = sim.hgx8()
     label, model, cluster, cfg, _ = sim.CASES[0]  # Llama3-70B PP4
     p = plan(model, cluster, cfg, [hgx], uneven=True)
@@ -252,14 +245,9 @@ def test_stage_heat_ranks_measured_pipeline_stages():
     """The GPUs of the h200x4 campaign measured each stage's mean power (11 trials with PP > 1):
     the model names the hottest stage of every one, within a few % per stage."""
     import glob
-    import importlib.util
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("stage_heat_check", root / "bench" / "stage_heat_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rows, skipped = mod.rows_from(sorted(glob.glob(str(root / "data" / "measurements" / "*.jsonl"))))
+    mod = load_bench("stage_heat_check")
+    rows, skipped = mod.rows_from(sorted(glob.glob(str(ROOT / "data" / "measurements" / "*.jsonl"))))
     s = mod.summarize(rows)
     assert s["trials"] >= 11 and skipped == 0
     assert s["hottest_stage_right"] == s["trials"]

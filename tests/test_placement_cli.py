@@ -15,6 +15,7 @@ import pytest
 from advisor.placement import PlacementSkipped, env_for_node, placement_env, plan, profile_from_dict
 from advisor.placement import launch as launch_mod
 from advisor.catalog import TrainConfig
+from support import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BURN_PROFILE = ROOT / "data" / "profiles" / "h200x4-burn.json"
@@ -242,7 +243,6 @@ def test_placement_compare_reads_two_measured_runs(tmp_path):
     """bench/placement_compare.py on a campaign PP4 record and a copy of it with the last stage
     moved to the first slot and 1% faster steps."""
     import copy
-    import importlib.util
 
     recs = {json.loads(x)["id"]: json.loads(x) for x in open(ROOT / "data/measurements/h200x4-campaign.jsonl")}
     ident = recs["h200x4-a-10"]
@@ -251,9 +251,7 @@ def test_placement_compare_reads_two_measured_runs(tmp_path):
         rm["stage"] = {0: 3, 3: 0}.get(rm["stage"], rm["stage"])
     for k in ("median_s", "p10_s", "p90_s"):
         placed["steps"][k] *= 0.99
-    spec = importlib.util.spec_from_file_location("placement_compare", ROOT / "bench" / "placement_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("placement_compare")
     c = mod.compare(ident, placed, {"predicted_gain_pct": 2.3, "applied": True})
     assert c["stages_moved"] and abs(c["measured_gain_pct"] - 1.0) < 1e-9 and c["gain_beyond_spread"] is True
     assert c["identity"]["stages"][3]["mean_power_w"] > 600 and c["predicted_gain_pct"] == 2.3
