@@ -93,9 +93,12 @@ def main() -> None:
     args = ap.parse_args()
     cal = None
     if args.calibration:
-        from advisor.models.calibrate import resolve_calibration
+        from advisor.models.calibrate import CalibrationError, resolve_calibration
 
-        cal = resolve_calibration(args.calibration)
+        try:
+            cal = resolve_calibration(args.calibration)
+        except CalibrationError as e:
+            raise SystemExit(f"error: {e}")
     ds, rows = evaluate(args.paths, cal)
     print(ds.summary())
     for line in ds.rejected:

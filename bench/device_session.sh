@@ -11,6 +11,10 @@
 #                                            # DP; starts no config after S seconds (default 480)
 #   bash bench/device_session.sh tune [S]    # the real study of docs/tune.md; launches nothing
 #                                            # after S seconds (default 330); run again to resume
+#   bash bench/device_session.sh probe       # the interleaved-pipeline hang of the tune study
+#                                            # (5 variants, stacks of a hung job), and SDPA's
+#                                            # native GQA vs repeated K/V (3 layouts each)
+#   bash bench/device_session.sh telemetry-ab  # NVML checks and the sampler's cost in step time
 #
 # Steps are independent: each installs what it needs on the bare machine first.
 set -uo pipefail
@@ -102,6 +106,33 @@ for r in d.get("pareto", []):
     print(r["trial"], r["key"], round(r["tokens_per_s_per_gpu"]), r.get("peak_power_w"))
 EOF
   ;;
-*) echo "error: unknown step '$step' (placement, full-depth or tune)"; exit 2 ;;
+probe)
+  d="$OUT/data/measurements"; mkdir -p "$d"
+  log "1/2 TP1 PP4 VP2 variants (microbatches 4 or 8, recompute or not): which hang, and where"
+  advisor measure --batch bench/campaign_configs/h200x4-hang-probe.jsonl --dataset "$d/h200x4-hang-probe.jsonl" \
+    --timeout 40 2>&1 | tail -8
+  log "2/2 GQA in SDPAttention: K/V repeated (as every earlier record) vs SDPA's enable_gqa"
+  for mode in repeat native; do
+    ADVISOR_SDPA_GQA=$mode advisor measure --batch bench/campaign_configs/h200x4-gqa-$mode.jsonl \
+      --dataset "$d/h200x4-gqa.jsonl" --timeout 90 2>&1 | tail -4
+  done
+  python3 - "$d" <<'EOF2'
+import json, sys
+for f in ("h200x4-hang-probe.jsonl", "h200x4-gqa.jsonl"):
+    for l in open(f"{sys.argv[1]}/{f}"):
+        r = json.loads(l)
+        print(r["id"], r["status"], r["config"]["mbs"], r["config"]["gbs"], r["config"]["recompute"],
+              round((r.get("throughput") or {}).get("tokens_per_s_per_gpu") or 0),
+              (r.get("memory") or {}).get("max_gib"), r["env"].get("attention"), (r.get("error") or "")[:400])
+EOF2
+  ;;
+telemetry-ab)
+  d="$OUT/data/telemetry/h200x4-nvml-check"; mkdir -p "$d"
+  log "NVML checks, sampling cost at 20 and 100 Hz, and step time with the sampler on vs off"
+  python3 bench/telemetry_overhead.py --seconds 5 --rates 20,100 --ab 60 --ab-period 3 --out "$d" \
+    > "$d/output.txt" 2>&1
+  echo "exit $?"; tail -22 "$d/output.txt"
+  ;;
+*) echo "error: unknown step '$step' (placement, full-depth, tune, probe or telemetry-ab)"; exit 2 ;;
 esac
 log "done; files under $OUT"

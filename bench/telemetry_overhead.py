@@ -18,6 +18,13 @@ On a machine with NVML (or AMD SMI) it
      power-cap reason 0x4 and the power-violation counter show up.
 Without a GPU it runs the same bench against FakeBackend and says so. --out DIR writes
 telemetry_check.json and one trace per rate (trace_<rate>hz.json.gz).
+
+--ab SECONDS (needs torch and GPUs): the sampler's cost in *step time*. A child process (as the
+training ranks are separate from the launcher's sampler) runs fixed steps of bf16 GEMMs on every
+GPU and logs when each ends; this process turns the sampler on and off every --ab-period seconds,
+for SECONDS per rate. Each "on" window is compared with the mean of the "off" windows on either
+side (drift from temperature and the power cap cancels), per GPU; it prints the mean change in
+median step time and its standard error.
 """
 from __future__ import annotations
 
@@ -134,6 +141,96 @@ def start_load(stop: threading.Event) -> list[threading.Thread]:
     return threads
 
 
+def step_loop(path: str, gemms: int = 24) -> None:
+    """Child of --ab: fixed steps (`gemms` bf16 8192^3 GEMMs, then synchronize) on every GPU until
+    SIGTERM; one line "gpu t_end" per step, flushed."""
+    import signal
+
+    import torch
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    f = open(path, "a", buffering=1)
+    lock = threading.Lock()
+
+    def run(dev: int) -> None:
+        torch.cuda.set_device(dev)
+        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        while not stop.is_set():
+            for _ in range(gemms):
+                a @ b
+            torch.cuda.synchronize(dev)
+            t = time.time()
+            with lock:
+                f.write(f"{dev} {t}\n")
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in range(torch.cuda.device_count())]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    f.close()
+
+
+def step_time_ab(backend, rates: list[float], seconds: float, period: float, counter_rate: float,
+                 workdir: Path) -> dict:
+    """Step time with the sampler on vs off (see --ab). Returns per rate the paired changes."""
+    import subprocess
+
+    log = workdir / "ab_steps.txt"
+    log.unlink(missing_ok=True)
+    child = subprocess.Popen([sys.executable, __file__, "--step-loop", str(log)])
+    try:
+        time.sleep(20.0)  # torch start-up, then power up to the cap
+        windows = []  # (rate or 0 for off, t0, t1)
+        t0 = time.time()
+        for rate in rates:
+            for _ in range(max(1, int(seconds / (2 * period)))):
+                w0 = time.time()
+                time.sleep(period)
+                windows.append((0.0, w0, time.time()))
+                with T.Sampler(backend, rate_hz=rate, counter_rate_hz=counter_rate):
+                    w0 = time.time()
+                    time.sleep(period)
+                    windows.append((rate, w0, time.time()))
+            w0 = time.time()
+            time.sleep(period)
+            windows.append((0.0, w0, time.time()))
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    steps: dict[int, list[float]] = {}
+    for line in log.read_text().splitlines():
+        d, t = line.split()
+        steps.setdefault(int(d), []).append(float(t))
+    out = {"period_s": period, "started": t0, "gpus": sorted(steps), "rates": {},
+           "windows": [list(w) for w in windows], "steps_file": log.name}
+    for rate in rates:
+        changes = []
+        for g, ts in steps.items():
+            ts = np.array(ts)
+            dt, end = np.diff(ts), ts[1:]
+
+            def med(w):  # median step time of the steps that ended inside window w
+                m = (end > w[1]) & (end <= w[2])
+                return float(np.median(dt[m])) if m.sum() >= 3 else None
+
+            for k, w in enumerate(windows):
+                if w[0] != rate or k == 0 or k + 1 >= len(windows):
+                    continue
+                on, before, after = med(w), med(windows[k - 1]), med(windows[k + 1])
+                if None not in (on, before, after):
+                    off = (before + after) / 2
+                    changes.append(100.0 * (on - off) / off)
+        c = np.array(changes)
+        out["rates"][f"{rate:g}"] = {
+            "pairs": len(c), "mean_change_pct": float(c.mean()) if len(c) else None,
+            "stderr_pct": float(c.std(ddof=1) / np.sqrt(len(c))) if len(c) > 1 else None,
+            "median_step_s": float(np.median(np.concatenate([np.diff(v) for v in steps.values()])))}
+    return out
+
+
 def check_trace(trace: T.Trace) -> dict:
     out = {}
     for d in trace.devices:
@@ -168,10 +265,17 @@ def main(argv=None) -> int:
                     help="bf16 GEMMs on every GPU (torch) in a child process, or in threads of this "
                          "process (the sampler then competes for the GIL, as inside a trainer)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--ab", type=float, default=0.0, metavar="SECONDS",
+                    help="step-time A/B: sampler on vs off, SECONDS per rate (needs torch and GPUs)")
+    ap.add_argument("--ab-period", type=float, default=3.0, help="seconds per on / off window")
+    ap.add_argument("--step-loop", help=argparse.SUPPRESS)
     ap.add_argument("--burn-forever", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.burn_forever:
         burn_forever()
+        return 0
+    if args.step_loop:
+        step_loop(args.step_loop)
         return 0
 
     backend = T.FakeBackend(8) if args.backend == "fake" else T.open_backend(args.backend)
@@ -248,6 +352,19 @@ def main(argv=None) -> int:
               f"sw_power_cap {c['throttle_fractions'] and c['throttle_fractions']['sw_power_cap']}, "
               f"power violation {c['power_violation_s']} s, nvlink tx {c['nvlink_tx_bytes']} B; "
               f"decreasing counters: {c['counter_decreases'] or 'none'}; always None: {none or 'nothing'}")
+    if args.ab > 0:
+        if backend.name == "fake":
+            print("\n--ab needs GPUs: skipped")
+        else:
+            rates = [float(r) for r in args.rates.split(",")]
+            ab = report["step_time_ab"] = step_time_ab(backend, rates, args.ab, args.ab_period,
+                                                       args.counter_rate, args.out or Path("."))
+            print(f"\nstep time, sampler on vs off ({len(ab['gpus'])} GPUs, {args.ab_period:g} s windows, "
+                  f"median step {ab['rates'][f'{rates[0]:g}']['median_step_s'] * 1e3:.1f} ms):")
+            for r, v in ab["rates"].items():
+                m, se = v["mean_change_pct"], v["stderr_pct"]
+                print(f"  {r:>5} Hz: {'n/a' if m is None else f'{m:+.3f}%'} "
+                      f"± {'n/a' if se is None else f'{se:.3f}%'} (standard error, {v['pairs']} window pairs x GPUs)")
     if args.out:
         (args.out / "telemetry_check.json").write_text(json.dumps(report, indent=1, default=str))
     backend.close()

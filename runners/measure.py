@@ -305,6 +305,13 @@ def _flops_per_token(model: ModelSpec, seq: int) -> float | None:
     return training_flops_per_token(model, seq)
 
 
+def step_windows(bounds: list[float], warmup: int) -> list[tuple[str, float, float]]:
+    """Telemetry windows of a job's steps from rank 0's boundaries: ("warmup 1", t0, t1), ...,
+    ("step 1", ...), so a saved trace lines up with its record's steps."""
+    return [(f"warmup {k + 1}" if k < warmup else f"step {k - warmup + 1}", a, b)
+            for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+
+
 def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping[int, Mapping[str, Any]],
                     bounds: list[float] | None, trace: Any = None, env: Mapping[str, Any] | None = None,
                     gpus_per_node: int | None = None, trace_path: str | None = None,
@@ -327,7 +334,9 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
         "model": model.to_dict(), "layers": model.num_layers, "config": cfg.to_dict(),
         "cluster": {"gpu": gpu, "num_nodes": 1, "gpus_per_node": gpus_per_node or world},
         "env": {"gpu_name": gpu_name, "driver": env.get("driver"),
-                **{k: env.get(k, hello0.get(k)) for k in ("cuda", "torch", "megatron_core", "python", "hostname")}},
+                **{k: env.get(k, hello0.get(k)) for k in ("cuda", "torch", "megatron_core", "python", "hostname")},
+                **({"attention": env.get("attention", hello0.get("attention"))}
+                   if env.get("attention", hello0.get("attention")) else {})},
         "steps": None, "throughput": None, "memory": None, "telemetry": None, "rank_map": [],
     }
     # rank map
@@ -362,7 +371,8 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
         times = [b - a for a, b in zip(bounds, bounds[1:])]
         measured = times[entry.warmup:]
         rec["steps"] = {"warmup": min(entry.warmup, len(times)), "measured": len(measured),
-                        "step_times_s": times, "median_s": None, "p10_s": None, "p90_s": None}
+                        "step_times_s": times, "median_s": None, "p10_s": None, "p90_s": None,
+                        "bounds_unix": list(bounds)}  # rank 0's step boundaries: align traces with steps
         if measured:
             med = statistics.median(measured)
             rec["steps"].update(median_s=med, p10_s=_pct(measured, 0.1), p90_s=_pct(measured, 0.9))
@@ -469,6 +479,7 @@ class _JobState:
     log_offset: int = 0  # its output in the torchrun log starts at or after this byte
     torchrun_started: float | None = None  # when the launcher started the torchrun that ran it
     first_in_torchrun: bool = False  # no job ran before it in that torchrun
+    stacks: dict[str, list[str]] | None = None  # where each rank was when the watchdog fired
 
 
 class BatchRunner:
@@ -529,6 +540,7 @@ class BatchRunner:
             if entry.save_trace and self.trace_dir is not None and trace is not None:
                 self.trace_dir.mkdir(parents=True, exist_ok=True)
                 p = self.trace_dir / f"{entry.id}.trace.json.gz"
+                trace.windows.extend(step_windows(bounds, entry.warmup))
                 trace.save(p)
                 trace_path = str(p)
         try:
@@ -538,6 +550,8 @@ class BatchRunner:
             log.exception("assembling the record of %s failed", entry.id)
             rec = assemble_record(entry, status, f"{error or ''} [record assembly: {e}]".strip(),
                                   ranks, bounds, None, self.env, gpus_per_node=self.nproc)
+        if st is not None and st.stacks:
+            rec["hang_stacks"] = st.stacks
         if st is not None and st.torchrun_started is not None:
             rec["timing"] = job_timing(st.torchrun_started, st.first_in_torchrun, st.started_at,
                                        bounds[0] if bounds else None, time.time())
@@ -702,6 +716,8 @@ class BatchRunner:
                 break
             if now - s["progress"] > self.timeout:
                 timed_out = True
+                if s["current"] is not None:
+                    states[s["current"]].stacks = dump_worker_stacks(self.proc.pid, self.run_dir)
                 self._kill("timeout")
                 break
             if self._budget_spent():
@@ -750,7 +766,10 @@ class BatchRunner:
             return st.failure
         n = _steps_done(st)
         if self.kill_reason == "timeout" and in_flight:
-            return "timeout", f"no progress for {self.timeout:.0f} s (NCCL hang?); process group killed"
+            where = "; ".join(f"rank {r} in {stack_summary(fr)}" for r, fr in sorted(
+                (st.stacks or {}).items(), key=lambda kv: int(kv[0])) if fr)
+            return "timeout", (f"no progress for {self.timeout:.0f} s (NCCL hang?); process group killed"
+                               + (f"; {where}" if where else ""))
         if self.kill_reason == "budget":
             return "killed", (f"cut by the time budget ({self.max_seconds:g} s) after {n} step(s); "
                               "torchrun stopped by the launcher, partial steps kept")
@@ -769,7 +788,7 @@ class BatchRunner:
         kind, i = evt.get("ev"), evt.get("cfg")
         if kind == "hello":
             self.hello[r] = evt
-            for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname"):
+            for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname", "attention"):
                 self.env.setdefault(k, evt.get(k))
             return
         if kind == "batch_done":
@@ -861,6 +880,58 @@ def _tail(path: Path, n: int = 200_000, start: int = 0) -> str:
 
 
 # ------------------------------------------------------------------------------- processes
+# The workers dump every thread's Python stack (faulthandler) into rank<R>.stacks on this signal.
+STACK_SIGNAL = signal.SIGUSR1
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def dump_worker_stacks(torchrun_pid: int, run_dir: Path, wait_s: float = 2.0) -> dict[str, list[str]]:
+    """Ask the workers under torchrun where they are: {rank: frames of its main thread, innermost
+    first, as "func (file.py:line)"}. Only the worker processes get the signal (torchrun's agent
+    would die of it)."""
+    marks = {p: _size(p) for p in Path(run_dir).glob("rank*.stacks")}
+    sent = 0
+    try:
+        procs = [psutil.Process(torchrun_pid)] + _descendants(torchrun_pid)
+    except psutil.Error:
+        return {}
+    for p in procs:
+        try:
+            if any(Path(a).name == WORKER.name for a in p.cmdline()[:3]):
+                p.send_signal(STACK_SIGNAL)
+                sent += 1
+        except psutil.Error:
+            pass
+    if not sent:
+        return {}
+    time.sleep(wait_s)
+    out = {}
+    for p in sorted(Path(run_dir).glob("rank*.stacks")):
+        frames = parse_stack_dump(_tail(p, start=marks.get(p, 0)))
+        if frames:
+            out[p.stem.removeprefix("rank")] = frames
+    return out
+
+
+def parse_stack_dump(text: str, keep: int = 12) -> list[str]:
+    """The main thread's frames from a faulthandler dump (the "Current thread" block: the signal
+    runs on the main thread), innermost first."""
+    blocks, cur = [], None
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            cur = (line.startswith("Current"), [])
+            blocks.append(cur)
+        elif cur is not None and (m := _FRAME.match(line)):
+            cur[1].append(f"{m['func']} ({Path(m['file']).name}:{m['line']})")
+    main = [b for b in blocks if b[0]] or blocks
+    return main[-1][1][:keep] if main else []
+
+
+def stack_summary(frames: list[str], depth: int = 3) -> str:
+    """The innermost frames of one rank, for an error line."""
+    return " < ".join(frames[:depth])
+
+
 def _descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of pid (psutil remembers each one's start time, so a recycled pid is
     never mistaken for it)."""

@@ -16,10 +16,12 @@ the worker frees everything and goes on.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -42,13 +44,17 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from parent_watch import die_with_parent  # beside this file (sys.path[0] when run as a script)
 
 GIB = 2 ** 30
+# GQA in SDPAttention: "repeat" K/V heads up to the query heads (what every recorded measurement
+# used), or "native" (SDPA's enable_gqa, no repeated copies). Recorded as `attention`.
+GQA = os.environ.get("ADVISOR_SDPA_GQA", "repeat")
 EXIT_OOM, EXIT_CRASH = 3, 4
 
 
 class SDPAttention(MegatronModule):
     """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient
     kernels: memory linear in the sequence, unlike the local spec's unfused DotProductAttention).
-    Causal; GQA by repeating K/V heads up to the query heads of this TP partition."""
+    Causal; GQA by repeating K/V heads up to the query heads of this TP partition, or natively
+    (ADVISOR_SDPA_GQA=native)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -61,10 +67,14 @@ class SDPAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None, **unused):
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        if k.size(1) != q.size(1):
-            rep = q.size(1) // k.size(1)
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        if k.size(1) != q.size(1) and GQA == "native":
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                               enable_gqa=True)
+        else:
+            if k.size(1) != q.size(1):
+                rep = q.size(1) // k.size(1)
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
         s, b = o.size(2), o.size(0)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -337,8 +347,12 @@ def main(argv=None):
     world = int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(local_rank)
     ev = Events(os.path.join(a.run_dir, f"rank{rank}.jsonl"))
+    # On SIGUSR1 (the launcher's watchdog, before it kills a hung job) write where every thread
+    # is: the record then says which call the rank was stuck in.
+    stacks = open(os.path.join(a.run_dir, f"rank{rank}.stacks"), "a", encoding="utf-8")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     ev("hello", rank=rank, local_rank=local_rank, world=world, **device_identity(local_rank),
-       **versions())
+       **versions(), attention=f"sdpa-{GQA}-kv")
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     with open(os.path.join(a.run_dir, "jobs.jsonl"), encoding="utf-8") as f:
         jobs = [json.loads(line) for line in f if line.strip()]

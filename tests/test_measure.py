@@ -216,6 +216,7 @@ def fake_torchrun(monkeypatch):
     def cmd(nproc, run_dir, start=0, python=None):
         return [sys.executable, str(DATA / "fake_worker.py"), str(run_dir), str(start), str(nproc)]
     monkeypatch.setattr(M, "torchrun_command", cmd)
+    monkeypatch.setattr(M, "WORKER", DATA / "fake_worker.py")  # the process the watchdog asks for stacks
 
 
 def _entries(kinds, world=2, steps=2):
@@ -244,7 +245,11 @@ def test_batch_ok_oom_hang_segv_refused(tmp_path, fake_torchrun):
     oom = by_id[es[2].id]
     assert "out of memory" in oom["error"] and oom["memory"]["at_failure"]["1"]["allocated_gib"] == 130.0
     assert "segmentation" in by_id[es[6].id]["error"].lower()
-    assert by_id[es[4].id]["steps"] is None or by_id[es[4].id]["steps"]["measured"] == 0
+    hang = by_id[es[4].id]
+    assert hang["steps"] is None or hang["steps"]["measured"] == 0
+    # the watchdog asked the worker where it was before killing it
+    assert hang["hang_stacks"]["0"][0].startswith("wait_in_collective (fake_worker.py:")
+    assert "rank 0 in wait_in_collective (fake_worker.py:" in hang["error"]
     ok = by_id[es[0].id]
     assert ok["steps"]["measured"] == 2 and ok["throughput"]["tokens_per_s"] > 0
     tel = ok["telemetry"]
@@ -470,3 +475,37 @@ def test_cli_needs_model_or_batch(capsys):
         main(["measure", "--gpus", "1"])
     assert ex.value.code == 2
     assert capsys.readouterr().err.startswith("error: give either --model or --batch")
+
+
+def test_parse_stack_dump_keeps_the_main_thread_innermost_first():
+    dump = """Thread 0x00007f2a3bfff640 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 355 in wait
+  File "/tmp/site/torch/utils/data/_utils/pin_memory.py", line 51 in _pin_memory_loop
+
+Current thread 0x00007f2b8e5c4740 (most recent call first):
+  File "/tmp/site/megatron/core/pipeline_parallel/p2p_communication.py", line 233 in _batched_p2p_ops
+  File "/tmp/site/megatron/core/pipeline_parallel/p2p_communication.py", line 412 in _communicate
+  File "/tmp/site/megatron/core/pipeline_parallel/schedules.py", line 1201 in forward_backward_pipelining_with_interleaving
+  File "/work/runners/megatron_worker.py", line 204 in train_step
+"""
+    frames = M.parse_stack_dump(dump)
+    assert frames[0] == "_batched_p2p_ops (p2p_communication.py:233)"
+    assert frames[-1] == "train_step (megatron_worker.py:204)" and len(frames) == 4
+    assert M.stack_summary(frames, 2) == "_batched_p2p_ops (p2p_communication.py:233) < _communicate (p2p_communication.py:412)"
+    assert M.parse_stack_dump("") == [] and M.parse_stack_dump("torchrun noise\n") == []
+
+
+def test_saved_trace_lines_up_with_the_record_steps(tmp_path, fake_torchrun):
+    from advisor.runners.telemetry import FakeBackend, Trace
+
+    es = _entries(["ok"], steps=3)
+    es[0].save_trace = True
+    rec = M.run_batch(es, None, 2, run_dir=tmp_path / "run", timeout=10, telemetry=FakeBackend(2),
+                      telemetry_hz=50, trace_dir=tmp_path / "traces")[0]
+    bounds = rec["steps"]["bounds_unix"]
+    assert len(bounds) == 1 + 1 + 3  # start, 1 warmup, 3 measured
+    assert [b - a for a, b in zip(bounds, bounds[1:])] == pytest.approx(rec["steps"]["step_times_s"])
+    tr = Trace.load(rec["telemetry"]["trace_path"])
+    steps = [w for w in tr.windows if w[0].startswith(("warmup", "step"))]
+    assert [w[0] for w in steps] == ["warmup 1", "step 1", "step 2", "step 3"]
+    assert [w[1] for w in steps] == pytest.approx(bounds[:-1]) and steps[-1][2] == pytest.approx(bounds[-1])

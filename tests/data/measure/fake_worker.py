@@ -7,11 +7,13 @@ from one process. The job's id says what happens:
   goes on to the next job, as megatron_worker.py does on one GPU.
 - oomhang-*: rank 1 reports an OOM and the process hangs (the other ranks wait in a collective).
 - crash-*: a Python exception in the job (one rank: reported and the worker goes on).
-- hang-*: no progress after the first step boundary (the watchdog must kill it).
+- hang-*: no progress after the first step boundary (the watchdog must kill it); SIGUSR1 dumps
+  the stacks into rank0.stacks, as megatron_worker.py does (it hangs in `wait_in_collective`).
 - segv-*: dies without an event, 0.5 s after building the model.
 
 Like torchrun, SIGTERM makes it print "SignalException: Process <pid> got signal: 15" and exit 1.
 The hello events carry this process's pid."""
+import faulthandler
 import json
 import os
 import signal
@@ -29,6 +31,11 @@ def on_sigterm(signum, frame):
 
 
 signal.signal(signal.SIGTERM, on_sigterm)
+faulthandler.register(signal.SIGUSR1, file=open(os.path.join(run_dir, "rank0.stacks"), "a"), all_threads=True)
+
+
+def wait_in_collective():
+    time.sleep(3600)
 
 
 def ev(r, kind, **kw):
@@ -57,7 +64,7 @@ for job in jobs:
         sys.exit(139)
     if kind == "hang":
         ev(0, "step", cfg=i, k=0, tt=time.time())
-        time.sleep(3600)
+        wait_in_collective()
     t = time.time()
     ev(0, "step", cfg=i, k=0, tt=t)
     bounds = [t]
