@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 SCHEMA = "advisor.measurement/1"
 STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed")
 WORKER = Path(__file__).with_name("megatron_worker.py")
+# How the worker runs what megatron-core leaves open (records before these existed: K/V repeated
+# for GQA, batched p2p for the interleaved schedule); see megatron_worker.py.
+RUNNER_ENV = ("attention", "interleaved_p2p")
 # Kept set in the workers too (KINDS.md: NVLink multicast off on shared hosts).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -335,8 +338,7 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
         "cluster": {"gpu": gpu, "num_nodes": 1, "gpus_per_node": gpus_per_node or world},
         "env": {"gpu_name": gpu_name, "driver": env.get("driver"),
                 **{k: env.get(k, hello0.get(k)) for k in ("cuda", "torch", "megatron_core", "python", "hostname")},
-                **({"attention": env.get("attention", hello0.get("attention"))}
-                   if env.get("attention", hello0.get("attention")) else {})},
+                **{k: env.get(k, hello0.get(k)) for k in RUNNER_ENV if env.get(k, hello0.get(k))}},
         "steps": None, "throughput": None, "memory": None, "telemetry": None, "rank_map": [],
     }
     # rank map
@@ -788,7 +790,7 @@ class BatchRunner:
         kind, i = evt.get("ev"), evt.get("cfg")
         if kind == "hello":
             self.hello[r] = evt
-            for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname", "attention"):
+            for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV:
                 self.env.setdefault(k, evt.get(k))
             return
         if kind == "batch_done":
