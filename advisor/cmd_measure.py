@@ -42,7 +42,8 @@ def measure_cmd(
     trace_dir: Optional[Path] = typer.Option(None, "--trace-dir", help="save traces of entries with save_trace here"),
     save_trace: bool = typer.Option(False, "--save-trace", help="single run: save its trace in --trace-dir"),
     max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="start no new job after this"),
-    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="worker files (default: a temp dir)"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="worker files (default: beside --dataset until the batch is settled, else a temp dir)"),
+    salvage: bool = typer.Option(False, "--salvage", help="only record the jobs of batches on --dataset whose launcher died (SIGKILL), then exit"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the jobs and the torchrun command, run nothing"),
 ) -> None:
     """Measure one layout (--model ...) or a batch (--batch configs.jsonl) on the local GPUs."""
@@ -50,6 +51,14 @@ def measure_cmd(
     from advisor.runners import measure as M
     from advisor.runners.megatron_args import megatron_lm_args_string
 
+    if salvage:
+        if dataset is None:
+            fail("--salvage needs --dataset (the JSONL whose pending batches to settle)")
+        recs = M.salvage_runs(dataset)
+        for rec in recs:
+            _print_record(rec)
+        print(f"salvaged {len(recs)} record(s) into {dataset}", file=sys.stderr)
+        return
     if (model is None) == (batch is None):
         fail("give either --model or --batch")
     if batch is not None and dataset is None and not dry_run:

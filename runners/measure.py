@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -504,6 +505,12 @@ class BatchRunner:
                  max_seconds: float | None = None, on_record: Callable[[dict], None] | None = None,
                  python: str | None = None, telemetry: str = "auto", failure_grace_s: float = 30.0):
         self.entries, self.dataset, self.nproc = entries, dataset, nproc
+        # With a dataset, the worker files live beside it until the batch is settled: if the
+        # launcher is SIGKILLed, the next batch on that dataset (or `advisor measure --salvage`)
+        # turns what the workers wrote into records (salvage_runs).
+        self._pending = run_dir is None and dataset is not None
+        if self._pending:
+            run_dir = pending_root(dataset) / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.run_dir = Path(run_dir or tempfile.mkdtemp(prefix="advisor-measure-"))
         self.timeout, self.telemetry_hz, self.max_seconds = timeout, telemetry_hz, max_seconds
         self.failure_grace_s = failure_grace_s
@@ -569,6 +576,9 @@ class BatchRunner:
     # -- telemetry -----------------------------------------------------------------------------
     def _start_telemetry(self) -> None:
         if self.telemetry == "off" or self.telemetry_hz <= 0:
+            from advisor.runners.telemetry_nvml import driver_version
+
+            self.env["driver"] = driver_version()  # still recorded without telemetry
             return
         try:
             from advisor.runners.telemetry import Sampler, open_backend
@@ -607,7 +617,13 @@ class BatchRunner:
                 runnable.append(e)
         if not runnable:
             return self.records
+        if self.dataset is not None:
+            salvage_runs(self.dataset)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        me = psutil.Process()
+        (self.run_dir / "entries.json").write_text(json.dumps(
+            {"pid": me.pid, "create_time": me.create_time(), "nproc": self.nproc,
+             "entries": [entry_to_dict(e) for e in runnable]}, default=_jsonable))
         with open(self.run_dir / "jobs.jsonl", "w", encoding="utf-8") as f:
             for i, e in enumerate(runnable):
                 f.write(json.dumps(job_for(e, i)) + "\n")
@@ -649,6 +665,7 @@ class BatchRunner:
                     else:
                         self._record(e, st, "killed", f"interrupted after {_steps_done(st)} step(s); "
                                                       "partial steps kept")
+            self._settled()
             raise
         finally:
             self._drain = None
@@ -661,7 +678,17 @@ class BatchRunner:
             if not st.recorded and (st.ranks or st.bounds):
                 log.error("job %d (%s) had no outcome; recording it", i, e.id)
                 self._record(e, st, *(st.failure or ("crash", "the launcher lost track of this job")))
+        self._settled()
         return self.records
+
+    def _settled(self) -> None:
+        """Every job has its record in the dataset: the pending worker files can go."""
+        if self._pending:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            try:
+                self.run_dir.parent.rmdir()  # the last pending batch of this dataset
+            except OSError:
+                pass
 
     def _attempt(self, runnable: list[Entry], states: list[_JobState], start: int,
                  attempt: int) -> tuple[int, bool]:
@@ -882,6 +909,115 @@ def _tail(path: Path, n: int = 200_000, start: int = 0) -> str:
 
 
 # ------------------------------------------------------------------------------- processes
+# ---------------------------------------------------------------------------------- salvage
+def pending_root(dataset: str | Path) -> Path:
+    """Where the worker files of batches appending to `dataset` wait until they are settled."""
+    return Path(f"{dataset}.runs")
+
+
+def entry_to_dict(e: Entry) -> dict[str, Any]:
+    return {"model_name": e.model_name, "model": e.model.to_dict(), "layers": e.layers,
+            "config": e.config.to_dict(), "steps": e.steps, "warmup": e.warmup,
+            "min_seconds": e.min_seconds, "max_steps": e.max_steps, "save_trace": e.save_trace,
+            "id": e.id}
+
+
+def entry_from_dict(d: Mapping[str, Any]) -> Entry:
+    return Entry(d["model_name"], ModelSpec.from_dict(d["model"]), d.get("layers"),
+                 TrainConfig.from_dict(d["config"]), d["steps"], d["warmup"], d.get("min_seconds", 0.0),
+                 d.get("max_steps"), d.get("save_trace", False), d["id"])
+
+
+def _owner_alive(meta: Mapping[str, Any]) -> bool:
+    try:
+        p = psutil.Process(int(meta["pid"]))
+        return abs(p.create_time() - float(meta["create_time"])) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def salvage_run_dir(run_dir: str | Path, dataset: str | Path) -> list[dict[str, Any]]:
+    """Records for the jobs of a batch whose launcher died without settling them (SIGKILL, power
+    loss): built from the workers' event files, appended to `dataset`, for every job that
+    started and has no record there yet. No telemetry (it lived in the launcher). Returns them."""
+    run_dir = Path(run_dir)
+    meta = json.loads((run_dir / "entries.json").read_text(encoding="utf-8"))
+    entries = [entry_from_dict(d) for d in meta["entries"]]
+    done = {r.get("id") for r in read_jsonl(dataset)} if Path(dataset).is_file() else set()
+    ranks: dict[int, dict[int, dict[str, Any]]] = {}
+    bounds: dict[int, list[float]] = {}
+    env: dict[str, Any] = {}
+    for f in sorted(run_dir.glob("rank*.jsonl")):
+        r = int(f.stem.removeprefix("rank"))
+        hello = None
+        for evt in read_jsonl(f):
+            kind, i = evt.get("ev"), evt.get("cfg")
+            if kind == "hello":
+                hello = evt
+                for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV:
+                    env.setdefault(k, evt.get(k))
+                continue
+            if not isinstance(i, int) or not 0 <= i < len(entries):
+                continue
+            per = ranks.setdefault(i, {}).setdefault(r, {})
+            if hello is not None:
+                per.setdefault("hello", hello)
+            if kind == "step":
+                if r == 0:
+                    bounds.setdefault(i, []).append(evt["tt"])
+            elif kind:
+                per[kind] = evt
+    out = []
+    for i, e in enumerate(entries):
+        if e.id in done or i not in ranks:
+            continue  # recorded before the launcher died, or never started
+        rs, b = ranks[i], bounds.get(i)
+        failed = next(((k, ev.get("error")) for ev_r in rs.values() for k, ev in ev_r.items()
+                       if k in ("oom", "crash")), None)
+        n = max(0, len(b or []) - 1 - e.warmup)
+        if failed:
+            status, error = failed
+        elif all("done" in rs.get(q, {}) for q in range(e.config.world_size)):
+            status, error = "ok", None
+        else:
+            status, error = "killed", (f"the launcher died (SIGKILL?) after {n} measured step(s); "
+                                       "steps kept from the workers' event files")
+        rec = assemble_record(e, status, error, rs, b, None, env, gpus_per_node=meta.get("nproc"))
+        rec["salvaged_from"] = str(run_dir)
+        append_jsonl(dataset, rec)
+        out.append(rec)
+    return out
+
+
+def salvage_runs(dataset: str | Path) -> list[dict[str, Any]]:
+    """Settle every batch left pending beside `dataset` by a launcher that died (see
+    salvage_run_dir); batches whose launcher still runs are left alone."""
+    root = pending_root(dataset)
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        try:
+            meta = json.loads((d / "entries.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            meta = None
+            if time.time() - d.stat().st_mtime < 3600:
+                continue  # being created by a launcher right now, or unreadable: not ours to drop
+        if meta is not None and _owner_alive(meta):
+            continue
+        if meta is not None:
+            recs = salvage_run_dir(d, dataset)
+            if recs:
+                log.warning("salvaged %d record(s) of a batch whose launcher died: %s", len(recs), d)
+            out += recs
+        shutil.rmtree(d, ignore_errors=True)
+    try:
+        root.rmdir()
+    except OSError:
+        pass
+    return out
+
+
 # The workers dump every thread's Python stack (faulthandler) into rank<R>.stacks on this signal.
 STACK_SIGNAL = signal.SIGUSR1
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')

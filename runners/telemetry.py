@@ -649,8 +649,30 @@ def _device_summary(c: dict[str, np.ndarray], union: list[tuple[float, float]]) 
                  "hw_thermal_slowdown", "hw_power_brake"):
         ns = _counter_delta(t, c[name + "_ns"], union)
         out[name + "_s"] = ns / 1e9 if ns is not None else None
-    for name in ("pcie_tx_bytes", "pcie_rx_bytes", "nvlink_tx_bytes", "nvlink_rx_bytes"):
+    for name in ("pcie_tx_bytes", "pcie_rx_bytes"):
+        out[name] = _counter_delta(t, unwrap_counter(c[name], PCIE_COUNTER_WRAP), union)
+    for name in ("nvlink_tx_bytes", "nvlink_rx_bytes"):
         out[name] = _counter_delta(t, c[name], union)
+    return out
+
+
+# NVML's PCIe byte counters (fields 197 / 198) are 32-bit: seen wrapping from just under 2^32 to a
+# small value on H100 and H200 (driver 580.159.04; data/traces/h100x1-01, h200x4-a-12). At the 1 Hz
+# counter rate one wrap per interval is assumed, so above ~4 GiB/s of PCIe traffic these sums are
+# lower bounds.
+PCIE_COUNTER_WRAP = 2 ** 32
+
+
+def unwrap_counter(v: np.ndarray, wrap: float) -> np.ndarray:
+    """A cumulative counter of `wrap` values made monotonic: each decrease from a value below
+    `wrap` counts as one wrap-around. NaNs (unread samples) stay NaN."""
+    out = v.astype(float).copy()
+    ok = ~np.isnan(out)
+    vv = out[ok]
+    if vv.size < 2 or np.nanmax(vv) >= wrap:
+        return out
+    steps = np.concatenate([[0.0], np.cumsum(np.diff(vv) < 0) * float(wrap)])
+    out[ok] = vv + steps
     return out
 
 

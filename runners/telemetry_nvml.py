@@ -56,6 +56,20 @@ VIOLATION_TOLERANCE_NS = 1e8  # field 74/75 vs ViolationStatus, read microsecond
 _UNION = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver version, or None without NVML (for records made with telemetry off)."""
+    try:
+        import pynvml as nvml
+
+        nvml.nvmlInit()
+        try:
+            return str(nvml.nvmlSystemGetDriverVersion())
+        finally:
+            nvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
 def slowdown_field_ids(driver_version: str | None) -> tuple[int, int, int] | None:
     """The (sw_thermal, hw_thermal, hw_power_brake) slowdown-ns field IDs for a driver version."""
     try:

@@ -509,3 +509,74 @@ def test_saved_trace_lines_up_with_the_record_steps(tmp_path, fake_torchrun):
     steps = [w for w in tr.windows if w[0].startswith(("warmup", "step"))]
     assert [w[0] for w in steps] == ["warmup 1", "step 1", "step 2", "step 3"]
     assert [w[1] for w in steps] == pytest.approx(bounds[:-1]) and steps[-1][2] == pytest.approx(bounds[-1])
+
+
+def test_every_committed_trace_path_points_into_the_repo():
+    root = Path(__file__).resolve().parents[1]
+    paths = []
+    for f in sorted((root / "data" / "measurements").glob("*.jsonl")):
+        for r in M.read_jsonl(f):
+            p = (r.get("telemetry") or {}).get("trace_path")
+            if p:
+                paths.append(p)
+                assert not Path(p).is_absolute() and (root / p).is_file(), f"{f.name}: {p}"
+    assert len(paths) >= 11
+
+
+def test_a_sigkilled_launcher_leaves_records_the_next_batch_salvages(tmp_path):
+    # Nothing measured is lost even to SIGKILL: the worker files wait beside the dataset
+    # (<dataset>.runs/) until the batch is settled; the next run on that dataset (or
+    # `advisor measure --salvage`) turns what the workers wrote into records.
+    ds = tmp_path / "out.jsonl"
+    script = tmp_path / "launcher.py"
+    script.write_text(f"""
+import sys
+from advisor.catalog.specs import ModelSpec
+from advisor.runners import measure as M
+M.torchrun_command = lambda n, d, s=0, python=None: [sys.executable, {str(DATA / "fake_worker.py")!r}, str(d), str(s), str(n)]
+tiny = ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
+                 num_attention_heads=8, num_query_groups=2, vocab_size=1000)
+es = [M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=s) for s in (2, 200)]
+es[0].id, es[1].id = "ok-0", "slow-1"
+M.run_batch(es, {str(ds)!r}, 2, timeout=600, telemetry="off")
+""")
+    launcher = subprocess.Popen([sys.executable, str(script)])
+    try:
+        t0 = time.time()
+        rank0 = None
+        while time.time() - t0 < 30:  # until the second job has measured a few steps
+            runs = list(M.pending_root(ds).glob("*/rank0.jsonl"))
+            if runs and sum('"cfg": 1' in line and '"step"' in line for line in runs[0].read_text().splitlines()) >= 5:
+                rank0 = runs[0]
+                break
+            time.sleep(0.1)
+        assert rank0 is not None, "the fake batch did not get going"
+        launcher.kill()  # SIGKILL: the launcher cannot write anything
+        launcher.wait(10)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert [r["id"] for r in M.read_jsonl(ds)] == ["ok-0"]  # the in-flight job has no record yet
+    time.sleep(1.0)  # the fake torchrun goes with its launcher (PR_SET_PDEATHSIG)
+    recs = M.salvage_runs(ds)
+    assert [(r["id"], r["status"]) for r in recs] == [("slow-1", "killed")]
+    rec = recs[0]
+    assert rec["steps"]["measured"] >= 3 and rec["throughput"]["tokens_per_s"] > 0
+    assert rec["telemetry"] is None and "SIGKILL" in rec["error"] and rec["salvaged_from"]
+    assert [r["id"] for r in M.read_jsonl(ds)] == ["ok-0", "slow-1"]
+    assert not M.pending_root(ds).exists() and M.salvage_runs(ds) == []
+
+
+def test_salvage_leaves_the_batch_of_a_live_launcher_alone(tmp_path):
+    import psutil
+
+    ds = tmp_path / "out.jsonl"
+    d = M.pending_root(ds) / "live"
+    d.mkdir(parents=True)
+    me = psutil.Process()
+    e = M.make_entry(TINY, 2, mbs=1, gbs=4)
+    (d / "entries.json").write_text(json.dumps({"pid": me.pid, "create_time": me.create_time(),
+                                                "nproc": 2, "entries": [M.entry_to_dict(e)]}))
+    (d / "rank0.jsonl").write_text(json.dumps({"ev": "start", "cfg": 0, "t": 1.0}) + "\n")
+    assert M.salvage_runs(ds) == [] and d.is_dir()
+    assert M.entry_from_dict(M.entry_to_dict(e)).config == e.config

@@ -766,3 +766,26 @@ def test_sampler_snapshot_is_a_thread_safe_copy_optionally_sliced():
             time.sleep(0.003)
     assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
     assert live.trace.n_samples(live.devices[0].uuid) >= sizes[-1]
+
+
+def test_pcie_counter_wraps_at_32_bits_are_unwrapped():
+    from advisor.runners.telemetry import PCIE_COUNTER_WRAP, unwrap_counter
+    # h100x1-01: rx went 4,287,487,836 -> 22,386,032 between two 1 Hz reads (~29.8 MB moved)
+    v = np.array([4_200_000_000.0, np.nan, 4_287_487_836.0, 22_386_032.0, 52_000_000.0])
+    u = unwrap_counter(v, PCIE_COUNTER_WRAP)
+    assert np.isnan(u[1])
+    assert u[3] - u[2] == 2 ** 32 - 4_287_487_836 + 22_386_032
+    assert list(np.diff(u[~np.isnan(u)]) >= 0) == [True] * 3
+    # a counter wider than 32 bits is left alone
+    w = np.array([5e9, 4e9])
+    assert list(unwrap_counter(w, PCIE_COUNTER_WRAP)) == [5e9, 4e9]
+
+
+def test_recorded_traces_give_pcie_bytes_after_a_wrap():
+    from advisor.runners.telemetry import Trace, summarize
+    tr = Trace.load(Path(__file__).resolve().parents[1] / "data" / "traces" / "h100x1-01.trace.json.gz")
+    d = tr.devices[0]
+    c = tr.columns[d.uuid]
+    s = summarize(tr, float(c["t"][0]), float(c["t"][-1]))["devices"][d.uuid]
+    rx = s["pcie_rx_bytes"]
+    assert rx is not None and 0 < rx < 2 ** 32  # was None: the raw counter decreases once
