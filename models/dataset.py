@@ -36,6 +36,8 @@ SCHEMA = "advisor.measurement/1"
 STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed")
 TARGETS = ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "peak_power_w", "throttle_fraction")
 THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+# tokens/s per GPU must equal tokens per step / steps.median_s / GPUs within this fraction
+TPS_TOLERANCE = 0.03
 
 
 class DatasetError(SpecError):
@@ -176,6 +178,32 @@ def _memory(rec: dict, cluster: ClusterSpec) -> float:
     return v if math.isfinite(v) else _number(rec, "memory.max_gib", hi=hi)
 
 
+def _check_throughput(rec: dict, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig,
+                      tps: float, median_s: float) -> None:
+    """Tokens/s that no GPU can reach (MFU > 1 at the catalog's peak for the precision, with the
+    record's throughput.flops_per_token, else the model's count) or that disagree with the
+    measured step time (tokens per step / steps.median_s / GPUs, within TPS_TOLERANCE)."""
+    from advisor.models.flops import training_flops_per_token
+
+    fpt = _get(rec, "throughput.flops_per_token", (int, float), required=False)
+    if fpt is None or isinstance(fpt, bool) or not (math.isfinite(fpt) and fpt > 0):
+        fpt = training_flops_per_token(model, cfg.seq)
+    try:
+        peak = cluster.gpu.peak_tflops(cfg.precision)
+    except SpecError as e:
+        raise _Bad(str(e)) from None
+    mfu = tps * fpt / (peak * 1e12)
+    if mfu > 1.0:
+        raise _Bad(f"throughput.tokens_per_s_per_gpu = {tps:g} means MFU {mfu:.3g} > 1 "
+                   f"({tps * fpt / 1e12:,.0f} TFLOPS per GPU, the {cluster.gpu.name} {cfg.precision} "
+                   f"peak is {peak:g})")
+    expected = cfg.tokens_per_step / median_s / cluster.world_size
+    if abs(tps / expected - 1.0) > TPS_TOLERANCE:
+        raise _Bad(f"throughput.tokens_per_s_per_gpu = {tps:g} disagrees with steps.median_s = {median_s:g}: "
+                   f"{cfg.tokens_per_step} tokens per step / {median_s:g} s / {cluster.world_size} GPUs = "
+                   f"{expected:g} ({tps / expected - 1:+.1%}, tolerance {TPS_TOLERANCE:.0%})")
+
+
 def parse_record(rec: Any, source: str = "?") -> Record | str:
     """A Record for a usable ok-record, the status (str) of a valid failed trial; raises _Bad."""
     if not isinstance(rec, dict):
@@ -208,7 +236,7 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
         "peak_power_w": _number(rec, "telemetry.peak_power_w", required=False, hi=5000),
         "throttle_fraction": _throttle(rec),
     }
-    _number(rec, "steps.median_s")
+    _check_throughput(rec, model, cluster, cfg, y["tokens_per_s_per_gpu"], _number(rec, "steps.median_s"))
     try:  # the analytical model must be able to evaluate the layout it will be compared with
         from advisor.models.predict import predict
 

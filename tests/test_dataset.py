@@ -126,3 +126,38 @@ def test_shape_groups_ignore_name_and_depth():
     assert D.shape_key(a.with_layers(4)) == D.shape_key(a.with_layers(8))
     assert D.shape_key(a.with_layers(4), True) != D.shape_key(a.with_layers(8), True)
     assert D.shape_key(a) != D.shape_key(load_model("llama3-70b"))
+
+
+# ---- absurd throughput ------------------------------------------------------------------------------
+
+def _consistent(rec: dict, tps: float) -> dict:
+    """The record with tokens/s per GPU set to `tps` and the step time that goes with it."""
+    r = copy.deepcopy(rec)
+    cfg = r["config"]
+    r["throughput"]["tokens_per_s_per_gpu"] = tps
+    r["steps"]["median_s"] = cfg["gbs"] * cfg["seq"] / (tps * 4)
+    return r
+
+
+def test_throughput_above_the_gpu_peak_is_rejected(tmp_path, good):
+    absurd = broken(good, "throughput.tokens_per_s_per_gpu", 1e12)
+    # also with a step time that agrees with it: MFU > 1 alone is enough
+    ds = D.load([write(tmp_path, [good, absurd, _consistent(good, 1e12)])])
+    assert len(ds) == 1 and len(ds.rejected) == 2
+    assert all("MFU" in r and "> 1" in r and "H200".lower() in r.lower() for r in ds.rejected), ds.rejected
+    # the record's own flops_per_token is used when present
+    fpt = copy.deepcopy(good)
+    fpt["throughput"]["flops_per_token"] = 1e15
+    ds = D.load([write(tmp_path, [fpt])])
+    assert len(ds.rejected) == 1 and "MFU" in ds.rejected[0]
+
+
+def test_throughput_that_disagrees_with_the_step_time_is_rejected(tmp_path, good):
+    tps = good["throughput"]["tokens_per_s_per_gpu"]
+    off = broken(good, "throughput.tokens_per_s_per_gpu", tps * 1.2)  # plausible MFU, wrong step time
+    near = broken(good, "throughput.tokens_per_s_per_gpu", tps * 1.01)  # within the tolerance
+    ds = D.load([write(tmp_path, [good, off, near])])
+    assert len(ds) == 2 and len(ds.rejected) == 1
+    assert "disagrees with steps.median_s" in ds.rejected[0] and "+20.0%" in ds.rejected[0]
+    assert ds.rejected[0].startswith("m.jsonl:2: rejected")
+    assert "1 rejected" in ds.summary()
