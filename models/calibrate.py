@@ -576,8 +576,9 @@ def parse_sets(sets: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
                 out[k] = str(v).lower()
         except (TypeError, ValueError):
             raise SpecError(f"--set {k}={v}: not a valid value for {k}") from None
-        if isinstance(out[k], (int, float)) and not isinstance(out[k], bool) and out[k] <= 0:
-            raise SpecError(f"--set {k}={v}: must be positive")
+        if isinstance(out[k], (int, float)) and not isinstance(out[k], bool) and not (
+                math.isfinite(out[k]) and out[k] > 0):
+            raise SpecError(f"--set {k}={v}: must be positive and finite")
     return out
 
 
@@ -605,6 +606,9 @@ def apply_overrides(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str,
     if "gpus" in o:
         cluster = load_cluster(f"{cluster.gpu.name}x{o['gpus']}")
     if "power_cap" in o:
+        if o["power_cap"] > cluster.gpu.tdp_w:
+            raise SpecError(f"--set power_cap={o['power_cap']:g}: above the {cluster.gpu.name} maximum power "
+                            f"limit (TDP) of {cluster.gpu.tdp_w:g} W")
         cluster = dataclasses.replace(cluster, power_cap_w=o["power_cap"])
     if cluster.world_size != before and "dp" not in o:
         values.pop("dp", None)

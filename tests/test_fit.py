@@ -235,10 +235,25 @@ def test_overrides_change_cluster_and_layout():
     (["gpu"], "expected KEY=VALUE"), (["warp=9"], "unknown key"), (["mbs=two"], "not a valid value"),
     (["nodes=0"], "must be positive"), (["sequence_parallel=maybe"], "not a valid value"),
     (["power_cap=50"], "not above the GPU's idle power"),
+    (["power_cap=nan"], "must be positive and finite"), (["power_cap=inf"], "must be positive and finite"),
+    (["power_cap=-inf"], "must be positive and finite"), (["power_cap=5000"], "above the h100 maximum power limit"),
+    (["gpu=h200", "power_cap=701"], "above the h200 maximum power limit"),
 ])
 def test_bad_overrides_are_user_errors(sets, needle):
     with pytest.raises(SpecError, match=needle):
         C.apply_overrides(load_model("llama3-8b"), load_cluster("h100x8"), {}, sets)
+
+
+@pytest.mark.parametrize("cmd,value,needle", [
+    ("predict", "nan", "must be positive and finite"), ("recommend", "nan", "must be positive and finite"),
+    ("predict", "inf", "must be positive and finite"), ("recommend", "5000", "above the h200 maximum power limit"),
+])
+def test_cli_power_cap_what_if_is_a_one_line_error(cmd, value, needle):
+    # with the default calibration: a NaN cap used to reach the surrogates and crash in scikit-learn
+    r = run_cli(cmd, "-m", "llama3-8b", "-c", "h200x4", "--set", f"power_cap={value}")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == f"error: --set power_cap={value}: " + r.stderr.strip().split(": ", 2)[2]
+    assert needle in r.stderr and r.stderr.strip().count("\n") == 0
 
 
 def test_predict_and_recommend_with_what_if():
