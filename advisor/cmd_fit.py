@@ -24,23 +24,33 @@ def _expand(paths: list[str]) -> list[str]:
 
 
 def fit_cmd(
-    data: List[str] = typer.Option(..., "--data", "-d", help="measurement JSONL (repeatable; globs allowed)"),
+    data: Optional[List[str]] = typer.Option(None, "--data", "-d", help="measurement JSONL (repeatable; globs allowed)"),
     more: Optional[List[str]] = typer.Argument(None, help="more measurement files (so that --data dir/*.jsonl works)"),
+    study: Optional[List[str]] = typer.Option(
+        None, "--study", help="an 'advisor tune' study: its Optuna journal file or RDB URL (repeatable); the "
+                              "measurement record of every measured trial is used (duplicate trials once)"),
+    study_name: Optional[str] = typer.Option(None, "--study-name",
+                                             help="only this study of the --study storage (default: every study in it)"),
     output: str = typer.Option(..., "--output", "-o", help="calibration file to write (.joblib; a .json summary lands next to it)"),
     folds: int = typer.Option(5, "--folds", help="grouped cross-validation folds (by model shape)"),
     seed: int = typer.Option(0, "--seed"),
     no_surrogates: bool = typer.Option(False, "--no-surrogates", help="calibrate the constants only"),
     as_json: bool = typer.Option(False, "--json", help="the CV summary as JSON on stdout"),
 ) -> None:
-    """Fit the analytical model's constants and residual surrogates to measurements; print grouped
-    cross-validation (analytical vs calibrated vs surrogate) and write a calibration file."""
+    """Fit the analytical model's constants and residual surrogates to measurements (JSONL files
+    and/or the trials of 'advisor tune' studies); print grouped cross-validation (analytical vs
+    calibrated vs surrogate) and write a calibration file."""
     from advisor.catalog.specs import SpecError
     from advisor.models import calibrate, dataset
 
     if folds < 2:
         raise SpecError("--folds must be at least 2")
-    files = _expand(list(data) + list(more or []))
-    ds = dataset.load(files)
+    files = _expand(list(data or []) + list(more or []))
+    if not files and not study:
+        raise SpecError("give measurements: --data FILE.jsonl and/or --study JOURNAL_OR_URL")
+    if study_name is not None and not study:
+        raise SpecError("--study-name needs --study")
+    ds = dataset.load(files, studies=study or (), study_name=study_name)
     err = sys.stderr
     for line in ds.rejected[:SHOW_REJECTED]:
         print(line, file=err)

@@ -301,8 +301,10 @@ def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log
     for t in TARGETS:  # a surrogate chosen on CV that could not be refitted: use calibrated
         if targets[t]["mode"] == "surrogate" and sur[t] is None:
             targets[t]["mode"] = "calibrated"
+    names = [f["path"] + (f" (study {f['study']})" if "study" in f else "") for f in ds.files]
     trained_on = {"n_rows": len(records), "rejected": len(ds.rejected), "skipped": dict(ds.skipped),
-                  "files": [f["path"] for f in ds.files], "sha256": {f["path"]: f["sha256"] for f in ds.files},
+                  "duplicates": ds.duplicates,
+                  "files": names, "sha256": {n: f["sha256"] for n, f in zip(names, ds.files)},
                   "model_shapes": len(set(ds.groups())),
                   "gpus": sorted({r.cluster.gpu.name for r in records}),
                   "world_sizes": sorted({r.cluster.world_size for r in records})}

@@ -63,7 +63,8 @@ class Dataset:
     records: list[Record] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)  # "file:line: reason"
     skipped: Counter = field(default_factory=Counter)  # status -> count (failed trials)
-    files: list[dict] = field(default_factory=list)  # {"path", "sha256", "lines"}
+    files: list[dict] = field(default_factory=list)  # {"path", "sha256", "lines"} (+ "study", "trials", ...)
+    duplicates: int = 0  # records read before (same id and measurement), not counted twice
 
     def __len__(self) -> int:
         return len(self.records)
@@ -75,12 +76,21 @@ class Dataset:
         return np.array([shape_key(r.model, with_layers) for r in self.records])
 
     def summary(self) -> str:
-        n_lines = sum(f["lines"] for f in self.files)
+        files = [f for f in self.files if "study" not in f]
+        studies = [f for f in self.files if "study" in f]
+        where = []
+        if files or not studies:
+            where.append(f"{sum(f['lines'] for f in files)} lines in {len(files)} file(s)")
+        if studies:
+            where.append(f"{sum(f['trials'] for f in studies)} trials in {len(studies)} stud"
+                         f"{'y' if len(studies) == 1 else 'ies'} ({sum(f['lines'] for f in studies)} with their "
+                         f"own record, {sum(f['copied'] for f in studies)} duplicates of another trial left out)")
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())) or "none"
         no_power = int(np.isnan(self.y("mean_power_w")).sum()) if self.records else 0
         no_mem = int(np.isnan(self.y("memory_gib_per_gpu")).sum()) if self.records else 0
-        return (f"{n_lines} lines in {len(self.files)} file(s): {len(self.records)} usable, "
-                f"{len(self.rejected)} rejected, skipped (failed trials): {skipped}; "
+        dup = f", {self.duplicates} duplicate(s) of records read before" if self.duplicates else ""
+        return (f"{' and '.join(where)}: {len(self.records)} usable, "
+                f"{len(self.rejected)} rejected, skipped (failed trials): {skipped}{dup}; "
                 f"usable without power telemetry {no_power}, without memory {no_mem}; "
                 f"{len(set(self.groups()))} model shape(s)")
 
@@ -246,12 +256,39 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
     return Record(id=str(rec.get("id", source)), source=source, model=model, cluster=cluster, cfg=cfg, y=y)
 
 
-def load(paths: Iterable[str | Path]) -> Dataset:
-    """Read and validate measurement JSONL files."""
+def load(paths: Iterable[str | Path] = (), studies: Iterable[str] = (), study_name: str | None = None) -> Dataset:
+    """Read and validate measurement JSONL files and the records of `advisor tune` studies
+    (journal files or RDB URLs, see `study_records`). A record read before (same id and the same
+    measurement: a study's record is also appended to its JSONL) is counted once."""
     ds = Dataset()
-    paths = list(paths)
-    if not paths:
-        raise DatasetError("no measurement file given (--data FILE.jsonl)")
+    paths, studies = list(paths), list(studies)
+    if not paths and not studies:
+        raise DatasetError("no measurement file given (--data FILE.jsonl or --study JOURNAL_OR_URL)")
+    seen: set[tuple] = set()
+
+    def add(source: str, line: str | None, rec: Any = None) -> None:
+        try:
+            if line is not None:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise _Bad(f"not JSON ({e.msg})") from None
+            key = _identity(rec)
+            if key is not None and key in seen:
+                ds.duplicates += 1
+                return
+            out = parse_record(rec, source)
+        except _Bad as e:
+            rid = rec.get("id") if isinstance(rec, dict) else None
+            ds.rejected.append(f"{source}: rejected{f' ({rid})' if rid else ''}: {e}")
+            return
+        if key is not None:
+            seen.add(key)
+        if isinstance(out, str):
+            ds.skipped[out] += 1
+        else:
+            ds.records.append(out)
+
     for path in paths:
         p = Path(path)
         if not p.is_file():
@@ -261,25 +298,116 @@ def load(paths: Iterable[str | Path]) -> Dataset:
         ds.files.append({"path": str(p), "sha256": hashlib.sha256(raw).hexdigest(),
                          "lines": sum(1 for s in lines if s.strip())})
         for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            source = f"{p.name}:{n}"
-            rec = None
-            try:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise _Bad(f"not JSON ({e.msg})") from None
-                out = parse_record(rec, source)
-            except _Bad as e:
-                rid = rec.get("id") if isinstance(rec, dict) else None
-                ds.rejected.append(f"{source}: rejected{f' ({rid})' if rid else ''}: {e}")
-                continue
-            if isinstance(out, str):
-                ds.skipped[out] += 1
-            else:
-                ds.records.append(out)
+            if line.strip():
+                add(f"{p.name}:{n}", line)
+    for storage in studies:
+        recs, infos = study_records(storage, study_name)
+        ds.files.extend(infos)
+        for source, rec in recs:
+            add(source, None, rec)
     return ds
+
+
+def _identity(rec: Any) -> tuple | None:
+    """What makes two copies of a record the same measurement: id, layout and measured step."""
+    if not isinstance(rec, dict) or rec.get("id") is None:
+        return None
+    steps = rec.get("steps") if isinstance(rec.get("steps"), dict) else {}
+    return (str(rec["id"]), json.dumps(rec.get("config"), sort_keys=True, default=str),
+            repr(steps.get("median_s")), rec.get("status"))
+
+
+# ------------------------------------------------------------------------------------------------
+# records of `advisor tune` studies (Optuna journal file or RDB URL)
+# ------------------------------------------------------------------------------------------------
+
+# values_from of a trial told from its own record (advisor.study: measured, or its failure)
+OWN_VALUES = ("measured", "not measured")
+
+
+def _redact(url: str) -> str:
+    """An RDB URL without its password."""
+    import re
+
+    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
+
+
+def _open_study_storage(storage: str):
+    import optuna
+
+    if "://" in storage:
+        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():
+            raise DatasetError(f"{storage}: no such file")
+        from advisor.study import rdb_url
+
+        try:
+            return optuna.storages.RDBStorage(rdb_url(storage))
+        except Exception as e:  # noqa: BLE001 - driver, network or schema: one line for the user
+            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise DatasetError(f"{_redact(storage)}: cannot open the study storage ({type(e).__name__}"
+                               f"{': ' + msg if msg else ''})") from None
+    p = Path(storage).expanduser()
+    if not p.is_file():
+        raise DatasetError(f"{p}: no such study journal file")
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    try:
+        return JournalStorage(JournalFileBackend(str(p)))
+    except Exception as e:  # noqa: BLE001 - a corrupt journal is a bad file
+        raise DatasetError(f"{p}: not an Optuna journal file ({type(e).__name__})") from None
+
+
+def study_records(storage: str, study_name: str | None = None) -> tuple[list[tuple[str, dict]], list[dict]]:
+    """The measurement records of the trials of `advisor tune` studies in `storage` (a journal
+    file or an RDB URL; every study in it, or only `study_name`): ([(source, record)], one info
+    dict per study for Dataset.files). The tune driver keeps each measured trial's full record
+    in the trial's user attribute "record"; a trial whose values were copied from another trial
+    (a duplicate layout: "duplicate_of", or values_from other than its own measurement) is left
+    out, so that no measurement counts twice."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    st = _open_study_storage(storage)
+    is_url = "://" in storage
+    label = _redact(storage) if is_url else Path(storage).name
+    shown = _redact(storage) if is_url else str(Path(storage).expanduser())
+    try:
+        summaries = st.get_all_studies()
+    except Exception as e:  # noqa: BLE001
+        raise DatasetError(f"{shown}: cannot read its studies ({type(e).__name__})") from None
+    names = [s.study_name for s in summaries]
+    if study_name is not None:
+        if study_name not in names:
+            raise DatasetError(f"{shown}: no study named {study_name!r} (studies: {', '.join(names) or 'none'})")
+        summaries = [s for s in summaries if s.study_name == study_name]
+    if not summaries:
+        raise DatasetError(f"{shown}: no study in this storage")
+    raw = Path(storage).expanduser().read_bytes() if not is_url else b""
+    out: list[tuple[str, dict]] = []
+    infos = []
+    for s in summaries:
+        trials = st.get_all_trials(s._study_id, deepcopy=False)
+        tag = label if len(names) == 1 else f"{label}[{s.study_name}]"
+        recs, copied = [], 0
+        for t in trials:
+            rec = t.user_attrs.get("record")
+            if rec is None:
+                continue
+            vf = t.user_attrs.get("values_from")
+            own = vf is None or (isinstance(vf, str) and vf.startswith(OWN_VALUES))
+            if t.user_attrs.get("duplicate_of") is not None or not own:
+                copied += 1
+                continue
+            recs.append((f"{tag}:trial {t.number}", rec))
+        copied += sum(1 for t in trials if t.user_attrs.get("record") is None
+                      and t.user_attrs.get("duplicate_of") is not None)
+        digest = hashlib.sha256(raw if raw else json.dumps([r for _, r in recs], sort_keys=True,
+                                                            default=str).encode()).hexdigest()
+        infos.append({"path": shown, "study": s.study_name, "sha256": digest, "lines": len(recs),
+                      "trials": len(trials), "copied": copied})
+        out.extend(recs)
+    return out, infos
 
 
 def records_to_jsonl(records: Iterable[dict]) -> str:
