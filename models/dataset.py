@@ -264,7 +264,7 @@ def load(paths: Iterable[str | Path] = (), studies: Iterable[str] = (), study_na
     paths, studies = list(paths), list(studies)
     if not paths and not studies:
         raise DatasetError("no measurement file given (--data FILE.jsonl or --study JOURNAL_OR_URL)")
-    seen: set[tuple] = set()
+    seen: set[str] = set()
 
     def add(source: str, line: str | None, rec: Any = None) -> None:
         try:
@@ -308,13 +308,17 @@ def load(paths: Iterable[str | Path] = (), studies: Iterable[str] = (), study_na
     return ds
 
 
-def _identity(rec: Any) -> tuple | None:
-    """What makes two copies of a record the same measurement: id, layout and measured step."""
+# keys the tune driver adds to a record when it files it under a trial (advisor.study)
+ANNOTATIONS = ("study", "trial", "runner", "simulated")
+
+
+def _identity(rec: Any) -> str | None:
+    """Two copies of one measurement (a study's trial and the tune JSONL, say) have the same id
+    and the same content up to the driver's annotations."""
     if not isinstance(rec, dict) or rec.get("id") is None:
         return None
-    steps = rec.get("steps") if isinstance(rec.get("steps"), dict) else {}
-    return (str(rec["id"]), json.dumps(rec.get("config"), sort_keys=True, default=str),
-            repr(steps.get("median_s")), rec.get("status"))
+    body = {k: v for k, v in rec.items() if k not in ANNOTATIONS}
+    return hashlib.sha1(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -77,13 +77,14 @@ def test_corrupt_rows_are_rejected_with_a_reason(tmp_path, good, path, value, ne
 
 def test_rejections_are_counted_and_failed_trials_skipped(tmp_path, good):
     oom = dict(good, status="oom", throughput=None)
-    rows = [good, "not json {", "[1, 2]", oom, broken(good, "steps", KeyError), "", good]
+    rows = [good, "not json {", "[1, 2]", oom, broken(good, "steps", KeyError), "", dict(good, id="b"), good]
     ds = D.load([write(tmp_path, rows)])
     assert len(ds) == 2
     assert len(ds.rejected) == 3
     assert ds.skipped == {"oom": 1}
+    assert ds.duplicates == 1  # the same record (id and content) twice counts once
     s = ds.summary()
-    assert "2 usable" in s and "3 rejected" in s and "oom 1" in s
+    assert "2 usable" in s and "3 rejected" in s and "oom 1" in s and "1 duplicate(s)" in s
     assert any("not JSON" in r for r in ds.rejected) and any("not a JSON object" in r for r in ds.rejected)
 
 
