@@ -2,6 +2,7 @@
 registers itself on `app`; this module only wires them and turns user errors into one line."""
 from __future__ import annotations
 
+import importlib
 import sys
 
 import typer
@@ -46,12 +47,40 @@ def fail(message: str, code: int = 2) -> "typer.Exit":
     raise typer.Exit(code)
 
 
+# click's exceptions: typer >= 0.2x vendors its own copy of click, older ones use click itself;
+# typer.BadParameter lives in whichever is in use
+_click_exc = importlib.import_module(typer.BadParameter.__module__)
+_ClickException = _click_exc.ClickException
+_NoArgsIsHelpError = getattr(_click_exc, "NoArgsIsHelpError", None)  # click >= 8.2
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run the CLI. Usage errors (bad values, unknown or missing options, unknown commands) and
+    the tool's own input errors print one line `error: ...` on stderr and exit 2; `--help` and a
+    bare `advisor` print the help as usual."""
     _register_all()
     try:
-        app(args=argv, standalone_mode=True)
+        # standalone_mode=False: click raises its usage errors here instead of printing a boxed
+        # block; typer.Exit / ctx.exit(code) come back as the return value
+        rv = app(args=argv, standalone_mode=False)
+    except _ClickException as e:  # UsageError (exit 2) and its kin, FileError (exit 1)
+        if _NoArgsIsHelpError is not None and isinstance(e, _NoArgsIsHelpError):
+            # a bare `advisor`: the help, exit 2 as click does (typer's rich help has already
+            # printed itself and left the message empty)
+            if e.format_message().strip():
+                typer.echo(e.format_message(), err=True)
+            sys.exit(e.exit_code)
+        typer.echo(f"error: {_one_line(e.format_message())}", err=True)
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
     except SpecError as e:
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(f"error: {_one_line(e)}", err=True)
         sys.exit(2)
     except FileNotFoundError as e:
         typer.echo(f"error: {e.filename or e}: no such file", err=True)
@@ -59,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import typer
 
 from advisor import report
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
-                             PowerCap, Precision, Recompute, Seq, SequenceParallel)
+                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
 
 
 CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -38,8 +38,6 @@ def recommend_cmd(
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
 
-    if precision not in ("bf16", "fp8"):
-        raise typer.BadParameter("must be bf16 or fp8", param_hint="--precision")
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
     if as_json:
@@ -59,6 +57,8 @@ def predict_cmd(
     cluster: OptCluster = None,
     tp: TP = 1,
     pp: PP = 1,
+    pp_first_layers: PPFirstLayers = None,
+    pp_last_layers: PPLastLayers = None,
     cp: CP = 1,
     ep: EP = 1,
     etp: ETP = 1,
@@ -87,10 +87,13 @@ def predict_cmd(
                 sys.stdout.flush()
         return
     if model is None or cluster is None:
-        raise typer.BadParameter("--model and --cluster are required (or give --batch FILE)")
+        from advisor.cli import fail
+
+        fail("--model and --cluster are required (or give --batch FILE)")
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
                   recompute=recompute, sequence_parallel=sequence_parallel,
-                  distributed_optimizer=distributed_optimizer)
+                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
+                  pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or ())
     if sets:  # say what the what-if changed

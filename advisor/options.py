@@ -5,6 +5,20 @@ from typing import Annotated, Optional
 
 import typer
 
+from advisor.catalog.specs import PRECISIONS, RECOMPUTE_MODES
+
+
+def one_of(choices: tuple[str, ...]):
+    """Option callback: the value must be one of `choices` (click's own wording for a choice)."""
+
+    def check(value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in choices:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, choices))}.")
+        return value
+
+    return check
+
+
 _MODEL_HELP = "catalog name (see 'advisor catalog models') or a HF config.json"
 _CLUSTER_HELP = "<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file"
 Model = Annotated[str, typer.Option("--model", "-m", help=_MODEL_HELP)]
@@ -13,15 +27,20 @@ OptModel = Annotated[Optional[str], typer.Option("--model", "-m", help=_MODEL_HE
 OptCluster = Annotated[Optional[str], typer.Option("--cluster", "-c", help=_CLUSTER_HELP)]
 Seq = Annotated[Optional[int], typer.Option("--seq", help="sequence length (default: the model's context, at most 8192)")]
 Gbs = Annotated[Optional[int], typer.Option("--gbs", help="global batch in sequences (default 128, more on big clusters)")]
-Precision = Annotated[str, typer.Option("--precision", help="bf16 or fp8")]
+Precision = Annotated[str, typer.Option("--precision", help="bf16 or fp8", callback=one_of(PRECISIONS))]
 PowerCap = Annotated[Optional[float], typer.Option("--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)")]
 TP = Annotated[int, typer.Option("--tp", help="tensor parallel size")]
 PP = Annotated[int, typer.Option("--pp", help="pipeline parallel size")]
+PPFirstLayers = Annotated[Optional[int], typer.Option(
+    "--pp-first-layers", help="layers on the first pipeline stage, for an uneven split (default: an even split)")]
+PPLastLayers = Annotated[Optional[int], typer.Option(
+    "--pp-last-layers", help="layers on the last pipeline stage, for an uneven split (default: an even split)")]
 CP = Annotated[int, typer.Option("--cp", help="context parallel size")]
 EP = Annotated[int, typer.Option("--ep", help="expert parallel size")]
 ETP = Annotated[int, typer.Option("--etp", help="expert tensor parallel size")]
 VP = Annotated[int, typer.Option("--vp", help="virtual pipeline chunks per rank")]
 MBS = Annotated[int, typer.Option("--mbs", help="micro-batch size")]
-Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or full")]
+Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or full",
+                                        callback=one_of(RECOMPUTE_MODES))]
 SequenceParallel = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="default: on when tp > 1")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout")]

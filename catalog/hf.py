@@ -108,7 +108,8 @@ def _mixtral(c: _Cfg) -> dict[str, Any]:
 
 def _qwen3_moe(c: _Cfg) -> dict[str, Any]:
     d = _llama_like(c, "qwen3", 32768)
-    experts = int(c.get("num_experts", 0))
+    # required: without it the config would silently become a dense model (an explicit 0 is dense)
+    experts = int(c.req("num_experts"))
     step = int(c.get("decoder_sparse_step", 1))
     dense_only = set(c.get("mlp_only_layers", []))
     # transformers' Qwen3MoeDecoderLayer: sparse iff not in mlp_only_layers and (i + 1) % step == 0
@@ -138,7 +139,7 @@ def _deepseek_v3(c: _Cfg) -> dict[str, Any]:
         v_head_dim=int(c.req("v_head_dim")),
     )
     d["kv_channels"] = d["mla"].v_head_dim  # as Megatron's MLA configs set it
-    experts = int(c.get("n_routed_experts", 0))
+    experts = int(c.req("n_routed_experts"))  # required, as num_experts for qwen3_moe
     first_k = int(c.get("first_k_dense_replace", 0))
     freq = int(c.get("moe_layer_freq", 1))
     # transformers' DeepseekV3DecoderLayer: MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0

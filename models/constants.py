@@ -24,6 +24,10 @@ class Constants:
     bytes_fp8_weight_copy: float = 2.0
     # Bytes per activation element (bf16).
     bytes_activation: float = 2.0
+    # Bytes per logit of the fp32 copy the last stage holds besides the bf16 logits: Megatron's
+    # vocab-parallel cross entropy upcasts its logits (VocabParallelCrossEntropy.
+    # calculate_logits_max: vocab_parallel_logits.float()), one microbatch at a time.
+    bytes_logits_fp32: float = 4.0
     # CUDA context, cuBLAS/NCCL workspaces and buffers per GPU, GiB (fitted; start: the CUDA
     # context of torch 2.x on Hopper is ~0.5 GiB, NCCL ~0.5-1 GiB per communicator size class).
     runtime_overhead_gib: float = 2.0
@@ -98,6 +102,30 @@ class Constants:
     c_per_w: float = 0.046
     # Margin below the slowdown temperature where thermal throttling risk starts, C.
     thermal_margin_c: float = 15.0
+    # Largest compute slowdown the power cap may impose in the model: a guard against a degenerate
+    # step (almost no busy time) blowing up the stretch; for scale, a sustained GEMM at the TDP cap
+    # runs at capped_gemm_speed = 0.824 of its rate, a 1.21x slowdown.
+    max_power_slowdown: float = 3.0
+
+    # ---- throttle risk score (a 0-1 presentation scale, not physics; not fitted) ---------------
+    # The score puts each cause in its own third of the scale, in the order of harm: sustained
+    # power throttling in [0.67, 1] (high), brief spikes over the cap in [0.34, 0.66] (medium),
+    # approaching the cap in [0, 0.33] (low); labels: high >= 0.66, medium >= 0.33.
+    # Sustained: 0.67 plus 3.3 per unit of slowdown, so 10% slower compute reaches 1.0.
+    throttle_risk_sustained_base: float = 0.67
+    throttle_risk_per_slowdown: float = 3.3
+    # Spikes: 0.34 plus up to 0.32 as the GEMM-phase demand exceeds the cap, the full 0.32 at 20%
+    # over it (chosen; for scale, measured capped peaks overshoot the cap by 7-8%, power_overshoot).
+    throttle_risk_spike_base: float = 0.34
+    throttle_risk_spike_span: float = 0.32
+    throttle_spike_full_excess: float = 0.2  # fraction of the cap
+    # Below the cap: up to 0.33 as the peak demand goes from 70% of the cap (start) over the
+    # remaining 30% (span) to the cap.
+    throttle_risk_low_span: float = 0.33
+    throttle_low_start: float = 0.7  # fraction of the cap
+    throttle_low_range: float = 0.3  # fraction of the cap: 1 - throttle_low_start
+    throttle_label_high: float = 0.66
+    throttle_label_medium: float = 0.33
 
     def replace(self, **changes) -> "Constants":
         return replace(self, **changes)

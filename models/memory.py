@@ -125,7 +125,7 @@ def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
         if stage == cfg.pp - 1:
             s, b = cfg.seq / cfg.cp, cfg.mbs
             # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
-            logits = s * b * model.vocab_size / cfg.tp * (c.bytes_activation + 4.0)
+            logits = s * b * model.vocab_size / cfg.tp * (c.bytes_activation + c.bytes_logits_fp32)
         out.append(StageMemory(
             stage=stage,
             layers=len(layers),

@@ -77,7 +77,7 @@ def estimate_power(st: StepTime, cluster: ClusterSpec, c: Constants = DEFAULT) -
         t_rest = f["communication"] + f["idle"]
         e_rest = f["communication"] * c.power_communication + f["idle"] * c.power_bubble
         slowdown = ((e_busy + e_rest) * D / budget - t_rest) / t_busy if t_busy > 0 else 1.0
-        slowdown = max(1.0, min(slowdown, 3.0))
+        slowdown = max(1.0, min(slowdown, c.max_power_slowdown))
         mean = cap
         peak = min(cap * c.power_overshoot, demand_peak)
     else:
@@ -89,19 +89,21 @@ def estimate_power(st: StepTime, cluster: ClusterSpec, c: Constants = DEFAULT) -
     r_power = 0.0
     reason = "none"
     if slowdown > 1.0:
-        r_power = min(1.0, 0.67 + (slowdown - 1.0) * 3.3)
+        r_power = min(1.0, c.throttle_risk_sustained_base + (slowdown - 1.0) * c.throttle_risk_per_slowdown)
         reason = f"power cap: sustained demand {demand_mean:.0f} W > {cap:.0f} W, ~{(1 - 1 / slowdown) * 100:.0f}% slower compute"
     elif demand_peak > cap:
-        r_power = 0.34 + 0.32 * min(1.0, (demand_peak - cap) / (0.2 * cap))
+        r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
+            1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
         reason = f"power spikes: GEMM phases demand {demand_peak:.0f} W > {cap:.0f} W cap (brief clock dips)"
     else:
-        r_power = 0.33 * max(0.0, (demand_peak - 0.7 * cap) / (0.3 * cap))
+        r_power = c.throttle_risk_low_span * max(
+            0.0, (demand_peak - c.throttle_low_start * cap) / (c.throttle_low_range * cap))
     limit = gpu.slowdown_temp_c
     r_thermal = max(0.0, min(1.0, (temp - (limit - c.thermal_margin_c)) / c.thermal_margin_c))
     if r_thermal > r_power:
         reason = f"thermal: predicted {temp:.0f} °C vs {limit:.0f} °C slowdown"
     risk = max(r_power, r_thermal)
-    label = "high" if risk >= 0.66 else "medium" if risk >= 0.33 else "low"
+    label = "high" if risk >= c.throttle_label_high else "medium" if risk >= c.throttle_label_medium else "low"
     return PowerEstimate(mean_power_w=mean, peak_power_w=peak, demand_mean_w=demand_mean,
                          demand_peak_w=demand_peak, power_cap_w=cap, compute_slowdown=slowdown,
                          steady_temp_c=temp, throttle_risk=risk, throttle_label=label,

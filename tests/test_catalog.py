@@ -241,6 +241,61 @@ def test_hf_missing_field_in_file_names_the_file(tmp_path):
         load_model(str(p))
 
 
+@pytest.mark.parametrize("fixture, field, model_type", [
+    ("qwen3-30b-a3b.json", "num_experts", "qwen3_moe"),
+    ("deepseek-v3.json", "n_routed_experts", "deepseek_v3"),
+])
+@pytest.mark.parametrize("how", ["absent", "null"])
+def test_hf_moe_without_expert_count_is_an_error_not_a_dense_model(fixture, field, model_type, how):
+    cfg = _cfg(fixture)
+    if how == "absent":
+        del cfg[field]
+    else:
+        cfg[field] = None
+    with pytest.raises(CatalogError) as e:
+        model_from_hf_config(cfg, "x")
+    assert str(e.value) == f"config.json: missing required field {field!r} for model_type {model_type}"
+
+
+def test_hf_moe_without_expert_count_is_one_line_at_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = _cfg("qwen3-30b-a3b.json")
+    del cfg["num_experts"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "advisor", "recommend", "--model", str(path), "--cluster", "h100x8"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip() == f"error: {path}: missing required field 'num_experts' for model_type qwen3_moe"
+
+
+def test_hf_qwen3_moe_with_zero_experts_is_dense():
+    cfg = _cfg("qwen3-30b-a3b.json")
+    cfg["num_experts"] = 0  # explicit: transformers builds only dense MLPs
+    assert not model_from_hf_config(cfg, "x").is_moe
+
+
+# Published sizes: Mistral-7B-v0.1's checkpoint holds 7,241,732,096 parameters (HF model page:
+# 7.24B); the Qwen3-8B model card: 8.2B parameters, 6.95B of them non-embedding.
+@pytest.mark.parametrize("fixture, family, total, non_embedding", [
+    ("mistral-7b.json", "mistral", 7.24e9, None),
+    ("qwen3-8b.json", "qwen3", 8.2e9, 6.95e9),
+])
+def test_hf_dense_mistral_and_qwen3_match_published_sizes(fixture, family, total, non_embedding):
+    from advisor.models.flops import total_params
+
+    m = load_model(str(HF / fixture))
+    assert m.family == family and not m.is_moe and m.num_query_groups == 8
+    assert (m.activation, m.normalization, m.position_embedding) == ("swiglu", "rmsnorm", "rope")
+    assert not m.qkv_bias and not m.add_bias_linear and not m.tied_embeddings
+    n = total_params(m)
+    assert n == pytest.approx(total, rel=0.01)
+    if non_embedding is not None:
+        assert n - 2 * m.vocab_size * m.hidden_size == pytest.approx(non_embedding, rel=0.01)
+
+
 def test_hf_unsupported_model_type():
     with pytest.raises(CatalogError, match=r"unsupported model_type 'bert'"):
         model_from_hf_config({"model_type": "bert"}, "x")

@@ -208,3 +208,56 @@ def test_constants_replace_changes_prediction():
     slow = DEFAULT.replace(gemm_efficiency_max=0.4)
     assert predict(m, cl, cfg, slow).step_time_s > predict(m, cl, cfg).step_time_s
     assert dataclasses.asdict(DEFAULT)["gemm_efficiency_max"] == 0.80
+
+
+def test_logits_fp32_bytes_is_a_named_constant():
+    from advisor.models.memory import stage_memory
+
+    m = load_model("llama3-8b")
+    cfg = TrainConfig(tp=1, pp=2, dp=4, mbs=1, gbs=64, seq=4096)
+    base = stage_memory(m, cfg)[-1].logits_gib
+    assert DEFAULT.bytes_logits_fp32 == 4.0
+    # bf16 logits (2 B) + the fp32 copy (4 B): dropping the copy leaves a third
+    no_copy = stage_memory(m, cfg, DEFAULT.replace(bytes_logits_fp32=0.0))[-1].logits_gib
+    assert no_copy == pytest.approx(base / 3)
+
+
+def _power(model, cluster, cfg, c=DEFAULT):
+    from advisor.models.power import estimate_power
+
+    return estimate_power(step_time(model, cluster, cfg, c), cluster, c)
+
+
+def test_throttle_risk_mapping_reads_the_named_constants():
+    """Each band of the risk score is computed from the named constants (no literals left in
+    models/power.py): moving a constant moves the score exactly as the formula says."""
+    c = DEFAULT
+    m70 = load_model("llama3-70b")
+    cfg = TrainConfig(tp=8, pp=4, dp=2, mbs=1, gbs=128, seq=8192, sequence_parallel=True)
+    # sustained throttling under a 450 W cap (high band)
+    capped = load_cluster("h100x64", power_cap_w=450)
+    e = _power(m70, capped, cfg)
+    assert e.compute_slowdown > 1.0 and e.throttle_label == "high"
+    c2 = c.replace(throttle_risk_sustained_base=0.2, throttle_risk_per_slowdown=0.1)
+    e2 = _power(m70, capped, cfg, c2)
+    assert e2.throttle_risk == pytest.approx(0.2 + (e2.compute_slowdown - 1.0) * 0.1)
+    assert e2.throttle_label == "low"
+    assert _power(m70, capped, cfg, c.replace(max_power_slowdown=1.2)).compute_slowdown == 1.2
+    # spikes over the 700 W cap (medium band)
+    full = load_cluster("h100x64")
+    e = _power(m70, full, cfg)
+    excess = (e.demand_peak_w - 700) / (c.throttle_spike_full_excess * 700)
+    assert 0 < excess < 1 and e.throttle_label == "medium"
+    assert e.throttle_risk == c.throttle_risk_spike_base + c.throttle_risk_spike_span * excess
+    e2 = _power(m70, full, cfg, c.replace(throttle_risk_spike_base=0.5, throttle_spike_full_excess=0.1))
+    assert e2.throttle_risk == pytest.approx(0.5 + c.throttle_risk_spike_span * min(1.0, 2 * excess))
+    # below the cap (low band): a tiny model's GEMMs never saturate
+    tiny = ModelSpec("tiny", num_layers=2, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4,
+                     vocab_size=1000, source="test")
+    small = TrainConfig(tp=1, pp=1, dp=8, mbs=1, gbs=8, seq=1024)
+    h8 = load_cluster("h100x8")
+    e = _power(tiny, h8, small)
+    assert e.demand_peak_w < 700 and e.throttle_reason == "none"
+    e2 = _power(tiny, h8, small, c.replace(throttle_low_start=0.5, throttle_low_range=0.5))
+    assert e2.throttle_risk == pytest.approx(c.throttle_risk_low_span * (e.demand_peak_w - 350) / 350)
+    assert _power(tiny, h8, small, c.replace(throttle_label_medium=0.0)).throttle_label == "medium"

@@ -32,7 +32,8 @@ def test_rules_name_the_broken_rule():
     m, c = load_model("llama3-70b"), load_cluster("h100x64")
     assert any("KV groups" in v for v in violations(m, c, TrainConfig(tp=16, pp=1, dp=4, gbs=128)))
     assert any("spans more than one node" in v for v in violations(m, c, TrainConfig(tp=16, pp=4, dp=1, gbs=128)))
-    assert any("does not split evenly" in v for v in violations(m, c, TrainConfig(tp=8, pp=3, dp=1, gbs=128)) if True) or True
+    # 80 layers over pp=3 (tp·pp = 24 of 64 GPUs, so the GPU count is broken too)
+    assert any("do not split evenly over pp=3" in v for v in violations(m, c, TrainConfig(tp=8, pp=3, dp=1, gbs=128)))
     assert any("gbs=100" in v for v in violations(m, c, TrainConfig(tp=8, pp=4, dp=2, mbs=4, gbs=100)))
     assert any("mixture-of-experts" in v for v in violations(m, c, TrainConfig(tp=8, pp=4, dp=2, ep=2, gbs=128)))
     mx = load_model("mixtral-8x7b")
@@ -86,6 +87,17 @@ def test_cli_table_output():
 
 
 @pytest.mark.parametrize("args,needle", [
+    # typer/click's own usage errors: one line too, not a boxed "Usage ... Error" block
+    (["recommend", "--model", "llama3-70b", "--cluster", "h100x64", "--precision", "fp16"],
+     "error: Invalid value for '--precision': 'fp16' is not one of 'bf16', 'fp8'."),
+    (["predict", "--model", "llama3-70b", "--cluster", "h100x64", "--tp", "x"], "Invalid value for '--tp'"),
+    (["catalog", "foo"], "'foo' is not one of 'models', 'gpus', 'clusters'"),
+    (["catalog"], "Missing argument"),
+    (["recommend", "--model", "llama3-70b"], "Missing option '--cluster'"),
+    (["predict"], "error: --model and --cluster are required"),
+    (["recommend", "--model", "llama3-70b", "--cluster", "h100x64", "--bogus"], "No such option: --bogus"),
+    (["nosuchcommand"], "No such command"),
+    # the tool's own input errors
     (["recommend", "--model", "llama3-7b", "--cluster", "h100x64"], "did you mean"),
     (["recommend", "--model", "llama3-70b", "--cluster", "h100x6x"], "expected"),
     (["recommend", "--model", "llama3.1-405b", "--cluster", "h100x8"], "fits nowhere"),
@@ -99,7 +111,58 @@ def test_bad_input_is_one_line_exit_2(args, needle):
     p = run_cli(*args)
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert "Traceback" not in p.stderr
-    assert needle in p.stderr
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert needle in lines[0]
+
+
+def test_bad_input_in_process_is_one_line_exit_2(capsys):
+    from advisor.cli import main
+
+    with pytest.raises(SystemExit) as ex:
+        main(["predict", "--model", "llama3-70b", "--cluster", "h100x64", "--pp", "two"])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Invalid value for '--pp'") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args", [["--help"], ["predict", "--help"], ["catalog", "--help"]])
+def test_help_still_works(args):
+    p = run_cli(*args)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert "Usage" in p.stdout and "--help" in p.stdout
+    if args[0] == "predict":
+        assert "--pp-first-layers" in p.stdout and "--pp-last-layers" in p.stdout
+
+
+@pytest.mark.parametrize("calibration", ["none", "default"])
+def test_predict_reproduces_recommends_uneven_pipeline_split(calibration):
+    """llama3.1-405b has 126 layers: recommend's layouts on 16K GPUs split the pipeline unevenly,
+    and predict takes that split with --pp-first-layers / --pp-last-layers."""
+    top = recommend("llama3.1-405b", "h100x16384", top=1, calibration=calibration).recommendations[0]
+    c = top.config
+    assert c.pp > 1 and c.pp_first_layers is not None and c.pp_last_layers is not None
+    flags = ["--tp", c.tp, "--pp", c.pp, "--cp", c.cp, "--vp", c.vp, "--mbs", c.mbs, "--gbs", c.gbs,
+             "--recompute", c.recompute, "--pp-first-layers", c.pp_first_layers, "--pp-last-layers", c.pp_last_layers]
+    p = run_cli("predict", "--model", "llama3.1-405b", "--cluster", "h100x16384", *map(str, flags),
+                "--calibration", calibration, "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["config"] == c.to_dict()
+    assert d["prediction"]["tokens_per_s_per_gpu"] == pytest.approx(top.prediction.tokens_per_s_per_gpu, rel=1e-9)
+    if calibration == "default":
+        return
+    # the layout of the issue's example: PP=64 with one layer on the first and the last stage
+    p = run_cli("predict", "--model", "llama3.1-405b", "--cluster", "h100x16384", "--tp", "8", "--pp", "64",
+                "--cp", "4", "--pp-first-layers", "1", "--pp-last-layers", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert (d["config"]["pp_first_layers"], d["config"]["pp_last_layers"], d["config"]["dp"]) == (1, 1, 8)
+    assert d["prediction"]["feasible"]
+    # without the split the same layout is illegal, and the error says which flags to give
+    p = run_cli("predict", "--model", "llama3.1-405b", "--cluster", "h100x16384", "--tp", "8", "--pp", "64",
+                "--cp", "4")
+    assert p.returncode == 2 and "--pp-first-layers/--pp-last-layers" in p.stderr
 
 
 def test_predict_single_json():
@@ -145,6 +208,26 @@ def test_catalog_commands(what):
     p = run_cli("catalog", what, "--json")
     assert p.returncode == 0, p.stderr
     assert len(json.loads(p.stdout)) >= 2
+
+
+def test_catalog_tables_show_sources():
+    p = run_cli("catalog", "gpus")
+    assert p.returncode == 0, p.stderr
+    header = next(x for x in p.stdout.splitlines() if "name" in x)
+    assert "source" in header
+    assert "NVIDIA H100" in p.stdout  # the start of h100's source, however narrow the column
+    p = run_cli("catalog", "clusters")
+    assert p.returncode == 0, p.stderr
+    assert "source" in next(x for x in p.stdout.splitlines() if "name" in x)
+    assert "NVIDIA DGX SuperPOD" in p.stdout
+
+
+def test_catalog_clusters_json_keeps_source():
+    p = run_cli("catalog", "clusters", "--json")
+    assert p.returncode == 0, p.stderr
+    by_name = {c["name"]: c for c in json.loads(p.stdout)}
+    assert by_name["dgx-h100-su"]["source"].startswith("NVIDIA DGX SuperPOD (H100) reference architecture")
+    assert all(c["source"] for c in by_name.values())
 
 
 def test_a_checkout_imports_its_layer_folders_without_an_install(tmp_path):
