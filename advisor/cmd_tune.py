@@ -9,6 +9,10 @@ import typer
 
 from advisor.options import Cluster, Gbs, Model, Precision, Seq
 
+CAL_HELP = ("what the study predicts with (seeds' ranking, each trial's 'predicted', the surrogate sampler's "
+            "prior): a calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
+            "(analytical model only); --runner simulate stays the analytical model plus noise either way")
+
 
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune_cmd)
@@ -31,10 +35,11 @@ def tune_cmd(
     study_name: Optional[str] = typer.Option(None, "--study-name", help="default: <model>@<cluster>-seq..-gbs..-<precision>-<objective>-<runner>"),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Ray cluster address (default: a local Ray); 'inline' runs trials in this process without Ray"),
     dataset: Optional[str] = typer.Option(None, "--dataset", help="JSONL the records are appended to (default data/measurements/tune-<study>.jsonl)"),
-    top_k: int = typer.Option(4, "--top-k", help="analytical top layouts enqueued first"),
+    top_k: int = typer.Option(4, "--top-k", help="top layouts of the prediction (see --calibration) enqueued first"),
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
-    sampler: str = typer.Option("tpe", "--sampler", help="tpe (Optuna's default) or surrogate (active learning: expected improvement of a GP on the measurements, analytical prior)"),
+    sampler: str = typer.Option("tpe", "--sampler", help="tpe (Optuna's default) or surrogate (active learning: expected improvement of a GP on the measurements, the --calibration prediction as its prior)"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)"),
+    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     steps: int = typer.Option(10, "--steps", help="megatron: measured steps per trial"),
     warmup: int = typer.Option(3, "--warmup", help="megatron: warm-up steps per trial"),
     sigma: float = typer.Option(0.03, "--sim-sigma", help="simulate: log-normal sigma of the step-time noise"),
@@ -51,9 +56,10 @@ def tune_cmd(
     s = TuneSettings(model=model, cluster=cluster, seq=seq, gbs=gbs, precision=precision, layers=layers,
                      trials=trials, batch=batch, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
-                     dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts)
+                     dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts,
+                     calibration=calibration)
+    plan = make_plan(s)  # a bad option or calibration file is one error line, before the progress bar
     if dry_run:
-        plan = make_plan(s)
         if as_json:
             json.dump({**plan.to_dict(), "dry_run": True}, sys.stdout, indent=1)
             sys.stdout.write("\n")
@@ -62,7 +68,7 @@ def tune_cmd(
         return
     try:
         with _Progress(s.runner, enabled=not as_json) as progress:
-            res = run_study(s, progress=progress.update)
+            res = run_study(s, progress=progress.update, plan=plan)
     except ConnectionError as e:
         fail(f"cannot reach Ray at {ray_address}: {e}")
     if as_json:
@@ -90,9 +96,23 @@ def _print_plan(plan) -> None:
               f"refused by the runner: {sp['refused_by_runner']}; runnable: {sp['runnable']}")
     con.print("params: " + "; ".join(f"{k} {v}" for k, v in sp["params"].items()))
     con.print(f"trials to measure: {plan.settings.trials}, {plan.settings.batch} per launch; dataset: {plan.dataset}")
-    con.print(f"enqueued first (analytical top-{len(plan.enqueue)}):")
+    con.print(_calibration_line(plan), markup=False, highlight=False, soft_wrap=True)
+    what = "analytical" if plan.calibration is None else "calibrated"
+    con.print(f"enqueued first ({what} top-{len(plan.enqueue)}):")
     for c in plan.enqueue:
         con.print(f"  {_layout(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)
+
+
+def _calibration_line(plan) -> str:
+    from advisor.study import calibration_label
+
+    info = plan.calibration_info
+    line = f"predictions (seeds, 'predicted', surrogate prior): {calibration_label(info)}"
+    if info.get("levels"):
+        line += " (" + ", ".join(f"{t} {m}" for t, m in info["levels"].items()) + ")"
+    if plan.settings.runner == "simulate":
+        line += "; simulated measurements: the analytical model + noise, whatever the calibration"
+    return line
 
 
 def _print_result(res) -> None:
@@ -119,6 +139,13 @@ def _print_result(res) -> None:
                   f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
                   f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-")
     con.print(t)
+    con.print(_calibration_line(plan), markup=False, highlight=False, soft_wrap=True)
+    mine, made = plan.calibration_info, res.study_calibration
+    if not made or (made.get("file"), made.get("sha256")) != (mine.get("file"), mine.get("sha256")):
+        from advisor.study import calibration_label
+
+        con.print(f"the study's seeds were ranked with: {calibration_label(res.study_calibration)}",
+                  markup=False, highlight=False)
     counts = ", ".join(f"{k} {v}" for k, v in sorted(res.counts.items()))
     con.print(f"{res.measured} measured ({res.launched_here} by this driver) in {res.elapsed_s:.0f} s; "
               f"stopped: {res.stopped}; trials: {counts}")

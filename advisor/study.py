@@ -19,7 +19,16 @@ With ``batch`` > 1, up to that many claimed trials go out as ONE job (the megatr
 them in one torchrun, so start-up is paid once per job instead of once per trial); each trial is
 still told from its own record as the job returns. TPE (constant liar) and the surrogate sampler
 both see the trials in flight, so the proposals of one batch differ.
-The analytical top-K (``advisor.api.recommend``) are enqueued when the study is created.
+The top-K of ``advisor.api.recommend`` are enqueued when the study is created.
+
+Predictions (the seeds' ranking, the ``predicted`` user attribute of every trial, the values of
+layouts that are never launched and the surrogate sampler's prior) come from the calibration of
+``TuneSettings.calibration`` (``models.calibrate.resolve_calibration``: a file, "default" or None /
+"none" for the analytical model with its default constants). Which one is recorded in the study's
+user attribute ``calibration`` when the study is created (a study made before this option has
+none and loads as before), in each trial's ``predicted`` and in the plan. The memory screen stays
+the analytical model's, and the simulated runner's ground truth is the analytical model whatever
+the calibration: a calibration changes what the study expects, never what it measures.
 ``trials`` counts launched measurements in the whole study, so a resumed driver goes on to the
 same total.
 
@@ -81,6 +90,9 @@ class TuneSettings:
     top_k: int = 4
     seed: int | None = None
     sampler: str = "tpe"  # tpe (Optuna's default) or surrogate (expected improvement on our GP)
+    # predictions: None / "none" = the analytical model; "default" = the shipped calibration; a
+    # calibration file; or a loaded models.calibrate.Calibration
+    calibration: Any = None
     power_cap_w: float | None = None
     runner_options: dict = field(default_factory=dict)
     kill_grace_s: float = 30.0
@@ -101,6 +113,8 @@ class Plan:
     space: dict[str, list]
     screened: dict[str, tuple[str, float, str]]  # layout key -> (constraint, violation, reason)
     enqueue: list[TrainConfig]
+    calibration: Any = None  # the models.calibrate.Calibration predictions come from; None: analytical
+    calibration_info: dict = field(default_factory=dict)  # what calibration_info() says of it
 
     @property
     def runnable(self) -> int:
@@ -121,6 +135,7 @@ class Plan:
             "space": {"layouts": len(self.layouts), "params": {k: v for k, v in self.space.items()},
                       "pruned_by_memory": by.get("memory", 0), "refused_by_runner": by.get("runs", 0),
                       "runnable": self.runnable},
+            "calibration": self.calibration_info,
             "enqueued": [{"key": layout_key(c), "config": c.to_dict()} for c in self.enqueue],
         }
 
@@ -133,9 +148,41 @@ def default_study_name(model: ModelSpec, cluster: ClusterSpec, wl: Workload, obj
     return f"{model.name}@{cluster.name}-seq{wl.seq}-gbs{wl.gbs}-{wl.precision}-{objective}-{runner}"
 
 
+def calibration_info(spec: Any, cal) -> dict[str, Any]:
+    """What the study predicts with, as recorded in the plan, the study's user attributes and the
+    summary: the option given (`spec`), the file loaded (None: the analytical model with its
+    default constants), its sha256, the level used per target and the files it was fitted on."""
+    import hashlib
+
+    if spec is None or isinstance(spec, str) and spec.lower() in ("none", "off", "analytical"):
+        label = "none"
+    elif isinstance(spec, (str, Path)):
+        label = str(spec)
+    else:  # a loaded Calibration
+        label = getattr(spec, "source", "") or "in memory"
+    if cal is None:
+        return {"spec": label, "file": None, "sha256": None, "levels": None, "trained_on": None}
+    digest = None
+    if cal.source and Path(cal.source).is_file():
+        digest = hashlib.sha256(Path(cal.source).read_bytes()).hexdigest()
+    return {"spec": label, "file": cal.source or None, "sha256": digest,
+            "levels": {t: v.get("mode") for t, v in cal.targets.items()},
+            "trained_on": (cal.trained_on or {}).get("files")}
+
+
+def calibration_label(info: dict | None) -> str:
+    """One phrase for a calibration_info(): 'analytical model' or 'calibration FILE'."""
+    if not info:
+        return "not recorded (study made before --calibration)"
+    if not info.get("file"):
+        return "analytical model (default constants)"
+    return f"calibration {info['file']}"
+
+
 def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     """Everything decided before a trial runs: the space, what is screened out, the seeds."""
     from advisor.api import default_workload, recommend, resolve
+    from advisor.models.calibrate import resolve_calibration
     from advisor.models.memory import stage_memory
     from advisor.runners.ray_exec import RUNNERS, prepare
 
@@ -151,6 +198,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         raise SpecError(f"--sampler must be tpe or surrogate, got {s.sampler!r}")
     if s.precision not in ("bf16", "fp8"):
         raise SpecError(f"precision must be bf16 or fp8, got {s.precision!r}")
+    cal = resolve_calibration(s.calibration)  # an unreadable file is a one-line error, before anything runs
     model, cluster = resolve(s.model, s.cluster, s.power_cap_w)
     if s.layers:
         if s.layers < 1:
@@ -184,7 +232,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
                 break
             try:
                 res = recommend(model, cluster, seq=wl.seq, gbs=wl.gbs, precision=wl.precision,
-                                top=top, objective=obj, options=options)
+                                top=top, objective=obj, options=options, calibration=cal)
             except SpecError:
                 break
             for r in res.recommendations:
@@ -197,7 +245,8 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     name = s.study_name or default_study_name(model, cluster, wl, s.objective, s.runner)
     storage = s.storage or DEFAULT_STORAGE
     dataset = Path(s.dataset or f"data/measurements/tune-{_safe(name)}.jsonl")
-    return Plan(s, model, cluster, wl, name, storage, dataset, layouts, optuna_space(layouts), screened, enq)
+    return Plan(s, model, cluster, wl, name, storage, dataset, layouts, optuna_space(layouts), screened, enq,
+                cal, calibration_info(s.calibration, cal))
 
 
 # ------------------------------------------------------------------------------------ storage
@@ -343,9 +392,13 @@ class TuneResult:
     pareto: list[dict[str, Any]]
     best: dict[str, Any] | None
     elapsed_s: float
+    # the study's user attribute `calibration`: what its seeds were ranked with when it was created
+    # (None for a study made before --calibration); the plan's `calibration` is this driver's
+    study_calibration: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.plan.to_dict(), "counts": self.counts, "launched_by_this_driver": self.launched_here,
+        return {**self.plan.to_dict(), "study_calibration": self.study_calibration,
+                "counts": self.counts, "launched_by_this_driver": self.launched_here,
                 "measured": self.measured, "stopped": self.stopped, "elapsed_s": self.elapsed_s,
                 "best": self.best, "pareto": self.pareto}
 
@@ -469,14 +522,17 @@ class Tuner:
 
     def _enqueue_seeds(self) -> None:
         if self.study.get_trials(deepcopy=False):
-            return
+            return  # a resumed study keeps its seeds, and the calibration recorded with them (or none)
+        self.study.set_user_attr("calibration", self.plan.calibration_info)
+        what = "analytical top-K" if self.plan.calibration is None else "calibrated top-K"
         for cfg in self.plan.enqueue:
-            self.study.enqueue_trial(layout_params(cfg, self.plan.space), user_attrs={"seed": "analytical top-K"},
+            self.study.enqueue_trial(layout_params(cfg, self.plan.space), user_attrs={"seed": what},
                                      skip_if_exists=True)
 
     def _sampler(self):
         """TPE (Optuna's default for multi-objective studies), or active learning: expected
-        improvement of a GP on the measurements, with the analytical prediction as its prior."""
+        improvement of a GP on the measurements, with the plan's prediction (calibrated, or the
+        analytical model's) as its prior."""
         if self.s.sampler == "surrogate":
             from advisor.models.surrogate import SurrogateSampler
             from advisor.search_spaces.space import resolve_params
@@ -496,11 +552,20 @@ class Tuner:
 
     # -- values --------------------------------------------------------------------------------
     def predicted(self, cfg: TrainConfig):
+        """The plan's prediction of a layout: the calibration's (every layout of the plan at once,
+        the surrogates run once), or the analytical model's."""
         k = layout_key(cfg)
         if k not in self._preds:
-            from advisor.models.predict import predict
+            cal = self.plan.calibration
+            if cal is None:
+                from advisor.models.predict import predict
 
-            self._preds[k] = predict(self.plan.model, self.plan.cluster, cfg, check_legal=False)
+                self._preds[k] = predict(self.plan.model, self.plan.cluster, cfg, check_legal=False)
+            else:
+                todo = [] if self._preds else [c for c in self.plan.layouts if layout_key(c) != k]
+                for c, p in zip([cfg] + todo, cal.predict_many(self.plan.model, self.plan.cluster, [cfg] + todo,
+                                                                check_legal=False)):
+                    self._preds[layout_key(c)] = p
         return self._preds[k]
 
     def _values(self, cfg: TrainConfig, rec: dict | None) -> tuple[list[float], dict[str, float], str]:
@@ -576,7 +641,8 @@ class Tuner:
             trial.set_user_attr("predicted", {"tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
                                               "peak_power_w": p.peak_power_w, "mean_power_w": p.mean_power_w,
                                               "energy_j_per_token": p.energy_j_per_token,
-                                              "memory_gib_per_gpu": p.memory_gib_per_gpu})
+                                              "memory_gib_per_gpu": p.memory_gib_per_gpu,
+                                              "calibration": self.plan.calibration_info.get("file")})
             if key in self.plan.screened:
                 what, violation, reason = self.plan.screened[key]
                 values, cons, _ = self._values(cfg, None)
@@ -741,7 +807,7 @@ class Tuner:
             if self.lock is not None:
                 self.lock.release()
         return TuneResult(self.plan, self.counts(), self.launched_here, self.measured(), stopped,
-                          self.pareto(), self._best(), time.time() - t0)
+                          self.pareto(), self._best(), time.time() - t0, self.study.user_attrs.get("calibration"))
 
     def claims_taken(self) -> set[str]:
         TS = self.optuna.trial.TrialState
@@ -774,11 +840,12 @@ class Tuner:
 
 
 def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = None, executor=None,
-              storage=None) -> TuneResult:
-    """Plan, open the study and run it (Ray at settings.ray_address unless given an executor)."""
+              storage=None, plan: Plan | None = None) -> TuneResult:
+    """Plan (unless given make_plan's plan of these settings), open the study and run it (Ray at
+    settings.ray_address unless given an executor)."""
     from advisor.runners.ray_exec import make_executor
 
-    plan = make_plan(settings)
+    plan = plan or make_plan(settings)
     tuner = Tuner(plan, None, progress, storage)
     try:
         tuner.executor = executor or make_executor(settings.ray_address, settings.kill_grace_s)

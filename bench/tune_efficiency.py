@@ -1,6 +1,7 @@
 """How many measured trials does a search need to reach a layout within 2% of the best of the
 grid? `advisor tune`'s study (TPE with the analytical top-K enqueued first; also with
-`--sampler surrogate`), the same TPE without the seeds, random order and grid (enumeration) order.
+`--sampler surrogate`, and that sampler without the seeds, where its prior picks the first
+layouts), the same TPE without the seeds, random order and grid (enumeration) order.
 
 Two kinds of grid:
 
@@ -21,7 +22,13 @@ torchrun each), the sampler hearing of them only when the job returns. Its cost 
 launched up to the end of the job that found the layout, whole jobs counted (the sampling price
 of batching; the start-ups it saves are not in this count).
 
+`--calibration FILE|default|none` (default none: the analytical model, as before) is what the
+studies predict with, as `advisor tune --calibration`: the seeds' ranking and the surrogate
+sampler's prior. The grid is not affected (a simulated grid stays the analytical model + noise).
+The bench says when the calibration was fitted on a file whose records it replays (not held out).
+
     python bench/tune_efficiency.py --measured data/measurements/h200x4-campaign.jsonl --seeds 50
+    python bench/tune_efficiency.py --measured data/measurements/h200x4-campaign.jsonl --calibration default
     python bench/tune_efficiency.py --simulated [--model llama3-8b --cluster h200x4 --seeds 10 --budget 80]
 """
 from __future__ import annotations
@@ -41,11 +48,18 @@ from advisor.runners.replay import (TOL, MeasuredGroup, Replay, load_groups, tok
                                     trials_to_within)
 from advisor.runners.simulate import run_trial
 from advisor.search_spaces.space import layout_key
-from advisor.study import TuneSettings, make_plan
+from advisor.study import TuneSettings, calibration_label, make_plan
 
 tps = tokens_per_gpu
 STUDY = "advisor tune (TPE + analytical top-K)"
 SURROGATE = "advisor tune --sampler surrogate"
+
+
+def study_names(calibrated: bool) -> tuple[str, str]:
+    """The rows of the seeded study and of the surrogate sampler."""
+    if not calibrated:
+        return STUDY, SURROGATE
+    return "advisor tune (TPE + calibrated top-K)", "advisor tune --sampler surrogate (calibrated prior)"
 
 
 def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bool,
@@ -60,9 +74,11 @@ def search(rep: Replay, seeds: int, budget: int, random_runs: int, surrogate: bo
         rnd.append(trials_to_within([grid.tps(k) for k in ks], best))
     results["random order"] = rnd
     until = (1 - TOL) * best
-    studies = ([("TPE, no seeds", 0, "tpe", 1), (STUDY, 4, "tpe", 1)]
-               + ([(SURROGATE, 4, "surrogate", 1)] if surrogate else [])
-               + [(f"{STUDY}, --batch {b} (whole jobs)", 4, "tpe", b) for b in batches])
+    study, surr = study_names(rep.calibration is not None)
+    prior_only = f"surrogate, no seeds ({'analytical' if rep.calibration is None else 'calibrated'} prior)"
+    studies = ([("TPE, no seeds", 0, "tpe", 1), (study, 4, "tpe", 1)]
+               + ([(surr, 4, "surrogate", 1), (prior_only, 0, "surrogate", 1)] if surrogate else [])
+               + [(f"{study}, --batch {b} (whole jobs)", 4, "tpe", b) for b in batches])
     for name, top_k, sampler, b in studies:
         results[name] = [jobs_cost(rep.run(top_k, sampler, s, budget, until=until, batch=b).values, best, b)
                          for s in range(seeds)]
@@ -112,7 +128,8 @@ def describe_group(rep: Replay) -> None:
         print(f"the whole space has {len(runnable)} runnable layouts, {n} of them measured; in its enumeration "
               f"order the first measured one within {TOL:.0%} is #{pos}: a grid search of the whole space needs "
               f"<= {pos} trials to get within {TOL:.0%} of the best *measured* layout")
-    print(f"the study's seeds (make_plan: analytical top-{full.settings.top_k} by throughput, then "
+    what = "analytical" if full.calibration is None else "calibrated"
+    print(f"the study's seeds (make_plan: {what} top-{full.settings.top_k} by throughput, then "
           f"{full.settings.top_k // 2} {'energy' if full.settings.objective == 'energy' else 'balanced'}), "
           f"in enqueue order:")
     first = None
@@ -156,11 +173,30 @@ def projection_share(rep: Replay, target: float, limit: int = 20000) -> float | 
     return hit / len(combos)
 
 
-def measured_mode(groups: list[MeasuredGroup], a) -> None:
+def held_out_note(cal, sources) -> str | None:
+    """Which of the replayed files the calibration was fitted on (by path or file name)."""
+    import os
+
+    if cal is None:
+        return None
+    fitted = (cal.trained_on or {}).get("files") or []
+    names = {os.path.basename(f) for f in fitted} | {os.path.realpath(f) for f in fitted}
+    used = sorted(s for s in sources if os.path.basename(s) in names or os.path.realpath(s) in names)
+    if used:
+        return (f"NOT held out: the calibration was fitted on {', '.join(used)}, whose records this grid replays "
+                f"(it was fitted on: {', '.join(fitted)})")
+    return f"held out by file: the calibration was fitted on {', '.join(fitted) or 'unknown files'}"
+
+
+def measured_mode(groups: list[MeasuredGroup], a, cal=None) -> None:
     for grp in groups:
         t0 = time.time()
-        rep = Replay(grp)
+        rep = Replay(grp, calibration=cal)
         print(f"\n=== replay of measured trials: {grp.label} ({', '.join(sorted(grp.sources))})")
+        print(f"the studies predict with: {calibration_label(rep.full_plan(4).calibration_info)}")
+        note = held_out_note(cal, grp.sources)
+        if note:
+            print(note)
         if len(rep.grid.records) < 2:
             print("fewer than 2 measured layouts in the study's space: skipped")
             continue
@@ -173,7 +209,7 @@ def measured_mode(groups: list[MeasuredGroup], a) -> None:
         print(f"({time.time() - t0:.0f} s)")
 
 
-def simulated_mode(a) -> None:
+def simulated_mode(a, cal=None) -> None:
     m, c = resolve(a.model, a.cluster)
     wl = default_workload(m, c, a.seq, a.gbs)
     plan = make_plan(TuneSettings(model=a.model, cluster=a.cluster, seq=wl.seq, gbs=wl.gbs, runner="simulate",
@@ -181,11 +217,12 @@ def simulated_mode(a) -> None:
     layouts = [x for x in plan.layouts if layout_key(x) not in plan.screened]
     grp = MeasuredGroup(m, c.name, wl.seq, wl.gbs, wl.precision,
                         records={layout_key(x): run_trial(m, c, x) for x in layouts})
-    rep = Replay(grp, runner="simulate")
+    rep = Replay(grp, runner="simulate", calibration=cal)
     grid, best = rep.grid.records, rep.grid.best
     ok = sum(r["status"] == "ok" for r in grid.values())
     hits = sum(tps(r) >= (1 - TOL) * best for r in grid.values())
     print(f"grid: SIMULATED (analytical model + 3% noise): {m.name} on {c.name}, seq {wl.seq}, gbs {wl.gbs}")
+    print(f"the studies predict with: {calibration_label(rep.full_plan(4).calibration_info)}")
     print(f"{len(grid)} layouts measured ({ok} ok), best {best:,.0f} tok/s/GPU; {hits} within {TOL:.0%} of it")
     results = search(rep, a.seeds, a.budget, a.random_runs or 100, surrogate=False, batches=tuple(a.batch))
     print(f"\ntrials until one within {TOL:.0%} of the grid's best (budget {a.budget} for the studies)")
@@ -209,9 +246,20 @@ def main(argv=None) -> int:
     ap.add_argument("--simulated", action="store_true", help="ignore measured grids")
     ap.add_argument("--batch", type=int, action="append", default=[], metavar="B",
                     help="also run the study with B trials per launch (repeatable)")
+    ap.add_argument("--calibration", default="none", metavar="FILE|default|none",
+                    help="what the studies predict with (seeds, surrogate prior), as advisor tune --calibration; "
+                         "default here: none (the analytical model)")
     a = ap.parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     t0 = time.time()
+    from advisor.catalog.specs import SpecError
+    from advisor.models.calibrate import resolve_calibration
+
+    try:
+        cal = resolve_calibration(a.calibration)  # loaded once for every study
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.measured:
         files = sorted({f for pat in a.measured for f in (glob.glob(pat) or [pat])})
         groups = load_groups(files, a.min_layouts)
@@ -221,9 +269,9 @@ def main(argv=None) -> int:
     else:
         groups = [] if a.simulated else load_groups(sorted(glob.glob("data/measurements/*.jsonl")), a.min_grid)
     if groups:
-        measured_mode(groups, a)
+        measured_mode(groups, a, cal)
     else:
-        simulated_mode(a)
+        simulated_mode(a, cal)
     print(f"\n({time.time() - t0:.0f} s)")
     return 0
 

@@ -221,11 +221,14 @@ class _Found(Exception):
 class Replay:
     """Studies on one measured group; the full plan is made once per top-K."""
 
-    def __init__(self, group: MeasuredGroup, runner: str = "megatron"):
+    def __init__(self, group: MeasuredGroup, runner: str = "megatron", calibration: Any = None):
+        """`calibration`: what the studies predict with (TuneSettings.calibration: None for the
+        analytical model, "default", a file or a loaded Calibration, best loaded once)."""
         from advisor.search_spaces.space import layout_key
 
         self.group = group
         self.runner = runner
+        self.calibration = calibration
         self._plans: dict[int, Any] = {}  # top-K -> make_plan's Plan
         full = self.full_plan(0)
         in_space = {layout_key(c) for c in full.layouts}
@@ -238,7 +241,8 @@ class Replay:
         from advisor.study import make_plan
 
         if top_k not in self._plans:
-            self._plans[top_k] = make_plan(replay_settings(self.group, self.runner, top_k=top_k))
+            self._plans[top_k] = make_plan(replay_settings(self.group, self.runner, top_k=top_k,
+                                                           calibration=self.calibration))
         return self._plans[top_k]
 
     def plan(self, top_k: int = 4, sampler: str = "tpe", seed: int | None = 0, budget: int | None = None,
