@@ -188,7 +188,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     best_e = min(p.energy_j_per_token for _, p in preds)
     ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
     if cal is not None:  # full calibrated predictions (surrogates, intervals) for the head only
-        head = cal.rescore(m, c, ranked[:max(4 * top, 20)])
+        head = cal.rescore(m, c, ranked[:max(4 * top, 20)], with_constants=rank_constants is cal.constants)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))

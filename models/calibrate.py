@@ -10,12 +10,15 @@ training and the test folds):
   surrogate    calibrated x exp(GP residual) (throttle fraction: + GP residual) on physical features
 The level with the lowest CV error is used for each target; the analytical model is kept for a
 target where nothing beats it (recorded in the file), so a calibration is never worse than the
-analytical model on held-out model shapes. 80% intervals come from the out-of-fold residuals (a
-split-conformal scale on the GP's standard deviation for the surrogate level).
+analytical model on held-out model shapes. 80% intervals come from the out-of-fold residuals of
+the level used, not widened to contain the point (`_interval`: residual quantiles for the
+analytical level, +- the 80% quantile of |residual| for the calibrated level, a split-conformal
+scale on the GP's floored standard deviation for the surrogate level).
 
 File format (joblib, load trusted files only: joblib unpickles): a dict with "format":
-"advisor.calibration", "version": 1, "feature_names", "constants", "fitted_constants", "targets",
-"surrogates", "trained_on", "cv", "created", "versions".
+"advisor.calibration", "version": 2, "feature_names", "constants", "fitted_constants", "targets",
+"surrogates" (PortableGP states: numpy arrays, so loading needs no scikit-learn), "trained_on",
+"cv", "created", "versions". Version 1 files (scikit-learn objects as surrogates) are still read.
 """
 from __future__ import annotations
 
@@ -38,7 +41,10 @@ from advisor.models.predict import Prediction, predict
 from advisor.models.surrogate import MIN_ROWS, ResidualGP
 
 FORMAT = "advisor.calibration"
-VERSION = 1
+# 2: surrogates stored as numpy arrays (PortableGP: no scikit-learn to load or use them);
+# 1: scikit-learn objects. This advisor writes 2 and reads both.
+VERSION = 2
+READS = (1, 2)
 LEVEL = 0.8  # central coverage of the intervals
 MODES = ("analytical", "calibrated", "surrogate")
 ADDITIVE = ("throttle_fraction",)
@@ -314,31 +320,109 @@ def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log
 
 
 def _interval(t: str, mode: str, y: np.ndarray, o: dict[str, np.ndarray]) -> dict:
-    """How to draw the LEVEL interval of `mode` from out-of-fold residuals."""
+    """How to draw the LEVEL interval of `mode` from its out-of-fold residuals r (log ratio,
+    difference for fractions); `coverage_cv` is the share of out-of-fold rows inside it.
+
+    analytical  the 10% / 90% quantiles of r: the analytical model is the same in every fold and in
+                use, so its residuals (bias included) are what to expect.
+    calibrated  +-q, q the 80% quantile of |r| (split conformal, symmetric): each fold's constants
+                are fitted without the held-out architecture, so r carries a bias of that fold
+                (+8% llama3, +26% gpt3, -32% mixtral on the campaigns) whose sign does not carry
+                over to the final fit, which has seen every architecture; its size does.
+    surrogate   mu +- k * max(sd, sd_floor): sd the GP's standard deviation, sd_floor the median
+                out-of-fold sd, k the 80% quantile of |r - mu| / max(sd, sd_floor). The floor keeps
+                the band from shrinking to the GP's noise level next to its training rows (the
+                out-of-fold rows are all far from them); above it the band widens with sd.
+    Neither is widened to contain the point estimate."""
     a = (1 - LEVEL) / 2
     z_nominal = float(_z(LEVEL))
     if mode == "surrogate":
         r = residual(t, y, o["calibrated"])
-        z = np.abs(r - o["mu"]) / o["sd"]
-        z = z[np.isfinite(z)]
-        k = float(np.quantile(z, LEVEL)) if z.size >= 5 else z_nominal
-        cover = float(np.mean(z <= z_nominal)) if z.size else math.nan
-        return {"type": "gp_sd", "k": k, "nominal_k": z_nominal, "nominal_coverage_cv": cover}
+        ok = np.isfinite(r) & np.isfinite(o["mu"]) & np.isfinite(o["sd"])
+        e, sd = (r - o["mu"])[ok], o["sd"][ok]
+        if e.size < 5:
+            return {"type": "gp_sd", "k": z_nominal, "sd_floor": 0.0, "nominal_k": z_nominal,
+                    "nominal_coverage_cv": math.nan, "coverage_cv": math.nan,
+                    "note": "too few CV residuals: the GP's nominal band"}
+        floor = float(np.median(sd))
+        z = np.abs(e) / np.maximum(sd, floor)
+        k = float(np.quantile(z, LEVEL))
+        return {"type": "gp_sd", "k": k, "sd_floor": floor, "nominal_k": z_nominal,
+                "nominal_coverage_cv": float(np.mean(np.abs(e) <= z_nominal * sd)),
+                "coverage_cv": float(np.mean(z <= k)), "n_cv": int(e.size)}
     r = residual(t, y, o[mode])
     r = r[np.isfinite(r)]
     if r.size < 5:
-        return {"type": "quantiles", "lo": -0.25 if t not in ADDITIVE else -0.25,
-                "hi": 0.25, "note": "too few CV residuals: +-25% (0.25 for fractions)"}
-    # widened to contain the point estimate: with few folds the out-of-fold residuals also carry
-    # the bias of models trained without a whole architecture, which the final fit has seen
-    return {"type": "quantiles", "lo": min(0.0, float(np.quantile(r, a))), "hi": max(0.0, float(np.quantile(r, 1 - a))),
-            "q_lo": float(np.quantile(r, a)), "q_hi": float(np.quantile(r, 1 - a))}
+        return {"type": "quantiles", "lo": -0.25, "hi": 0.25, "coverage_cv": math.nan,
+                "note": "too few CV residuals: +-25% (0.25 for fractions)"}
+    q_lo, q_hi = float(np.quantile(r, a)), float(np.quantile(r, 1 - a))
+    if mode == "calibrated":
+        q = float(np.quantile(np.abs(r), LEVEL))
+        lo, hi, how = -q, q, "symmetric: +-80% quantile of |out-of-fold residual|"
+    else:
+        lo, hi, how = q_lo, q_hi, "10% / 90% quantiles of the out-of-fold residuals"
+    return {"type": "quantiles", "lo": lo, "hi": hi, "construction": how, "q_lo": q_lo, "q_hi": q_hi,
+            "coverage_cv": float(np.mean((r >= lo) & (r <= hi))), "n_cv": int(r.size)}
 
 
 def _z(level: float) -> float:
     from scipy.stats import norm
 
     return norm.ppf(0.5 + level / 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# a fitted surrogate in numpy alone
+# ------------------------------------------------------------------------------------------------
+
+class PortableGP:
+    """The prediction of a fitted ResidualGP (StandardScaler + GaussianProcessRegressor with
+    ConstantKernel * RBF(ARD) + WhiteKernel, normalize_y) in numpy alone, so that loading and
+    using a calibration file does not import scikit-learn (~0.7 s of a 2-core machine's start-up).
+    The file stores `state_of(gp)`: plain floats and arrays."""
+
+    KIND = "rbf_ard+white/v1"
+
+    def __init__(self, state: Mapping[str, Any]):
+        if state.get("kind") != self.KIND:
+            raise CalibrationError(f"unknown surrogate kind {state.get('kind')!r}; refit with 'advisor fit'")
+        self.state = dict(state)
+
+    @staticmethod
+    def state_of(gp: "ResidualGP | PortableGP") -> dict:
+        if isinstance(gp, PortableGP):
+            return gp.state
+        scaler, reg = gp.model[0], gp.model[-1]
+        k = reg.kernel_
+        const, rbf, white = k.k1.k1, k.k1.k2, k.k2
+        names = [type(x).__name__ for x in (k, k.k1, const, rbf, white)]
+        if names != ["Sum", "Product", "ConstantKernel", "RBF", "WhiteKernel"]:  # pragma: no cover
+            raise CalibrationError(f"surrogate kernel {k} is not ConstantKernel * RBF + WhiteKernel")
+        L_inv = np.linalg.solve(reg.L_, np.eye(len(reg.L_)))  # lower triangular: V = L^-1 K*^T
+        return {"kind": PortableGP.KIND, "kernel": str(k),
+                "x_mean": np.asarray(scaler.mean_, float), "x_scale": np.asarray(scaler.scale_, float),
+                "x_train": np.asarray(reg.X_train_, float), "alpha": np.asarray(reg.alpha_, float).ravel(),
+                "L_inv": L_inv, "y_mean": float(np.ravel(reg._y_train_mean)[0]),
+                "y_std": float(np.ravel(reg._y_train_std)[0]), "constant": float(const.constant_value),
+                "length_scale": np.broadcast_to(np.asarray(rbf.length_scale, float), (reg.X_train_.shape[1],)).copy(),
+                "noise": float(white.noise_level)}
+
+    @property
+    def kernel(self) -> str:
+        return self.state["kernel"]
+
+    def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(mean, standard deviation) of the residual at each row of X, as scikit-learn's
+        predict(return_std=True) computes them."""
+        d = self.state
+        Z = (np.asarray(X, float) - d["x_mean"]) / d["x_scale"]
+        A, B = Z / d["length_scale"], d["x_train"] / d["length_scale"]
+        sq = (A ** 2).sum(1)[:, None] + (B ** 2).sum(1)[None, :] - 2.0 * A @ B.T
+        K = d["constant"] * np.exp(-0.5 * np.maximum(sq, 0.0))  # the white kernel is 0 off the diagonal
+        mu = K @ d["alpha"] * d["y_std"] + d["y_mean"]
+        V = d["L_inv"] @ K.T
+        var = np.maximum(d["constant"] + d["noise"] - np.einsum("ij,ij->j", V, V), 0.0)
+        return mu, np.maximum(np.sqrt(var) * d["y_std"], 1e-9)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -381,13 +465,16 @@ class Calibration:
         return self.predict_many(model, cluster, [cfg], check_legal)[0]
 
     def predict_many(self, model: ModelSpec, cluster: ClusterSpec, cfgs: Sequence[TrainConfig],
-                     check_legal: bool = True) -> list[CalibratedPrediction]:
+                     check_legal: bool = True,
+                     calibrated: Sequence[Prediction] | None = None) -> list[CalibratedPrediction]:
         """Calibrated predictions of several layouts of one model on one cluster (the surrogates
-        run once on all of them)."""
+        run once on all of them). `calibrated`: the analytical predictions of `cfgs` under this
+        calibration's constants when the caller has them already (recommend ranks with them)."""
         if not cfgs:
             return []
         need_default = any(v["mode"] == "analytical" for v in self.targets.values())
-        cal = [predict(model, cluster, cfg, self.constants, check_legal=check_legal) for cfg in cfgs]
+        cal = (list(calibrated) if calibrated is not None else
+               [predict(model, cluster, cfg, self.constants, check_legal=check_legal) for cfg in cfgs])
         dft = ([predict(model, cluster, cfg, DEFAULT, check_legal=False) for cfg in cfgs]
                if need_default else cal)
         X = np.array([features(model, cluster, cfg, p) for cfg, p in zip(cfgs, cal)])
@@ -399,7 +486,8 @@ class Calibration:
             if mode == "surrogate" and self.surrogates.get(t) is not None:
                 mu, sd = self.surrogates[t].predict(X)
                 v = apply_residual(t, base, mu)
-                lo, hi = apply_residual(t, base, mu - iv["k"] * sd), apply_residual(t, base, mu + iv["k"] * sd)
+                half = iv["k"] * np.maximum(sd, iv.get("sd_floor", 0.0))  # version-1 files: no floor
+                lo, hi = apply_residual(t, base, mu - half), apply_residual(t, base, mu + half)
             else:
                 v = apply_residual(t, base, 0.0) if t in ADDITIVE else base
                 lo, hi = apply_residual(t, base, iv["lo"]), apply_residual(t, base, iv["hi"])
@@ -436,11 +524,15 @@ class Calibration:
                                                  "levels": {t: v["mode"] for t, v in self.targets.items()}})
 
     def rescore(self, model: ModelSpec, cluster: ClusterSpec,
-                pairs: Sequence[tuple[TrainConfig, Prediction]]) -> list[tuple[TrainConfig, Prediction]]:
+                pairs: Sequence[tuple[TrainConfig, Prediction]],
+                with_constants: bool = False) -> list[tuple[TrainConfig, Prediction]]:
         """Replace analytical predictions by calibrated ones (for recommend); layouts the
-        calibrated memory says do not fit are dropped unless none would remain."""
+        calibrated memory says do not fit are dropped unless none would remain.
+        `with_constants`: the pairs' predictions were made with this calibration's constants
+        (they are reused instead of computed again)."""
         cfgs = [cfg for cfg, _ in pairs]
-        preds = self.predict_many(model, cluster, cfgs, check_legal=False)
+        preds = self.predict_many(model, cluster, cfgs, check_legal=False,
+                                  calibrated=[p for _, p in pairs] if with_constants else None)
         out = list(zip(cfgs, preds))
         fit = [cp for cp in out if cp[1].feasible]
         return fit or out
@@ -459,7 +551,7 @@ class Calibration:
             "fitted_constants": {k: {"default": getattr(DEFAULT, k), "fitted": getattr(self.constants, k),
                                      "bounds": list(FIT_BOUNDS[k])} for k in FIT_BOUNDS},
             "targets": self.targets,
-            "surrogates": {t: s for t, s in self.surrogates.items() if s is not None},
+            "surrogates": {t: PortableGP.state_of(s) for t, s in self.surrogates.items() if s is not None},
             "trained_on": self.trained_on, "cv": self.cv, "fit_info": self.fit_info,
             "versions": {"sklearn": sklearn.__version__, "scipy": scipy.__version__, "joblib": joblib.__version__},
         }
@@ -474,7 +566,7 @@ class Calibration:
         payload = self.to_payload()
         joblib.dump(payload, p, compress=3)
         meta = {k: v for k, v in payload.items() if k != "surrogates"}
-        meta["surrogates"] = {t: s.kernel for t, s in payload["surrogates"].items()}
+        meta["surrogates"] = {t: s["kernel"] for t, s in payload["surrogates"].items()}
         p.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=_jsonable) + "\n")
         self.source = str(p)
 
@@ -494,16 +586,36 @@ class Calibration:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             fmt = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise CalibrationError(f"{p}: not an advisor calibration file (format {fmt!r}, expected {FORMAT!r})")
-        if d.get("version") != VERSION:
+        if d.get("version") not in READS:
             raise CalibrationError(f"{p}: calibration format version {d.get('version')!r} is not supported "
-                                   f"(this advisor reads version {VERSION}); refit with 'advisor fit'")
+                                   f"(this advisor reads versions {', '.join(map(str, READS))}); "
+                                   f"refit with 'advisor fit'")
         if tuple(d.get("feature_names", ())) != FEATURE_NAMES:
             raise CalibrationError(f"{p}: fitted on other features than this advisor computes; refit with 'advisor fit'")
         known = {f.name for f in dataclasses.fields(Constants)}
         c = Constants(**{k: v for k, v in d["constants"].items() if k in known})
         sur = {t: d["surrogates"].get(t) for t in d["targets"]}
+        # version 2: numpy arrays; version 1: ResidualGP objects (scikit-learn was imported to unpickle them)
+        sur = {t: PortableGP(s) if isinstance(s, dict) else s for t, s in sur.items()}
         return cls(constants=c, targets=d["targets"], surrogates=sur, trained_on=d.get("trained_on", {}),
                    cv=d.get("cv", {}), fit_info=d.get("fit_info", {}), source=str(p))
+
+
+def interval_coverage(cal: "Calibration", records: Sequence[Record]) -> dict[str, dict]:
+    """How many measured values fall inside the calibration's intervals, per target:
+    {target: {"inside", "n", "below", "above"}} over the records that measured it."""
+    out = {t: {"inside": 0, "n": 0, "below": 0, "above": 0} for t in TARGETS}
+    for r in records:
+        p = cal.predict(r.model, r.cluster, r.cfg, check_legal=False)
+        for t in TARGETS:
+            y = r.y[t]
+            if not math.isfinite(y):
+                continue
+            lo, hi = p.intervals[t]
+            c = out[t]
+            c["n"] += 1
+            c["inside" if lo <= y <= hi else "below" if y < lo else "above"] += 1
+    return out
 
 
 def _jsonable(o):

@@ -5,7 +5,10 @@ keeps every ``status: ok`` record whose required fields (model, layers, config, 
 throughput) are present and sane and whose optional blocks (memory, telemetry) are either absent
 (that target is then NaN for the row, and counted) or sane; every other line is either
 *skipped* (a valid record of a failed trial: oom, timeout, crash, ...) or *rejected* (not JSON,
-wrong schema, a missing or corrupt field), each rejection with a one-line reason, and counted.
+wrong schema, a missing or corrupt field, tokens/s above the GPU's peak (MFU > 1) or not matching
+tokens per step / steps.median_s), each rejection with a one-line reason, and counted.
+``load(studies=...)`` also reads the records that ``advisor tune`` keeps in its trials (journal
+file or RDB URL; ``study_records``); a record read twice (same id and content) counts once.
 
 Targets (what the surrogates learn), per GPU:
   tokens_per_s_per_gpu  throughput.tokens_per_s_per_gpu            (required)

@@ -162,9 +162,13 @@ def test_calibrated_prediction_has_intervals_around_it(cal):
               "throttle_fraction", "step_time_s"):
         lo, hi = p.intervals[k]
         assert lo <= hi
-    for k in ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "throttle_fraction"):
+    for k in ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "peak_power_w", "throttle_fraction"):
         lo, hi = p.intervals[k]
-        assert lo <= getattr(p, k) <= hi, k
+        iv = cal.targets[k]["interval"]
+        if cal.targets[k]["mode"] != "analytical":  # symmetric around the point (log scale)
+            assert lo <= getattr(p, k) <= hi, k
+        elif k not in C.ADDITIVE:  # the analytical model's residual quantiles, not widened
+            assert (lo, hi) == pytest.approx((getattr(p, k) * math.exp(iv["lo"]), getattr(p, k) * math.exp(iv["hi"])))
     assert 0.0 <= p.throttle_fraction <= 1.0
     d = p.to_dict()
     assert "intervals" in d and d["calibration"]["levels"]["tokens_per_s_per_gpu"] in C.MODES
@@ -173,10 +177,66 @@ def test_calibrated_prediction_has_intervals_around_it(cal):
     assert many[0].tokens_per_s_per_gpu == pytest.approx(p.tokens_per_s_per_gpu)
 
 
+def _oof(r: np.ndarray, mu=None, sd=None) -> tuple[np.ndarray, dict]:
+    """Measured values and out-of-fold levels whose log residual against every level is r."""
+    y = np.full(len(r), 1000.0)
+    pred = y / np.exp(r)
+    return y, {"analytical": pred, "calibrated": pred, "surrogate": pred,
+               "mu": np.zeros(len(r)) if mu is None else mu, "sd": np.ones(len(r)) if sd is None else sd}
+
+
+def test_intervals_are_honest_residual_intervals_not_widened_to_contain_the_point():
+    t = "tokens_per_s_per_gpu"
+    r = np.linspace(0.05, 0.30, 41)  # every out-of-fold row measured 5-30% above the prediction
+    y, o = _oof(r)
+    iv = C._interval(t, "analytical", y, o)
+    # the analytical model is the same in every fold: its residual quantiles as they are (lo > 0)
+    assert (iv["lo"], iv["hi"]) == pytest.approx(tuple(np.quantile(r, [0.1, 0.9])))
+    assert iv["lo"] > 0 and iv["coverage_cv"] == pytest.approx(0.8, abs=0.03)
+    # calibrated: the folds' biases do not carry over to the final fit; the size of the error
+    # does: +-80% quantile of |r|
+    rb = np.concatenate([np.linspace(0.0, 0.3, 20), np.linspace(-0.35, -0.25, 10), np.linspace(-0.02, 0.1, 11)])
+    y, o = _oof(rb)
+    iv = C._interval(t, "calibrated", y, o)
+    assert iv["hi"] == pytest.approx(-iv["lo"]) and iv["hi"] == pytest.approx(np.quantile(np.abs(rb), 0.8))
+    assert iv["coverage_cv"] == pytest.approx(0.8, abs=0.03)
+    assert (iv["q_lo"], iv["q_hi"]) == pytest.approx(tuple(np.quantile(rb, [0.1, 0.9])))
+    # surrogate: k on the GP's sd floored at its median out of fold, so that the band does not
+    # shrink to the GP noise level next to the training rows
+    rng = np.random.default_rng(0)
+    sd = rng.uniform(0.01, 0.05, 60)
+    mu = rng.normal(0, 0.02, 60)
+    e = rng.normal(0, 0.04, 60)
+    y, o = _oof(mu + e, mu=mu, sd=sd)
+    iv = C._interval(t, "surrogate", y, o)
+    assert iv["sd_floor"] == pytest.approx(np.median(sd))
+    inside = np.abs(e) <= iv["k"] * np.maximum(sd, iv["sd_floor"])
+    assert inside.mean() == pytest.approx(iv["coverage_cv"]) and iv["coverage_cv"] == pytest.approx(0.8, abs=0.03)
+
+
+def test_shipped_default_intervals_cover_held_out_measurements():
+    """The default was fitted on the two campaign files (docs/calibration.md); the full-depth and
+    tune files are held out. Its tokens/s interval was [point, 1.33 point] (widened to contain
+    the point, residual quantiles all > 0) and held 1 of 8 full-depth rows."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cal = C.resolve_calibration("default")
+    assert not any("full-depth" in f or "tune-" in f for f in cal.trained_on["files"])
+    iv = cal.targets["tokens_per_s_per_gpu"]["interval"]
+    assert iv["lo"] < 0 < iv["hi"]
+    for name in ("h200x4-full-depth.jsonl", "tune-llama3-8b-h200x4.jsonl"):
+        cov = C.interval_coverage(cal, D.load([root / "data" / "measurements" / name]).records)
+        c = cov["tokens_per_s_per_gpu"]
+        assert c["n"] >= 8 and c["inside"] / c["n"] >= 0.8, (name, c)
+
+
 def test_file_round_trip_and_metadata(cal):
     path = cal.source
     d = joblib.load(path)
-    assert d["format"] == "advisor.calibration" and d["version"] == 1
+    assert d["format"] == "advisor.calibration" and d["version"] == C.VERSION == 2
+    # surrogates are plain arrays: no scikit-learn object in the file
+    assert all(isinstance(s, dict) and s["kind"] == C.PortableGP.KIND for s in d["surrogates"].values())
     assert tuple(d["feature_names"]) == C.FEATURE_NAMES
     assert d["trained_on"]["n_rows"] > 0 and all(len(h) == 64 for h in d["trained_on"]["sha256"].values())
     assert set(d["targets"]) == set(D.TARGETS) and "targets" in d["cv"]
@@ -186,11 +246,57 @@ def test_file_round_trip_and_metadata(cal):
     m, cl = load_model("qwen3-30b-a3b").with_layers(4), load_cluster("h200x4")
     cfg = TrainConfig(ep=4, dp=4, mbs=1, gbs=16, seq=2048)
     assert again.predict(m, cl, cfg).tokens_per_s_per_gpu == pytest.approx(cal.predict(m, cl, cfg).tokens_per_s_per_gpu)
+    # the loaded (numpy) surrogates predict what the fitted (scikit-learn) ones do, intervals included
+    for mm, cc in ((m, cfg), (load_model("llama3-8b").with_layers(4), TrainConfig(tp=2, dp=2, mbs=2, gbs=16, seq=2048))):
+        a, b = again.predict(mm, cl, cc), cal.predict(mm, cl, cc)
+        for t in D.TARGETS:
+            assert a.intervals[t] == pytest.approx(b.intervals[t], rel=1e-9), t
+        assert a.peak_power_w == pytest.approx(b.peak_power_w, rel=1e-9)
+
+
+def test_portable_gp_predicts_as_scikit_learn():
+    from advisor.models.surrogate import ResidualGP
+
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(40, 6)) * [1, 10, 100, 1, 1, 0.01]
+    y = np.sin(X[:, 0]) + 0.1 * rng.normal(size=40)
+    gp = ResidualGP().fit(X, y)
+    pg = C.PortableGP(C.PortableGP.state_of(gp))
+    Xt = rng.normal(size=(50, 6)) * [3, 10, 100, 1, 1, 0.01]
+    (m1, s1), (m2, s2) = gp.predict(Xt), pg.predict(Xt)
+    assert m2 == pytest.approx(m1, rel=1e-9, abs=1e-12) and s2 == pytest.approx(s1, rel=1e-9)
+    assert pg.kernel == gp.kernel
+
+
+def test_loading_a_calibration_does_not_import_scikit_learn(cal):
+    code = ("import sys; from advisor.models.calibrate import Calibration; "
+            f"c = Calibration.load({cal.source!r}); "
+            "from advisor.catalog import load_model, load_cluster, TrainConfig; "
+            "c.predict(load_model('llama3-8b').with_layers(4), load_cluster('h200x4'), TrainConfig(tp=2, dp=2, gbs=16, seq=2048)); "
+            "print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_version_1_files_are_still_read(cal, tmp_path):
+    d = cal.to_payload()
+    d["version"] = 1  # version 1: the scikit-learn objects themselves, intervals without sd_floor
+    d["surrogates"] = {t: s for t, s in cal.surrogates.items() if s is not None}
+    d["targets"] = {t: {**v, "interval": {k: x for k, x in v["interval"].items() if k != "sd_floor"}}
+                    for t, v in d["targets"].items()}
+    p = tmp_path / "v1.joblib"
+    joblib.dump(d, p)
+    old = C.Calibration.load(p)
+    m, cl = load_model("llama3-8b").with_layers(4), load_cluster("h200x4")
+    cfg = TrainConfig(tp=2, dp=2, mbs=2, gbs=16, seq=2048)
+    assert old.predict(m, cl, cfg).tokens_per_s_per_gpu == pytest.approx(cal.predict(m, cl, cfg).tokens_per_s_per_gpu)
 
 
 @pytest.mark.parametrize("payload,needle", [
     ({"format": "something.else", "version": 1}, "not an advisor calibration file"),
-    ({"format": "advisor.calibration", "version": 2}, "version 2 is not supported"),
+    ({"format": "advisor.calibration", "version": 3}, "version 3 is not supported"),
+    ({"format": "advisor.calibration", "version": 0}, "reads versions 1, 2"),
     ([1, 2, 3], "not an advisor calibration file"),
 ])
 def test_other_formats_and_versions_give_one_clear_error(tmp_path, payload, needle):
@@ -418,3 +524,16 @@ def test_surrogate_sampler_in_a_constrained_two_objective_layout_study():
     feasible = [t for t in study.trials if t.constraints["memory"] <= 0]
     best_feasible = max(measure(c)[0] for c in layouts if measure(c)[2] <= 0)
     assert max(t.values[0] for t in feasible) >= 0.97 * best_feasible
+
+
+def test_fit_accuracy_bench_prints_held_out_coverage_per_target(capsys):
+    from support import load_bench
+
+    bench = load_bench("fit_accuracy")
+    assert bench.main(["--coverage-of", str(C.DEFAULT_FILE)]) == 0
+    out = capsys.readouterr().out
+    assert "80% interval coverage on held-out files" in out
+    assert "h200x4-full-depth.jsonl" in out and "tune-llama3-8b-h200x4.jsonl" in out
+    assert "h200x4-campaign.jsonl " not in out.split("coverage on held-out")[1]  # fitted on: not held out
+    for t in D.TARGETS:
+        assert t in out
