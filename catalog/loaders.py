@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 from functools import lru_cache
 from importlib import resources
@@ -209,6 +210,8 @@ _COUNT = re.compile(r"^(?P<gpu>[a-z0-9][a-z0-9._-]*?)x(?P<a>\d+)(?:x(?P<b>\d+))?
 def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
                   inter: float | None, cap: float | None, what: str) -> ClusterSpec:
     cap = gpu.tdp_w if cap is None else float(cap)
+    if not math.isfinite(cap) or cap <= 0:
+        raise CatalogError(f"{what}: power cap must be a positive finite number of watts, got {cap:g}")
     if cap > gpu.tdp_w:
         raise CatalogError(f"{what}: power cap {cap:g} W is above the {gpu.name} TDP {gpu.tdp_w:g} W")
     return ClusterSpec(

@@ -417,3 +417,13 @@ def test_cluster_suggestions():
         load_cluster("h100")
     with pytest.raises(CatalogError, match=r"did you mean: dgx-h100-su"):
         load_cluster("dgx-h100-s")
+
+
+@pytest.mark.parametrize("cap", [float("nan"), float("inf"), -5.0, 0.0])
+def test_power_cap_must_be_positive_and_finite(cap):
+    from advisor.catalog import load_cluster
+    from advisor.catalog.loaders import CatalogError
+
+    with pytest.raises(CatalogError, match="positive finite"):
+        load_cluster("h100x8", power_cap_w=cap)
+    assert load_cluster("h100x8", power_cap_w=350).power_cap_w == 350.0
