@@ -242,13 +242,17 @@ def test_profile_count_and_size_must_match_cluster():
 
 
 def test_stage_heat_ranks_measured_pipeline_stages():
-    """The GPUs of the h200x4 campaign measured each stage's mean power (11 trials with PP > 1):
-    the model names the hottest stage of every one, within a few % per stage."""
+    """The GPUs measured each stage's mean power (32 trials with PP > 1 on 4xH200): the model
+    names the hottest stage of every one. Per stage it is within 3% on the campaign and 6.7% over
+    all trials; the PP4 trials with 4-8 microbatches at mbs >= 4 (hang probe, GQA A/B) are the
+    worst (11-13%: middle stages measured below the prediction)."""
     import glob
 
     mod = load_bench("stage_heat_check")
     rows, skipped = mod.rows_from(sorted(glob.glob(str(ROOT / "data" / "measurements" / "*.jsonl"))))
     s = mod.summarize(rows)
-    assert s["trials"] >= 11 and skipped == 0
+    assert s["trials"] >= 32 and skipped == 0
     assert s["hottest_stage_right"] == s["trials"]
-    assert s["stage_power_mape_pct"] < 6.0 and s["spread_corr"] > 0.8
+    assert s["stage_power_mape_pct"] < 7.5 and s["spread_corr"] > 0.9
+    campaign, _ = mod.rows_from([str(ROOT / "data" / "measurements" / "h200x4-campaign.jsonl")])
+    assert mod.summarize(campaign)["stage_power_mape_pct"] < 3.5
