@@ -716,14 +716,33 @@ class Tuner:
                 spooled = self._spooled() if spooled is None else spooled
                 rec = spooled.get(tag.user_attrs.get("record_id")) or rec
             st = rec.get("status")
+            trial, hb = self.inflight.pop(tag.number)
+            if st == "skipped":
+                # Never ran (the runner gave up on the rest of its batch after repeated hangs):
+                # not a measurement of this layout. Failed, and its parameters enqueued once more
+                # (not again for a retry, so a layout that keeps being skipped cannot loop).
+                try:
+                    self._skip(trial, rec)
+                finally:
+                    hb.join()
+                self._report(trial)
+                continue
             self.fail_streak = self.fail_streak + 1 if st in ("crash", "timeout", "killed") else 0
             self.last_error = rec.get("error")
-            trial, hb = self.inflight.pop(tag.number)
             try:
                 self._tell_record(trial, rec, append=True)
             finally:
                 hb.join()
             self._report(trial)
+
+    def _skip(self, trial, rec: dict) -> None:
+        TS = self.optuna.trial.TrialState
+        frozen = self.study._storage.get_trial(trial._trial_id)
+        self.study._storage.set_trial_user_attr(trial._trial_id, "status", "skipped")
+        self.study._storage.set_trial_user_attr(trial._trial_id, "error", rec.get("error"))
+        self.study.tell(trial, state=TS.FAIL)
+        if frozen.user_attrs.get("retry_of") is None:
+            _requeue_once(self.study, frozen)
 
     def _best(self) -> dict | None:
         front = self.pareto()

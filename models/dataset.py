@@ -36,7 +36,7 @@ import numpy as np
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 
 SCHEMA = "advisor.measurement/1"
-STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed")
+STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed", "skipped")
 TARGETS = ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "peak_power_w", "throttle_fraction")
 THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 # tokens/s per GPU must equal tokens per step / steps.median_s / GPUs within this fraction

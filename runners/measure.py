@@ -45,7 +45,7 @@ from advisor.runners.parent_watch import preexec_die_with_parent
 log = logging.getLogger(__name__)
 
 SCHEMA = "advisor.measurement/1"
-STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed")
+STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed", "skipped")  # skipped: never ran
 WORKER = Path(__file__).with_name("megatron_worker.py")
 # How the worker runs what megatron-core leaves open (records before these existed: K/V repeated
 # for GQA, batched p2p for the interleaved schedule); see megatron_worker.py.
@@ -639,7 +639,7 @@ class BatchRunner:
                 consecutive_timeouts = consecutive_timeouts + 1 if timed_out else 0
                 if consecutive_timeouts >= 2 and nxt < len(runnable):
                     for i in range(nxt, len(runnable)):
-                        self._record(runnable[i], states[i], "crash",
+                        self._record(runnable[i], states[i], "skipped",
                                      "not run: batch aborted after 2 consecutive timeouts")
                     nxt = len(runnable)
                 start = nxt

@@ -10,8 +10,8 @@ more than (1 - oom_margin) of the GPU's memory OOMs (the allocator's fragmentati
 framework's buffers that the model does not see); ``oom_margin=None`` turns that off.
 
 Failure injection (tests): ``inject`` maps a substring of the layout key (``TrainConfig.key()``,
-e.g. ``"tp2-pp2"``) to ``"crash"`` (the trial raises), ``"die"`` (the worker process exits) or
-``"hang"`` (never returns). ``delay_s`` makes each trial take that long.
+e.g. ``"tp2-pp2"``) to ``"crash"`` (the trial raises), ``"die"`` (the worker process exits),
+``"hang"`` (never returns) or ``"skipped"`` (a ``skipped`` record: the runner did not run it). ``delay_s`` makes each trial take that long.
 """
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ def run_trial(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, *, timeo
             if what == "hang":  # short sleeps, like a runner's polling loop: a polite cancel gets in
                 while True:
                     time.sleep(0.1)
+            if what == "skipped":
+                return None if node_rank else new_record(model, cluster, cfg, "skipped",
+                                                         "not run: injected", "simulate")
     if o["delay_s"]:
         time.sleep(float(o["delay_s"]))
     if node_rank:

@@ -580,3 +580,10 @@ def test_salvage_leaves_the_batch_of_a_live_launcher_alone(tmp_path):
     (d / "rank0.jsonl").write_text(json.dumps({"ev": "start", "cfg": 0, "t": 1.0}) + "\n")
     assert M.salvage_runs(ds) == [] and d.is_dir()
     assert M.entry_from_dict(M.entry_to_dict(e)).config == e.config
+
+
+def test_two_hangs_in_a_row_skip_the_rest_of_the_batch(tmp_path, fake_torchrun):
+    recs = M.run_batch(_entries(["hang", "hang", "ok"]), None, 2, run_dir=tmp_path / "run", timeout=1.5,
+                       telemetry="off")
+    assert [r["status"] for r in recs] == ["timeout", "timeout", "skipped"]
+    assert recs[2]["error"].startswith("not run") and recs[2]["steps"] is None

@@ -134,3 +134,22 @@ def test_driver_dead_mid_batch_keeps_the_trials_its_job_finished(tmp_path):
     assert res.measured == 4 and len(keys) == len(set(keys)) == 4 and sum(ex.sizes) == 3
     recs = [json.loads(x) for x in open(tmp_path / "d.jsonl")]
     assert [r["id"] for r in recs].count(t1.user_attrs["record_id"]) == 1
+
+
+def test_a_skipped_trial_is_not_a_measurement_and_is_retried_once(tmp_path):
+    """A trial the runner skipped (its batch aborted after two hangs) never ran: it is failed, not
+    told as a crash (that would teach the sampler the layout is infeasible and block it as a
+    duplicate), and its parameters are enqueued once; a skipped retry is not enqueued again."""
+    bad = make_plan(_settings(tmp_path)).enqueue[1].key()
+    tu = Tuner(make_plan(_settings(tmp_path, trials=8, runner_options={"inject": {bad: "skipped"}})),
+               InlineExecutor())
+    res = tu.run()
+    trials = tu.study.get_trials()
+    skipped = [t for t in trials if t.user_attrs.get("status") == "skipped"]
+    assert [t.state for t in skipped] == [TS.FAIL, TS.FAIL]
+    assert skipped[1].user_attrs["retry_of"] == skipped[0].number
+    assert sum(t.user_attrs.get("retry_of") == skipped[1].number for t in trials) == 0
+    ok = [t for t in _launched(tu) if t.state == TS.COMPLETE]
+    assert res.measured == 8 and len(ok) == 8 and all(t.user_attrs["status"] == "ok" for t in ok)
+    assert bad not in {t.user_attrs["layout_key"] for t in ok}
+    assert all(r["status"] != "skipped" for r in map(json.loads, open(tmp_path / "d.jsonl")))
