@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -622,7 +623,7 @@ class BatchRunner:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         me = psutil.Process()
         (self.run_dir / "entries.json").write_text(json.dumps(
-            {"pid": me.pid, "create_time": me.create_time(), "nproc": self.nproc,
+            {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname(), "nproc": self.nproc,
              "entries": [entry_to_dict(e) for e in runnable]}, default=_jsonable))
         with open(self.run_dir / "jobs.jsonl", "w", encoding="utf-8") as f:
             for i, e in enumerate(runnable):
@@ -929,6 +930,10 @@ def entry_from_dict(d: Mapping[str, Any]) -> Entry:
 
 
 def _owner_alive(meta: Mapping[str, Any]) -> bool:
+    """Is the launcher that wrote this batch still running? A batch of another host (a shared
+    file system) counts as alive: its process cannot be checked from here."""
+    if meta.get("host", socket.gethostname()) != socket.gethostname():
+        return True
     try:
         p = psutil.Process(int(meta["pid"]))
         return abs(p.create_time() - float(meta["create_time"])) < 1.0

@@ -580,6 +580,10 @@ def test_salvage_leaves_the_batch_of_a_live_launcher_alone(tmp_path):
     (d / "rank0.jsonl").write_text(json.dumps({"ev": "start", "cfg": 0, "t": 1.0}) + "\n")
     assert M.salvage_runs(ds) == [] and d.is_dir()
     assert M.entry_from_dict(M.entry_to_dict(e)).config == e.config
+    # a batch written by a launcher on another host (shared file system) cannot be checked: kept
+    (d / "entries.json").write_text(json.dumps({"pid": 1, "create_time": 0.0, "host": "elsewhere",
+                                                "nproc": 2, "entries": [M.entry_to_dict(e)]}))
+    assert M.salvage_runs(ds) == [] and d.is_dir()
 
 
 def test_two_hangs_in_a_row_skip_the_rest_of_the_batch(tmp_path, fake_torchrun):
