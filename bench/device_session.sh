@@ -127,7 +127,9 @@ for f in ("h200x4-hang-probe.jsonl", "h200x4-gqa.jsonl"):
 EOF2
   ;;
 telemetry-ab)
-  d="$OUT/data/telemetry/h200x4-nvml-check"; mkdir -p "$d"
+  # $OUT/data/telemetry/<dir>/ is one folder too deep for the device tool to return: this step's
+  # files land in $OUT/h200x4-nvml-check/; commit them as data/telemetry/h200x4-nvml-check/.
+  d="$OUT/h200x4-nvml-check"; mkdir -p "$d"
   log "NVML checks, sampling cost at 20 and 100 Hz, and step time with the sampler on vs off"
   python3 bench/telemetry_overhead.py --seconds 5 --rates 20,100 --ab 60 --ab-period 3 --out "$d" \
     > "$d/output.txt" 2>&1
