@@ -41,7 +41,8 @@ def fit_cmd(
     and/or the trials of 'advisor tune' studies); print grouped cross-validation (analytical vs
     calibrated vs surrogate) and write a calibration file."""
     from advisor.catalog.specs import SpecError
-    from advisor.models import calibrate, dataset
+    from advisor.models import calibrate
+    from advisor.study import load_dataset
 
     if folds < 2:
         raise SpecError("--folds must be at least 2")
@@ -50,7 +51,7 @@ def fit_cmd(
         raise SpecError("give measurements: --data FILE.jsonl and/or --study JOURNAL_OR_URL")
     if study_name is not None and not study:
         raise SpecError("--study-name needs --study")
-    ds = dataset.load(files, studies=study or (), study_name=study_name)
+    ds = load_dataset(files, studies=study or (), study_name=study_name)
     err = sys.stderr
     for line in ds.rejected[:SHOW_REJECTED]:
         print(line, file=err)

@@ -47,6 +47,7 @@ the same layout.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -152,8 +153,6 @@ def calibration_info(spec: Any, cal) -> dict[str, Any]:
     """What the study predicts with, as recorded in the plan, the study's user attributes and the
     summary: the option given (`spec`), the file loaded (None: the analytical model with its
     default constants), its sha256, the level used per target and the files it was fitted on."""
-    import hashlib
-
     if spec is None or isinstance(spec, str) and spec.lower() in ("none", "off", "analytical"):
         label = "none"
     elif isinstance(spec, (str, Path)):
@@ -300,6 +299,112 @@ def open_storage(storage: str):
                 time.sleep(0.5 + attempt)
     Path(storage).expanduser().parent.mkdir(parents=True, exist_ok=True)
     return JournalStorage(JournalFileBackend(str(Path(storage).expanduser())))
+
+
+# ------------------------------------------------------------------------------------------------
+# records of `advisor tune` studies (Optuna journal file or RDB URL)
+# ------------------------------------------------------------------------------------------------
+
+# values_from of a trial told from its own record (Tuner._values: measured, or its failure)
+OWN_VALUES = ("measured", "not measured")
+
+
+def _redact(url: str) -> str:
+    """An RDB URL without its password."""
+    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
+
+
+def _open_study_storage(storage: str):
+    import optuna
+
+    from advisor.models.dataset import DatasetError
+
+    if _is_url(storage):
+        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():
+            raise DatasetError(f"{storage}: no such file")
+        try:
+            return optuna.storages.RDBStorage(rdb_url(storage))
+        except Exception as e:  # noqa: BLE001 - driver, network or schema: one line for the user
+            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise DatasetError(f"{_redact(storage)}: cannot open the study storage ({type(e).__name__}"
+                               f"{': ' + msg if msg else ''})") from None
+    p = Path(storage).expanduser()
+    if not p.is_file():
+        raise DatasetError(f"{p}: no such study journal file")
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    try:
+        return JournalStorage(JournalFileBackend(str(p)))
+    except Exception as e:  # noqa: BLE001 - a corrupt journal is a bad file
+        raise DatasetError(f"{p}: not an Optuna journal file ({type(e).__name__})") from None
+
+
+def study_records(storage: str, study_name: str | None = None) -> tuple[list[tuple[str, dict]], list[dict]]:
+    """The measurement records of the trials of `advisor tune` studies in `storage` (a journal
+    file or an RDB URL; every study in it, or only `study_name`): ([(source, record)], one info
+    dict per study for Dataset.files). The tune driver keeps each measured trial's full record
+    in the trial's user attribute "record"; a trial whose values were copied from another trial
+    (a duplicate layout: "duplicate_of", or values_from other than its own measurement) is left
+    out, so that no measurement counts twice."""
+    import optuna
+
+    from advisor.models.dataset import DatasetError
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    st = _open_study_storage(storage)
+    is_url = _is_url(storage)
+    label = _redact(storage) if is_url else Path(storage).name
+    shown = _redact(storage) if is_url else str(Path(storage).expanduser())
+    try:
+        summaries = st.get_all_studies()
+    except Exception as e:  # noqa: BLE001
+        raise DatasetError(f"{shown}: cannot read its studies ({type(e).__name__})") from None
+    names = [s.study_name for s in summaries]
+    if study_name is not None:
+        if study_name not in names:
+            raise DatasetError(f"{shown}: no study named {study_name!r} (studies: {', '.join(names) or 'none'})")
+        summaries = [s for s in summaries if s.study_name == study_name]
+    if not summaries:
+        raise DatasetError(f"{shown}: no study in this storage")
+    raw = Path(storage).expanduser().read_bytes() if not is_url else b""
+    out: list[tuple[str, dict]] = []
+    infos = []
+    for s in summaries:
+        trials = st.get_all_trials(s._study_id, deepcopy=False)
+        tag = label if len(names) == 1 else f"{label}[{s.study_name}]"
+        recs, copied = [], 0
+        for t in trials:
+            rec = t.user_attrs.get("record")
+            if rec is None:
+                continue
+            vf = t.user_attrs.get("values_from")
+            own = vf is None or (isinstance(vf, str) and vf.startswith(OWN_VALUES))
+            if t.user_attrs.get("duplicate_of") is not None or not own:
+                copied += 1
+                continue
+            recs.append((f"{tag}:trial {t.number}", rec))
+        copied += sum(1 for t in trials if t.user_attrs.get("record") is None
+                      and t.user_attrs.get("duplicate_of") is not None)
+        digest = hashlib.sha256(raw if raw else json.dumps([r for _, r in recs], sort_keys=True,
+                                                            default=str).encode()).hexdigest()
+        infos.append({"path": shown, "study": s.study_name, "sha256": digest, "lines": len(recs),
+                      "trials": len(trials), "copied": copied})
+        out.extend(recs)
+    return out, infos
+
+
+def load_dataset(paths=(), studies=(), study_name: str | None = None):
+    """models.dataset.load on measurement JSONL files plus the records of `advisor tune` studies
+    (journal files or RDB URLs; every study in each, or only `study_name`)."""
+    from advisor.models import dataset
+
+    recs, infos = [], []
+    for storage in studies:
+        r, i = study_records(storage, study_name)
+        recs += r
+        infos += i
+    return dataset.load(paths, records=recs, sources=infos)
 
 
 class _FileLock:
@@ -482,24 +587,26 @@ class Tuner:
             if rec is not None:
                 self._tell_record(trial, rec, append=True)
             else:
-                self.study._storage.set_trial_user_attr(t._trial_id, "stale", True)
-                self.study.tell(trial, state=TS.FAIL)
-                _requeue_once(self.study, t)
+                self._fail(trial, stale=True)
+
+    def _fail(self, trial, retry_a_retry: bool = True, **attrs: Any) -> None:
+        """A trial that measured nothing: FAIL, with `attrs` saying why, and its parameters
+        enqueued once more (not for a trial that is itself a retry, unless `retry_a_retry`)."""
+        TS = self.optuna.trial.TrialState
+        frozen = self.study._storage.get_trial(trial._trial_id)
+        for k, v in attrs.items():
+            self.study._storage.set_trial_user_attr(trial._trial_id, k, v)
+        self.study.tell(trial, state=TS.FAIL)
+        if retry_a_retry or frozen.user_attrs.get("retry_of") is None:
+            _requeue_once(self.study, frozen)
 
     def _spooled(self) -> dict[str, dict]:
         """Records in this study's spool, by id (a torn last line, from a kill, is skipped)."""
-        out: dict[str, dict] = {}
+        from advisor.runners.measure import read_jsonl
+
         if self.spool is None or not self.spool.exists():
-            return out
-        with open(self.spool, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and rec.get("id"):
-                    out[rec["id"]] = rec
-        return out
+            return {}
+        return {r["id"]: r for r in read_jsonl(self.spool) if r.get("id")}
 
     def _sync_claims_and_dataset(self) -> None:
         TS = self.optuna.trial.TrialState
@@ -722,7 +829,7 @@ class Tuner:
                 # not a measurement of this layout. Failed, and its parameters enqueued once more
                 # (not again for a retry, so a layout that keeps being skipped cannot loop).
                 try:
-                    self._skip(trial, rec)
+                    self._fail(trial, retry_a_retry=False, status="skipped", error=rec.get("error"))
                 finally:
                     hb.join()
                 self._report(trial)
@@ -734,15 +841,6 @@ class Tuner:
             finally:
                 hb.join()
             self._report(trial)
-
-    def _skip(self, trial, rec: dict) -> None:
-        TS = self.optuna.trial.TrialState
-        frozen = self.study._storage.get_trial(trial._trial_id)
-        self.study._storage.set_trial_user_attr(trial._trial_id, "status", "skipped")
-        self.study._storage.set_trial_user_attr(trial._trial_id, "error", rec.get("error"))
-        self.study.tell(trial, state=TS.FAIL)
-        if frozen.user_attrs.get("retry_of") is None:
-            _requeue_once(self.study, frozen)
 
     def _best(self) -> dict | None:
         front = self.pareto()
@@ -836,7 +934,6 @@ class Tuner:
     def _abandon(self) -> None:
         """Interrupted: in-flight trials whose record is in the spool are told from it; the others
         are failed and enqueued once again (the resume rule)."""
-        TS = self.optuna.trial.TrialState
         try:
             spooled = self._spooled()
         except Exception:  # noqa: BLE001 - best effort
@@ -848,10 +945,7 @@ class Tuner:
                 if rec is not None:
                     self._tell_record(trial, rec, append=True)
                     continue
-                frozen = self.study._storage.get_trial(trial._trial_id)
-                self.study._storage.set_trial_user_attr(trial._trial_id, "stale", True)
-                self.study.tell(trial, state=TS.FAIL)
-                _requeue_once(self.study, frozen)
+                self._fail(trial, stale=True)
             except Exception:  # noqa: BLE001 - best effort; the next driver's recovery does the same
                 pass
         self.inflight.clear()

@@ -120,20 +120,21 @@ def burn_forever() -> None:
         t.join()
 
 
-def start_load(stop: threading.Event) -> list[threading.Thread]:
-    import torch  # only with --load
+def start_load(stop: threading.Event, gemms: int = 20, on_step=None) -> list[threading.Thread]:
+    """Back-to-back bf16 8192^3 GEMMs on every GPU (a thread each) until `stop`: steps of `gemms`
+    GEMMs, then synchronize and call on_step(gpu, time.time())."""
+    import torch  # only with --load / --ab
 
     def burn(dev: int) -> None:
         torch.cuda.set_device(dev)
         a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
         b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        k = 0
         while not stop.is_set():
-            a @ b
-            k += 1
-            if k % 20 == 0:
-                torch.cuda.synchronize(dev)
-        torch.cuda.synchronize(dev)
+            for _ in range(gemms):
+                a @ b
+            torch.cuda.synchronize(dev)
+            if on_step is not None:
+                on_step(dev, time.time())
 
     threads = [threading.Thread(target=burn, args=(d,), daemon=True) for d in range(torch.cuda.device_count())]
     for t in threads:
@@ -146,29 +147,16 @@ def step_loop(path: str, gemms: int = 24) -> None:
     SIGTERM; one line "gpu t_end" per step, flushed."""
     import signal
 
-    import torch
-
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     f = open(path, "a", buffering=1)
     lock = threading.Lock()
 
-    def run(dev: int) -> None:
-        torch.cuda.set_device(dev)
-        a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        while not stop.is_set():
-            for _ in range(gemms):
-                a @ b
-            torch.cuda.synchronize(dev)
-            t = time.time()
-            with lock:
-                f.write(f"{dev} {t}\n")
+    def log_step(dev: int, t: float) -> None:
+        with lock:
+            f.write(f"{dev} {t}\n")
 
-    threads = [threading.Thread(target=run, args=(d,)) for d in range(torch.cuda.device_count())]
-    for t in threads:
-        t.start()
-    for t in threads:
+    for t in start_load(stop, gemms, log_step):
         t.join()
     f.close()
 

@@ -12,6 +12,7 @@ from advisor.catalog.loaders import (
     load_gpu,
     load_model,
     normalize_name,
+    with_power_cap,
 )
 from advisor.catalog.specs import (
     ClusterSpec,
@@ -27,5 +28,5 @@ __all__ = [
     "CatalogError", "SpecError", "ModelSpec", "MoESpec", "MLASpec", "GPUSpec", "ClusterSpec",
     "TrainConfig", "load_model", "load_gpu", "load_cluster", "list_models", "list_gpus",
     "list_clusters", "model_from_hf_config", "normalize_name", "SUPPORTED_MODEL_TYPES",
-    "CLUSTER_FORMS",
+    "CLUSTER_FORMS", "with_power_cap",
 ]

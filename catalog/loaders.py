@@ -207,13 +207,25 @@ def list_gpus() -> list[GPUSpec]:
 _COUNT = re.compile(r"^(?P<gpu>[a-z0-9][a-z0-9._-]*?)x(?P<a>\d+)(?:x(?P<b>\d+))?$")
 
 
-def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
-                  inter: float | None, cap: float | None, what: str) -> ClusterSpec:
+def _power_cap(gpu: GPUSpec, cap: float | None, what: str) -> float:
+    """A per-GPU power cap (default: the TDP): a positive finite number of watts, at most the TDP."""
     cap = gpu.tdp_w if cap is None else float(cap)
     if not math.isfinite(cap) or cap <= 0:
         raise CatalogError(f"{what}: power cap must be a positive finite number of watts, got {cap:g}")
     if cap > gpu.tdp_w:
-        raise CatalogError(f"{what}: power cap {cap:g} W is above the {gpu.name} TDP {gpu.tdp_w:g} W")
+        raise CatalogError(f"{what}: power cap {cap:g} W is above the {gpu.name} maximum power limit "
+                           f"(TDP) of {gpu.tdp_w:g} W")
+    return cap
+
+
+def with_power_cap(cluster: ClusterSpec, cap: float, what: str = "power cap") -> ClusterSpec:
+    """The cluster with another per-GPU power cap, checked as a cluster's own is."""
+    return dataclasses.replace(cluster, power_cap_w=_power_cap(cluster.gpu, cap, what))
+
+
+def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
+                  inter: float | None, cap: float | None, what: str) -> ClusterSpec:
+    cap = _power_cap(gpu, cap, what)
     return ClusterSpec(
         name=name,
         gpu=gpu,

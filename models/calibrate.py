@@ -701,7 +701,7 @@ def apply_overrides(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str,
     """What-if: the model, cluster and layout values with `sets` applied. A new GPU keeps the
     node shape (and takes that GPU's links and TDP); nodes / gpus keep the GPU and its links. The
     layout's DP is left to be derived again when the GPU count changes."""
-    from advisor.catalog import load_cluster, load_gpu
+    from advisor.catalog import load_cluster, load_gpu, with_power_cap
 
     o = parse_sets(sets)
     values = dict(values or {})
@@ -720,10 +720,7 @@ def apply_overrides(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str,
     if "gpus" in o:
         cluster = load_cluster(f"{cluster.gpu.name}x{o['gpus']}")
     if "power_cap" in o:
-        if o["power_cap"] > cluster.gpu.tdp_w:
-            raise SpecError(f"--set power_cap={o['power_cap']:g}: above the {cluster.gpu.name} maximum power "
-                            f"limit (TDP) of {cluster.gpu.tdp_w:g} W")
-        cluster = dataclasses.replace(cluster, power_cap_w=o["power_cap"])
+        cluster = with_power_cap(cluster, o["power_cap"], f"--set power_cap={o['power_cap']:g}")
     if cluster.world_size != before and "dp" not in o:
         values.pop("dp", None)
     for k in LAYOUT_INT + LAYOUT_BOOL + LAYOUT_STR:

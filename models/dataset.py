@@ -7,8 +7,8 @@ throughput) are present and sane and whose optional blocks (memory, telemetry) a
 *skipped* (a valid record of a failed trial: oom, timeout, crash, ...) or *rejected* (not JSON,
 wrong schema, a missing or corrupt field, tokens/s above the GPU's peak (MFU > 1) or not matching
 tokens per step / steps.median_s), each rejection with a one-line reason, and counted.
-``load(studies=...)`` also reads the records that ``advisor tune`` keeps in its trials (journal
-file or RDB URL; ``study_records``); a record read twice (same id and content) counts once.
+``load(records=...)`` also takes records read elsewhere (the trials of ``advisor tune`` studies:
+``advisor.study.study_records``); a record read twice (same id and content) counts once.
 
 Targets (what the surrogates learn), per GPU:
   tokens_per_s_per_gpu  throughput.tokens_per_s_per_gpu            (required)
@@ -259,13 +259,15 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
     return Record(id=str(rec.get("id", source)), source=source, model=model, cluster=cluster, cfg=cfg, y=y)
 
 
-def load(paths: Iterable[str | Path] = (), studies: Iterable[str] = (), study_name: str | None = None) -> Dataset:
-    """Read and validate measurement JSONL files and the records of `advisor tune` studies
-    (journal files or RDB URLs, see `study_records`). A record read before (same id and the same
-    measurement: a study's record is also appended to its JSONL) is counted once."""
+def load(paths: Iterable[str | Path] = (), records: Iterable[tuple[str, dict]] = (),
+         sources: Iterable[dict] = ()) -> Dataset:
+    """Read and validate measurement JSONL files, and records read elsewhere ((source, record)
+    pairs: the trials of `advisor tune` studies, `advisor.study.study_records`, with `sources`
+    their entries for Dataset.files). A record read before (same id and the same measurement: a
+    study's record is also appended to its JSONL) is counted once."""
     ds = Dataset()
-    paths, studies = list(paths), list(studies)
-    if not paths and not studies:
+    paths, records, sources = list(paths), list(records), list(sources)
+    if not paths and not records and not sources:
         raise DatasetError("no measurement file given (--data FILE.jsonl or --study JOURNAL_OR_URL)")
     seen: set[str] = set()
 
@@ -303,11 +305,9 @@ def load(paths: Iterable[str | Path] = (), studies: Iterable[str] = (), study_na
         for n, line in enumerate(lines, 1):
             if line.strip():
                 add(f"{p.name}:{n}", line)
-    for storage in studies:
-        recs, infos = study_records(storage, study_name)
-        ds.files.extend(infos)
-        for source, rec in recs:
-            add(source, None, rec)
+    ds.files.extend(sources)
+    for source, rec in records:
+        add(source, None, rec)
     return ds
 
 
@@ -324,97 +324,6 @@ def _identity(rec: Any) -> str | None:
     return hashlib.sha1(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# ------------------------------------------------------------------------------------------------
-# records of `advisor tune` studies (Optuna journal file or RDB URL)
-# ------------------------------------------------------------------------------------------------
-
-# values_from of a trial told from its own record (advisor.study: measured, or its failure)
-OWN_VALUES = ("measured", "not measured")
-
-
-def _redact(url: str) -> str:
-    """An RDB URL without its password."""
-    import re
-
-    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
-
-
-def _open_study_storage(storage: str):
-    import optuna
-
-    if "://" in storage:
-        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():
-            raise DatasetError(f"{storage}: no such file")
-        from advisor.study import rdb_url
-
-        try:
-            return optuna.storages.RDBStorage(rdb_url(storage))
-        except Exception as e:  # noqa: BLE001 - driver, network or schema: one line for the user
-            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-            raise DatasetError(f"{_redact(storage)}: cannot open the study storage ({type(e).__name__}"
-                               f"{': ' + msg if msg else ''})") from None
-    p = Path(storage).expanduser()
-    if not p.is_file():
-        raise DatasetError(f"{p}: no such study journal file")
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    try:
-        return JournalStorage(JournalFileBackend(str(p)))
-    except Exception as e:  # noqa: BLE001 - a corrupt journal is a bad file
-        raise DatasetError(f"{p}: not an Optuna journal file ({type(e).__name__})") from None
-
-
-def study_records(storage: str, study_name: str | None = None) -> tuple[list[tuple[str, dict]], list[dict]]:
-    """The measurement records of the trials of `advisor tune` studies in `storage` (a journal
-    file or an RDB URL; every study in it, or only `study_name`): ([(source, record)], one info
-    dict per study for Dataset.files). The tune driver keeps each measured trial's full record
-    in the trial's user attribute "record"; a trial whose values were copied from another trial
-    (a duplicate layout: "duplicate_of", or values_from other than its own measurement) is left
-    out, so that no measurement counts twice."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    st = _open_study_storage(storage)
-    is_url = "://" in storage
-    label = _redact(storage) if is_url else Path(storage).name
-    shown = _redact(storage) if is_url else str(Path(storage).expanduser())
-    try:
-        summaries = st.get_all_studies()
-    except Exception as e:  # noqa: BLE001
-        raise DatasetError(f"{shown}: cannot read its studies ({type(e).__name__})") from None
-    names = [s.study_name for s in summaries]
-    if study_name is not None:
-        if study_name not in names:
-            raise DatasetError(f"{shown}: no study named {study_name!r} (studies: {', '.join(names) or 'none'})")
-        summaries = [s for s in summaries if s.study_name == study_name]
-    if not summaries:
-        raise DatasetError(f"{shown}: no study in this storage")
-    raw = Path(storage).expanduser().read_bytes() if not is_url else b""
-    out: list[tuple[str, dict]] = []
-    infos = []
-    for s in summaries:
-        trials = st.get_all_trials(s._study_id, deepcopy=False)
-        tag = label if len(names) == 1 else f"{label}[{s.study_name}]"
-        recs, copied = [], 0
-        for t in trials:
-            rec = t.user_attrs.get("record")
-            if rec is None:
-                continue
-            vf = t.user_attrs.get("values_from")
-            own = vf is None or (isinstance(vf, str) and vf.startswith(OWN_VALUES))
-            if t.user_attrs.get("duplicate_of") is not None or not own:
-                copied += 1
-                continue
-            recs.append((f"{tag}:trial {t.number}", rec))
-        copied += sum(1 for t in trials if t.user_attrs.get("record") is None
-                      and t.user_attrs.get("duplicate_of") is not None)
-        digest = hashlib.sha256(raw if raw else json.dumps([r for _, r in recs], sort_keys=True,
-                                                            default=str).encode()).hexdigest()
-        infos.append({"path": shown, "study": s.study_name, "sha256": digest, "lines": len(recs),
-                      "trials": len(trials), "copied": copied})
-        out.extend(recs)
-    return out, infos
 
 
 def records_to_jsonl(records: Iterable[dict]) -> str:

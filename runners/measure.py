@@ -51,6 +51,8 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 # How the worker runs what megatron-core leaves open (records before these existed: K/V repeated
 # for GQA, batched p2p for the interleaved schedule); see megatron_worker.py.
 RUNNER_ENV = ("attention", "interleaved_p2p")
+# What the launcher keeps of the workers' hello events for the records' `env`.
+HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV
 # Kept set in the workers too (KINDS.md: NVLink multicast off on shared hosts).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -818,7 +820,7 @@ class BatchRunner:
         kind, i = evt.get("ev"), evt.get("cfg")
         if kind == "hello":
             self.hello[r] = evt
-            for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV:
+            for k in HELLO_ENV:
                 self.env.setdefault(k, evt.get(k))
             return
         if kind == "batch_done":
@@ -909,7 +911,6 @@ def _tail(path: Path, n: int = 200_000, start: int = 0) -> str:
         return ""
 
 
-# ------------------------------------------------------------------------------- processes
 # ---------------------------------------------------------------------------------- salvage
 def pending_root(dataset: str | Path) -> Path:
     """Where the worker files of batches appending to `dataset` wait until they are settled."""
@@ -959,7 +960,7 @@ def salvage_run_dir(run_dir: str | Path, dataset: str | Path) -> list[dict[str, 
             kind, i = evt.get("ev"), evt.get("cfg")
             if kind == "hello":
                 hello = evt
-                for k in ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV:
+                for k in HELLO_ENV:
                     env.setdefault(k, evt.get(k))
                 continue
             if not isinstance(i, int) or not 0 <= i < len(entries):
@@ -1023,6 +1024,7 @@ def salvage_runs(dataset: str | Path) -> list[dict[str, Any]]:
     return out
 
 
+# ------------------------------------------------------------------------------- processes
 # The workers dump every thread's Python stack (faulthandler) into rank<R>.stacks on this signal.
 STACK_SIGNAL = signal.SIGUSR1
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')

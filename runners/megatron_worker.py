@@ -73,14 +73,12 @@ class SDPAttention(MegatronModule):
                 attention_bias=None, packed_seq_params=None, **unused):
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        if k.size(1) != q.size(1) and GQA == "native":
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                               enable_gqa=True)
-        else:
-            if k.size(1) != q.size(1):
-                rep = q.size(1) // k.size(1)
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+        gqa = k.size(1) != q.size(1)
+        if gqa and GQA != "native":
+            rep = q.size(1) // k.size(1)
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                           enable_gqa=gqa and GQA == "native")
         s, b = o.size(2), o.size(0)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -32,3 +36,22 @@ def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
     while pid_alive(pid) and time.time() - t0 < timeout_s:
         time.sleep(0.05)
     return not pid_alive(pid)
+
+
+def assert_dies_with_parent(parent: subprocess.Popen, get_child: Callable[[], int], alive_msg: str | None = None,
+                            gone_msg: str | None = None, settle_s: float = 0.0) -> None:
+    """SIGKILL `parent` (no handler, no clean-up: as Ray or the OOM killer do) and assert that the
+    process get_child() names goes with it. Neither is left running, whatever happens."""
+    child = None
+    try:
+        child = get_child()
+        time.sleep(settle_s)
+        assert pid_alive(child), alive_msg
+        parent.kill()
+        parent.wait(10)
+        assert wait_gone(child), gone_msg
+    finally:
+        parent.kill()
+        parent.wait()
+        if child is not None and pid_alive(child):
+            os.kill(child, signal.SIGKILL)

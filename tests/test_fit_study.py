@@ -12,6 +12,7 @@ import pytest
 
 from advisor.models import calibrate as C
 from advisor.models import dataset as D
+from advisor import study as S
 
 ROOT = Path(__file__).resolve().parents[1]
 JOURNAL = ROOT / "data" / "studies" / "llama3-8b-h200x4.journal"
@@ -67,7 +68,7 @@ def journal(tmp_path, records, names=("s",)) -> str:
 
 def test_study_records_count_each_measurement_once(tmp_path, records):
     path = journal(tmp_path, records)
-    ds = D.load(studies=[path])
+    ds = S.load_dataset(studies=[path])
     assert len(ds) == len(records) and not ds.rejected
     assert ds.skipped == {"timeout": 1}
     assert ds.duplicates == 0
@@ -80,20 +81,20 @@ def test_study_records_count_each_measurement_once(tmp_path, records):
     # the same records in a JSONL file too (the tune driver appends them to its dataset): once
     jl = tmp_path / "tune.jsonl"
     jl.write_text(D.records_to_jsonl(records))
-    both = D.load([str(jl)], studies=[path])
+    both = S.load_dataset([str(jl)], studies=[path])
     assert len(both) == len(records) and both.duplicates == len(records)
     assert f"{len(records)} duplicate(s) of records read before" in both.summary()
 
 
 def test_study_name_selects_one_study_of_several(tmp_path, records):
     path = journal(tmp_path, records[:4], names=("a", "b"))
-    assert len(D.load(studies=[path])) == 4  # the same records in both studies: counted once
-    ds = D.load(studies=[path], study_name="b")
+    assert len(S.load_dataset(studies=[path])) == 4  # the same records in both studies: counted once
+    ds = S.load_dataset(studies=[path], study_name="b")
     assert len(ds) == 4 and ds.records[0].source.startswith("study.journal[b]:trial ")
     with pytest.raises(D.DatasetError, match="no study named 'c' \\(studies: a, b\\)"):
-        D.load(studies=[path], study_name="c")
+        S.load_dataset(studies=[path], study_name="c")
     with pytest.raises(D.DatasetError, match="no such study journal file"):
-        D.load(studies=[str(tmp_path / "none.journal")])
+        S.load_dataset(studies=[str(tmp_path / "none.journal")])
 
 
 def test_study_in_an_rdb_url(tmp_path, records):
@@ -101,12 +102,12 @@ def test_study_in_an_rdb_url(tmp_path, records):
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     fill(optuna.storages.RDBStorage(url), records)
-    ds = D.load(studies=[url])
+    ds = S.load_dataset(studies=[url])
     assert len(ds) == len(records) and ds.skipped == {"timeout": 1}
     assert ds.files[0]["path"] == url and ds.records[0].source == f"{url}:trial 0"
     with pytest.raises(D.DatasetError, match="no such file"):
-        D.load(studies=[f"sqlite:///{tmp_path / 'none.db'}"])
-    assert D._redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+        S.load_dataset(studies=[f"sqlite:///{tmp_path / 'none.db'}"])
+    assert S._redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
 
 
 def test_cli_fit_on_a_study_alone_and_with_data(tmp_path, records):
@@ -135,11 +136,11 @@ def test_cli_fit_study_errors_are_one_line(tmp_path):
 
 
 def test_committed_study_gives_its_24_measured_trials():
-    ds = D.load(studies=[str(JOURNAL)])
+    ds = S.load_dataset(studies=[str(JOURNAL)])
     assert len(ds) == 23 and ds.skipped == {"timeout": 1} and not ds.rejected  # 24 measured trials
     assert ds.files[0]["trials"] == 72 and ds.files[0]["lines"] == 24
     # its records are also in the tune JSONL: counted once
-    both = D.load([str(TUNE_JSONL)], studies=[str(JOURNAL)])
+    both = S.load_dataset([str(TUNE_JSONL)], studies=[str(JOURNAL)])
     assert len(both) == 23 and both.duplicates == 24
 
 

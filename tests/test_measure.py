@@ -16,7 +16,7 @@ import pytest
 
 from advisor.catalog.specs import ModelSpec, SpecError
 from advisor.runners import measure as M
-from support import pid_alive, wait_gone
+from support import assert_dies_with_parent
 
 DATA = Path(__file__).parent / "data" / "measure"
 TINY = ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
@@ -379,6 +379,21 @@ def test_interrupt_after_a_reported_oom_keeps_the_oom(tmp_path, fake_torchrun):
     assert [r["status"] for r in _interrupted_batch(tmp_path, ["ok", "oomhang", "ok"])] == ["ok", "oom"]
 
 
+def _fake_launcher(tmp_path: Path, body: str) -> subprocess.Popen:
+    """A launcher process of its own (so it can be SIGKILLed) running `body` with the fake
+    torchrun in place and `M` / `tiny` (a 4-layer ModelSpec) defined."""
+    script = tmp_path / "launcher.py"
+    script.write_text(f"""
+import sys
+from advisor.catalog.specs import ModelSpec
+from advisor.runners import measure as M
+M.torchrun_command = lambda n, d, s=0, python=None: [sys.executable, {str(DATA / "fake_worker.py")!r}, str(d), str(s), str(n)]
+tiny = ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
+                 num_attention_heads=8, num_query_groups=2, vocab_size=1000)
+""" + body)
+    return subprocess.Popen([sys.executable, str(script)])
+
+
 def _wait_for_worker_pid(run_dir: Path, timeout_s: float = 20.0) -> int:
     """The fake worker's pid, once its first job is running."""
     t0 = time.time()
@@ -411,30 +426,13 @@ def test_torchrun_does_not_outlive_a_launcher_killed_with_sigkill(tmp_path):
     # the launcher; a terminal's Ctrl-C reaches the launcher only). If the launcher is SIGKILLed
     # (Ray force-kill, OOM killer), torchrun must still go: PR_SET_PDEATHSIG sends it SIGTERM.
     run_dir = tmp_path / "run"
-    script = tmp_path / "launcher.py"
-    script.write_text(f"""
-import sys
-from advisor.catalog.specs import ModelSpec
-from advisor.runners import measure as M
-M.torchrun_command = lambda n, d, s=0, python=None: [sys.executable, {str(DATA / "fake_worker.py")!r}, str(d), str(s), str(n)]
-e = M.make_entry(ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
-                           num_attention_heads=8, num_query_groups=2, vocab_size=1000), 1, mbs=1, gbs=1)
+    launcher = _fake_launcher(tmp_path, f"""
+e = M.make_entry(tiny, 1, mbs=1, gbs=1)
 e.id = "hang-0"
 M.run_batch([e], None, 1, run_dir={str(run_dir)!r}, timeout=600, telemetry="off")
 """)
-    launcher = subprocess.Popen([sys.executable, str(script)])
-    worker = None
-    try:
-        worker = _wait_for_worker_pid(run_dir)
-        assert pid_alive(worker)
-        launcher.kill()  # SIGKILL: no handler, no cleanup in the launcher
-        launcher.wait(10)
-        assert wait_gone(worker), "torchrun outlived the launcher"
-    finally:
-        launcher.kill()
-        launcher.wait()
-        if worker is not None and pid_alive(worker):
-            os.kill(worker, signal.SIGKILL)
+    assert_dies_with_parent(launcher, lambda: _wait_for_worker_pid(run_dir),
+                            gone_msg="torchrun outlived the launcher")
 
 
 def test_world_size_mismatch_is_refused(tmp_path):
@@ -528,19 +526,11 @@ def test_a_sigkilled_launcher_leaves_records_the_next_batch_salvages(tmp_path):
     # (<dataset>.runs/) until the batch is settled; the next run on that dataset (or
     # `advisor measure --salvage`) turns what the workers wrote into records.
     ds = tmp_path / "out.jsonl"
-    script = tmp_path / "launcher.py"
-    script.write_text(f"""
-import sys
-from advisor.catalog.specs import ModelSpec
-from advisor.runners import measure as M
-M.torchrun_command = lambda n, d, s=0, python=None: [sys.executable, {str(DATA / "fake_worker.py")!r}, str(d), str(s), str(n)]
-tiny = ModelSpec(name="tiny", num_layers=4, hidden_size=256, ffn_hidden_size=512,
-                 num_attention_heads=8, num_query_groups=2, vocab_size=1000)
+    launcher = _fake_launcher(tmp_path, f"""
 es = [M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=s) for s in (2, 200)]
 es[0].id, es[1].id = "ok-0", "slow-1"
 M.run_batch(es, {str(ds)!r}, 2, timeout=600, telemetry="off")
 """)
-    launcher = subprocess.Popen([sys.executable, str(script)])
     try:
         t0 = time.time()
         rank0 = None

@@ -4,12 +4,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from advisor.runners import parent_watch
-from support import pid_alive, wait_gone
+from support import assert_dies_with_parent
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 
@@ -34,19 +33,9 @@ time.sleep(120)
 
 def test_worker_dies_when_its_agent_is_sigkilled():
     agent = subprocess.Popen([sys.executable, "-c", AGENT], stdout=subprocess.PIPE, text=True)
-    worker = None
-    try:
-        worker = int(agent.stdout.readline())
-        time.sleep(0.5)
-        assert pid_alive(worker), "the worker died while its agent lived"
-        agent.kill()  # no handler, no cleanup: as when Ray or the OOM killer takes torchrun down
-        agent.wait(10)
-        assert wait_gone(worker), "the worker outlived its agent"
-    finally:
-        agent.kill()
-        agent.wait()
-        if worker is not None and pid_alive(worker):
-            os.kill(worker, signal.SIGKILL)
+    # no handler, no cleanup in the agent: as when Ray or the OOM killer takes torchrun down
+    assert_dies_with_parent(agent, lambda: int(agent.stdout.readline()), "the worker died while its agent lived",
+                            "the worker outlived its agent", settle_s=0.5)
 
 
 def test_a_parent_already_gone_means_the_signal_comes_at_once():
