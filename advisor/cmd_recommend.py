@@ -9,7 +9,7 @@ import typer
 
 from advisor import report
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
-                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
+                             PowerCap, PowerCaps, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
 
 
 CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -29,8 +29,9 @@ def recommend_cmd(
     gbs: Gbs = None,
     precision: Precision = "bf16",
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
-    objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
+    objective: str = typer.Option("throughput", "--objective", help="throughput, energy (the cap with the least J/token) or balanced (the least J/token within 5% of the fastest step); energy and balanced choose the power cap with the layout"),
     power_cap: PowerCap = None,
+    power_caps: PowerCaps = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     as_json: AsJson = False,
@@ -39,7 +40,7 @@ def recommend_cmd(
     from advisor.api import recommend
 
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
-                    power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
+                    power_cap_w=power_cap, calibration=calibration, overrides=sets or (), power_caps=power_caps)
     if as_json:
         json.dump(res.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -71,6 +72,7 @@ def predict_cmd(
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
+    power_caps: PowerCaps = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
@@ -95,7 +97,7 @@ def predict_cmd(
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
-                            overrides=sets or ())
+                            overrides=sets or (), power_caps=power_caps, energy_caps=True)
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:

@@ -45,20 +45,47 @@ def print_recommendations(res, console: Console | None = None) -> None:
                   f"({'calibrated: ' + os.path.basename(res.calibration) if res.calibration else 'analytical model'})")
     t = Table(show_lines=False, pad_edge=False, box=None)
     for col, just in (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
-                      ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),
-                      ("mean W", "right"), ("throttle", "left"), ("J/tok", "right")):
+                      ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("cap W", "right"),
+                      ("MHz", "right"), ("peak W", "right"), ("mean W", "right"), ("throttle", "left"),
+                      ("J/tok", "right")):
         t.add_column(col, justify=just, no_wrap=True)
     for r in res.recommendations:
         p = r.prediction
         t.add_row(str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
                   f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
-                  f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
-                  f"{p.energy_j_per_token:.3f}")
+                  f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}",
+                  p.throttle_label, f"{p.energy_j_per_token:.3f}")
     console.print(t)
     best = res.recommendations[0]
+    if best.power_caps:
+        console.print(f"[bold]#1 power cap:[/] {cap_line(best.power_caps, res.objective)}")
+    if best.stage_caps:
+        console.print(f"[bold]#1 per-stage caps:[/] {stage_caps_line(best.stage_caps)}")
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
     console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)
+
+
+def _mhz(p: Prediction) -> str:
+    return f"{p.sm_clock_mhz:,.0f}" if p.sm_clock_mhz else f"{p.clock_ratio:.0%}"
+
+
+def _cap_point(d: dict) -> str:
+    return (f"{d['power_cap_w']:.0f} W: {d['energy_j_per_token']:.3f} J/token ({-d['energy_saved_pct']:+.1f}%), "
+            f"step {d['step_time_change_pct']:+.1f}%")
+
+
+def cap_line(sweep: dict, objective: str = "energy") -> str:
+    """The chosen cap against the cluster's cap, from a CapSweep.to_dict()."""
+    key = "min_energy" if objective == "energy" else "min_energy_within_5pct"
+    ref = sweep["at_cluster_cap"]
+    return (f"{_cap_point(sweep[key])} vs {ref['power_cap_w']:.0f} W ({ref['energy_j_per_token']:.3f} J/token)"
+            f"; tried {len(sweep['curve'])} caps {sweep['curve'][0]['power_cap_w']:.0f}-{sweep['curve'][-1]['power_cap_w']:.0f} W")
+
+
+def stage_caps_line(sc: dict) -> str:
+    return (f"{', '.join(f'{v:.0f}' for v in sc['caps_w'])} W for stages 0..{len(sc['caps_w']) - 1}: "
+            f"{-sc['energy_saved_pct']:+.1f}% energy, step {sc['step_time_change_pct']:+.2f}% (stages off the critical path)")
 
 
 def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, console: Console | None = None) -> None:
@@ -77,11 +104,19 @@ def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, 
         ("memory (fullest stage)", f"{p.memory_gib_per_gpu:.1f} GiB"),
         ("memory per stage", ", ".join(f"{m:.1f}" for m in p.memory_per_stage_gib) + " GiB"),
         ("peak / mean power", f"{p.peak_power_w:.0f} / {p.mean_power_w:.0f} W"),
+        ("SM clock (critical stage)", f"{_mhz(p)} MHz" if p.sm_clock_mhz else f"{_mhz(p)} of the maximum"),
         ("throttle risk", f"{p.throttle_label} ({p.throttle_risk:.2f}): {p.throttle_reason}"),
         ("steady temperature", f"{p.steady_temp_c:.0f} °C"),
         ("energy", f"{p.energy_j_per_token:.3f} J/token"),
         ("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%"),
     ]
+    caps = p.power_caps or {}
+    if caps.get("sweep"):
+        sw = caps["sweep"]
+        rows.append(("least J/token", _cap_point(sw["min_energy"])))
+        rows.append(("least J/token, step within 5%", _cap_point(sw["min_energy_within_5pct"])))
+    if caps.get("stage_caps"):
+        rows.append(("per-stage caps", stage_caps_line(caps["stage_caps"])))
     for k, v in rows:
         t.add_row(k, v)
     bd = p.breakdown

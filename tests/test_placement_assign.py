@@ -81,8 +81,9 @@ def test_slot_effect_leakage_and_thermal_limit():
     h = stage_heat(m, c, cfg)[3]  # demands more than the 700 W cap
     cool, hot = profile([(33.5, 0.041), (34.4, 0.050)]).gpus  # measured slots 2 and 3
     e_cool, e_hot = slot_effect(h, cool, c), slot_effect(h, hot, c)
-    assert e_cool.limit == e_hot.limit == "power cap" and e_cool.power_w == pytest.approx(700)
-    assert e_hot.temp_c - e_cool.temp_c == pytest.approx(0.9 + 0.009 * 700, abs=0.01)
+    # the limiter holds the stage's compute at the cap; its step mean is lower (fill and drain waits)
+    assert e_cool.limit == e_hot.limit == "power cap" and 600 < e_hot.power_w <= e_cool.power_w <= 700
+    assert e_hot.temp_c - e_cool.temp_c == pytest.approx(0.9 + 0.050 * e_hot.power_w - 0.041 * e_cool.power_w)
     ratio = e_hot.slowdown / e_cool.slowdown  # FACTS.md: 2.1% fewer TFLOP/s, 7 °C hotter
     assert ratio == pytest.approx(1 + 0.003 * (e_hot.temp_c - e_cool.temp_c), rel=0.01)
     no_leak = ThrottleCurve(leak_per_c=0.0)
