@@ -33,7 +33,7 @@ from advisor.models.power import power_at_step
 
 MIN_COUNTER_S = 10.0
 TRAINING_FIT = ("comm_power", "wait_power", "peak_overshoot")
-BOUNDS = {"comm_power": (0.02, 2.0), "wait_power": (0.005, 1.0), "peak_overshoot": (0.05, 1.0)}
+BOUNDS = {"comm_power": (0.02, 0.8), "wait_power": (0.005, 1.0), "peak_overshoot": (0.05, 1.0)}
 
 
 def load(paths: list[str]) -> list[dict]:

@@ -71,7 +71,7 @@ FIT_BOUNDS: dict[str, tuple[float, float]] = {
     "network_efficiency": (0.1, 1.0),
     "runtime_overhead_gib": (0.05, 16.0),
     "fragmentation": (0.001, 1.5),
-    "comm_power": (0.02, 2.0),
+    "comm_power": (0.02, 0.8),
     "wait_power": (0.005, 1.0),
     "peak_overshoot": (0.05, 1.0),
 }
@@ -538,10 +538,20 @@ class Calibration:
         """The constants of the level chosen for mean power (every power number comes from them)."""
         return DEFAULT if self.targets["mean_power_w"]["mode"] == "analytical" else self.constants
 
+    def power_of(self, model, cluster, cfg, step_s: float, analytical: Prediction | None = None):
+        """The models.power evaluation behind a calibrated prediction's power numbers: at the
+        analytical level the analytical model's own (its step, default constants); otherwise
+        power_at_step at the calibrated step time with the calibrated constants."""
+        if self.targets["mean_power_w"]["mode"] == "analytical":
+            from advisor.models.power import estimate_power
+
+            return estimate_power(model, cluster, cfg, DEFAULT)
+        return power_at_step(model, cluster, cfg, step_s, self.constants)
+
     def _compose(self, model, cluster, cfg, p: Prediction, est: dict) -> CalibratedPrediction:
         """`p`: the analytical prediction with the calibrated constants. Every power field comes
-        from one models.power evaluation at the calibrated step time (power_at_step), with the
-        constants of the level chosen for mean power."""
+        from one models.power evaluation (power_of); energy per token is its mean power x GPUs
+        over the tokens/s printed."""
         n = cluster.world_size
         tokens = cfg.tokens_per_step
         tps, tps_lo, tps_hi = est["tokens_per_s_per_gpu"]
@@ -553,7 +563,7 @@ class Calibration:
         feasible = mem <= cap
         reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB usable per GPU")
         d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}
-        pw = power_at_step(model, cluster, cfg, step, self.power_constants)
+        pw = self.power_of(model, cluster, cfg, step)
         d.update(power_fields(pw))
         d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
                  tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,

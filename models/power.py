@@ -138,14 +138,14 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     work = dvfs.Load.of(busy + end, (), c)
     busy_s = work.seconds(x)
     gap_s = sum(length for length, _ in gaps)
-    wait_s = max(0.0, st.step_time_s - busy_s - gap_s)
-    idle = dvfs.Load(wait_s=wait_s, gap_s=gap_s)
+    step_s = max(st.step_time_s, busy_s + gap_s)  # a stage slowed below the step's pace sets the step
+    idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
     p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
     e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
     phase_peak = max((dvfs.phase_power(p, x, gpu, c, power_scale) for p in busy + end), default=p_wait)
     return StagePower(
         stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
-        demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / st.step_time_s,
+        demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,
         peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e)
 
 
@@ -246,7 +246,8 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
-        reason = f"power spikes: GEMM phases draw {demand_peak:.0f} W at full clock > {cap:.0f} W cap (brief clock dips)"
+        reason = (f"power spikes: the busiest phase draws {demand_peak:.0f} W at full clock > {cap:.0f} W cap "
+                  f"(brief clock dips; the ~30 ms average stays under it)")
     else:
         r_power = c.throttle_risk_low_span * max(
             0.0, (demand_peak - c.throttle_low_start * cap) / (c.throttle_low_range * cap))
