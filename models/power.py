@@ -48,6 +48,7 @@ class StagePower:
     throttled: bool               # the cap holds the clock below the maximum
     busy_s: float                 # seconds per step computing or communicating
     energy_j: float               # per GPU per step
+    spiking: bool = False         # a phase draws more than the cap at the maximum clock (brief dips)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in _STAGE_FIELDS}
@@ -66,7 +67,8 @@ class PowerEstimate:
     sm_clock_mhz: float | None    # held by the critical (slowest) stage
     clock_ratio: float
     slowdown: float               # step time at the clocks held / at the maximum clocks (>= 1)
-    throttle_fraction: float      # share of GPUs whose clock the cap holds down
+    throttle_fraction: float      # share of GPUs the limiter acts on (held down, or dips in a phase over the cap):
+                                  # what NVML's power-cap clock-event reason reports
     energy_j_per_step: float      # all GPUs
     energy_j_per_token: float
     steady_temp_c: float
@@ -146,7 +148,8 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     return StagePower(
         stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
         demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,
-        peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e)
+        peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e,
+        spiking=max((dvfs.phase_power(p, 1.0, gpu, c, power_scale) for p in busy + end), default=0.0) > cap_w)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,7 +211,8 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
     return PowerEstimate(
         mean_power_w=mean, peak_power_w=max(s.peak_power_w for s in per_stage), demand_mean_w=busiest.demand_w,
         demand_peak_w=demand_peak, power_cap_w=float(cluster.power_cap_w), sm_clock_mhz=per_stage[crit].sm_clock_mhz,
-        clock_ratio=x[crit], slowdown=slowdown, throttle_fraction=sum(s.throttled for s in per_stage) / pp,
+        clock_ratio=x[crit], slowdown=slowdown,
+        throttle_fraction=sum(s.throttled or s.spiking for s in per_stage) / pp,
         energy_j_per_step=energy, energy_j_per_token=energy / cfg.tokens_per_step, steady_temp_c=temp,
         throttle_risk=risk, throttle_label=label, throttle_reason=reason, stages=per_stage, step=st)
 
