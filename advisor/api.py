@@ -74,6 +74,10 @@ class RecommendResult:
     elapsed_s: float
     recommendations: list[Recommendation] = field(default_factory=list)
     calibration: str | None = None  # the calibration file used, None = analytical model only
+    # every layout that fits, with the prediction it was ranked by (the HTML report plots them),
+    # and the Calibration object itself; neither is in to_dict()
+    candidates: list[tuple[TrainConfig, Prediction]] = field(default_factory=list, repr=False)
+    calibrated_with: Any = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -200,7 +204,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   score=_score(p, objective, best_tps, best_e)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
-                           calibration=(cal.source or "calibrated") if cal is not None else None)
+                           calibration=(cal.source or "calibrated") if cal is not None else None,
+                           candidates=preds, calibrated_with=cal)
 
 
 # ------------------------------------------------------------------------------------------------

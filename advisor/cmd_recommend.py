@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from advisor import report
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Html, Model, OptCluster, OptModel,
                              PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
 
 
@@ -34,9 +34,15 @@ def recommend_cmd(
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
+
+    if html:
+        from advisor import html_report
+
+        html_report.require()
 
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
@@ -50,6 +56,8 @@ def recommend_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo("#1 " + format_intervals(first))
+    if html:
+        html_report.save(html, html_report.recommend_page(res))
 
 
 def predict_cmd(
@@ -75,9 +83,17 @@ def predict_cmd(
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
     from advisor.api import predict_batch, predict_layout
+
+    if html:
+        from advisor import html_report
+
+        if batch is not None:
+            raise typer.BadParameter("--html reports one layout; it does not go with --batch")
+        html_report.require()
 
     if batch is not None:
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
@@ -96,6 +112,7 @@ def predict_cmd(
                   pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or ())
+    raw_cluster = cluster
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
@@ -108,3 +125,5 @@ def predict_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo(format_intervals(p))
+    if html:
+        html_report.save(html, html_report.predict_page(model, raw_cluster, cfg, p, power_cap, sets or ()))

@@ -44,3 +44,5 @@ Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or 
                                         callback=one_of(RECOMPUTE_MODES))]
 SequenceParallel = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="default: on when tp > 1")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout")]
+Html = Annotated[Optional[str], typer.Option(
+    "--html", metavar="FILE", help="also write a self-contained HTML report with plots to FILE (pip install 'advisor[report]')")]
