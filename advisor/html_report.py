@@ -69,6 +69,7 @@ figcaption{color:#555;font-size:12.5px;max-width:1000px}
 pre{background:#f6f6f8;padding:8px 10px;overflow-x:auto;font-size:12px;white-space:pre-wrap;word-break:break-all;margin:4px 0}
 pre.text{white-space:pre;word-break:normal}
 .args{margin:8px 0 14px}.args b{font-size:13px}
+summary{cursor:pointer;color:#1a73e8;margin:6px 0}
 button.copy{font-size:12px;padding:2px 10px;margin-left:8px;cursor:pointer}
 """
 
@@ -104,30 +105,41 @@ class Page:
         self.parts.append(f'<p class="{cls}">{esc(text)}</p>')
 
     def table(self, columns: Sequence[tuple[str, str]] | Sequence[str], rows: Sequence[Sequence[str]],
-              bad: Sequence[bool] = (), cls: str = "") -> None:
+              bad: Sequence[bool] = (), cls: str = "", copy: tuple[str, Sequence[str]] | None = None) -> None:
+        """`copy`: (header, one text per row): a last column of copy buttons, the texts folded below."""
         cols = [(c, "right") if isinstance(c, str) else c for c in columns]
+        ids = [self._code_id() for _ in rows] if copy else []
 
         def cell(tag: str, v: str, just: str) -> str:
             return f'<{tag}{" class=l" if just == "left" else ""}>{esc(v)}</{tag}>'
 
-        out = [f'<div class="tbl"><table class="{cls}"><thead><tr>' + "".join(cell("th", c, j) for c, j in cols) + "</tr></thead><tbody>"]
+        extra = cell("th", copy[0], "left") if copy else ""
+        out = [f'<div class="tbl"><table class="{cls}"><thead><tr>' + "".join(cell("th", c, j) for c, j in cols)
+               + extra + "</tr></thead><tbody>"]
         for i, row in enumerate(rows):
             mark = ' class="bad"' if i < len(bad) and bad[i] else ""
-            out.append(f"<tr{mark}>" + "".join(cell("td", v, j) for v, (_, j) in zip(row, cols)) + "</tr>")
+            button = f"<td class=l>{_copy_button(ids[i])}</td>" if copy else ""
+            out.append(f"<tr{mark}>" + "".join(cell("td", v, j) for v, (_, j) in zip(row, cols)) + button + "</tr>")
         out.append("</tbody></table></div>")
+        if copy:
+            out.append(f"<details><summary>{esc(copy[0])}</summary>"
+                       + "".join(f'<pre id="{cid}">{esc(t)}</pre>' for cid, t in zip(ids, copy[1])) + "</details>")
         self.parts.append("".join(out))
+
+    def _code_id(self) -> str:
+        self.codes += 1
+        return f"code-{self.codes}"
 
     def code(self, label: str, text: str) -> str:
         """A block of text to paste, with a copy button; returns the block's element id."""
-        self.codes += 1
-        cid = f"code-{self.codes}"
-        self.parts.append(f'<div class="args"><b>{esc(label)}</b><button class="copy" type="button" '
-                          f'data-target="{cid}" onclick="advisorCopy(this)">copy</button>'
-                          f'<pre id="{cid}">{esc(text)}</pre></div>')
+        cid = self._code_id()
+        self.parts.append(f'<div class="args"><b>{esc(label)}</b>{_copy_button(cid)}<pre id="{cid}">{esc(text)}</pre></div>')
         return cid
 
-    def ul(self, items: Sequence[str]) -> None:
-        self.parts.append('<ul class="note">' + "".join(f"<li>{esc(i)}</li>" for i in items) + "</ul>")
+    def ul(self, items: Sequence[str], summary: str | None = None) -> None:
+        """A list; with `summary`, folded under it (click to open)."""
+        ul = '<ul class="note">' + "".join(f"<li>{esc(i)}</li>" for i in items) + "</ul>"
+        self.parts.append(f"<details><summary>{esc(summary)}</summary>{ul}</details>" if summary else ul)
 
     def text(self, text: str) -> None:
         self.parts.append(f'<pre class="text">{esc(text)}</pre>')
@@ -152,9 +164,15 @@ class Page:
                 + "\n".join(self.parts) + f"\n</main><script>{SCRIPT}</script></body></html>\n")
 
 
+def _copy_button(target: str) -> str:
+    return (f'<button class="copy" type="button" data-target="{target}" onclick="advisorCopy(this)">'
+            f"copy</button>")
+
+
 def _command_line() -> str:
-    argv0 = Path(sys.argv[0]).name if sys.argv else ""
-    if argv0 in ("advisor", "__main__.py"):
+    """The advisor command line that made the report ('' when it was not the CLI)."""
+    argv0 = Path(sys.argv[0]) if sys.argv else Path()
+    if argv0.name == "advisor" or (argv0.name == "__main__.py" and argv0.parent.name == "advisor"):
         import shlex
 
         return "advisor " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -491,7 +509,8 @@ def recommend_page(res, command: str | None = None) -> Page:
            f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, ranked in {res.elapsed_s:.2f} s; "
            + (f"calibrated ({Path(res.calibration).name}), 80% intervals" if res.calibration else "analytical model"))
     page.h2("Ranked layouts")
-    page.table(RECOMMEND_COLUMNS, [recommendation_cells(r) for r in res.recommendations])
+    page.table(RECOMMEND_COLUMNS, [recommendation_cells(r) for r in res.recommendations],
+               copy=("Megatron args", [r.megatron_args for r in res.recommendations]))
     items = []
     for r in res.recommendations:
         line = f"#{r.rank}: {r.reason}"
@@ -500,10 +519,7 @@ def recommend_page(res, command: str | None = None) -> Page:
 
             line += f". {format_intervals(r.prediction)}"
         items.append(line)
-    page.ul(items)
-    page.h2("Megatron arguments")
-    for r in res.recommendations:
-        page.code(f"#{r.rank} {_label(r.rank, r.config)[len(str(r.rank)) + 2:]}", r.megatron_args)
+    page.ul(items, "why each layout" + (" and its 80% intervals" if res.calibration else ""))
 
     # every feasible layout at the level the ranked ones are shown (calibrated: rescored in full)
     pop = list(res.candidates)
