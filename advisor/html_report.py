@@ -317,6 +317,11 @@ def fig_breakdown(items: list[tuple[str, dict, float]]):
     return fig
 
 
+def _stage_ticks(stages: int, panels: int) -> list[str]:
+    every = max(1, math.ceil(stages * panels / 40))  # about 40 labels across the figure
+    return [str(i) if i % every == 0 else "" for i in range(stages)]
+
+
 @_styled
 def fig_stages(items: list[dict], capacity_gib: float, usable_gib: float | None, cap_w: float | None):
     """Per pipeline stage, for each item {label, memory, power_mean, power_peak, mean_w}: memory
@@ -334,8 +339,8 @@ def fig_stages(items: list[dict], capacity_gib: float, usable_gib: float | None,
         ax.axhline(capacity_gib, color="#b00020", lw=1.2, label=f"capacity {capacity_gib:.0f} GiB")
         if usable_gib:
             ax.axhline(usable_gib, color="#b00020", lw=1, ls="--", label=f"usable {usable_gib:.1f} GiB")
-        ax.set_title(it["label"].replace(" ", "\n", 1), fontsize=8.5)
-        ax.set_xticks(x, [str(i) for i in x] if len(x) <= 16 else [str(i) if i % 4 == 0 else "" for i in x])
+        ax.set_title(_wrap_label(it["label"], 34 if n < 4 else 26), fontsize=8)
+        ax.set_xticks(x, _stage_ticks(len(x), n))
         if j == 0:
             ax.set_ylabel("memory, GiB per GPU")
         if has_power:
@@ -343,14 +348,14 @@ def fig_stages(items: list[dict], capacity_gib: float, usable_gib: float | None,
             pm, pk = it.get("power_mean") or [], it.get("power_peak") or []
             if pm:
                 pa.bar(x, pm, color="#e8710a", width=0.7, label="mean power")
-                pa.plot(x, pk, "_", color="#5f6368", ms=12, mew=2, label="peak power")
+                pa.plot(x, pk, "_", color="#5f6368", ms=min(12.0, 90.0 / len(x)), mew=2, label="peak power")
             if it.get("demand"):
                 pa.plot(x, it["demand"], "o", mfc="none", color="#1d1d1f", ms=5, label="mean demand without a cap")
             if cap_w:
                 pa.axhline(cap_w, color="#b00020", lw=1.2, label=f"cap {cap_w:.0f} W")
             if it.get("mean_w"):
                 pa.axhline(it["mean_w"], color="#1d1d1f", lw=1, ls=":", label="layout mean")
-            pa.set_xticks(x, [str(i) for i in x] if len(x) <= 16 else [str(i) if i % 4 == 0 else "" for i in x])
+            pa.set_xticks(x, _stage_ticks(len(x), n))
             pa.set_xlabel("pipeline stage")
             if j == 0:
                 pa.set_ylabel("power, W per GPU")
@@ -491,6 +496,27 @@ def _stage_items(m, c, configs: list[tuple[str, Any, Any]], consts) -> list[dict
     return out
 
 
+def _power_constants(cal):
+    """The constants of the level a calibration uses for mean power (the analytical model's when it
+    kept that level, or without a calibration): the per-stage power is priced with them."""
+    from advisor.models.constants import DEFAULT
+
+    if cal is None or cal.targets.get("mean_power_w", {}).get("mode") == "analytical":
+        return DEFAULT
+    return cal.constants
+
+
+def _wrap_label(label: str, width: int = 30) -> str:
+    """'#3 TP1·PP4·DP64·...' on lines of at most `width` characters, broken after a '·' or a space."""
+    lines, cur = [], ""
+    for tok in re.split(r"(?<=[· ])", label):
+        if cur and len(cur) + len(tok) > width:
+            lines.append(cur.rstrip(" "))
+            cur = ""
+        cur += tok
+    return "\n".join(lines + [cur])
+
+
 def _label(rank: int | str, cfg) -> str:
     from advisor.report import _layout
 
@@ -542,7 +568,7 @@ def recommend_page(res, command: str | None = None) -> Page:
                 "Step time of the ranked layouts by component (seconds per step on the slowest pipeline stage, "
                 "summed over its microbatches, plus the bubble, exposed data-parallel traffic, optimizer and "
                 "fixed overheads).")
-    consts = cal.constants if cal is not None else DEFAULT
+    consts = _power_constants(cal)
     usable = c.gpu.memory_gib * (cal.screening_constants if cal is not None else DEFAULT).memory_usable_fraction
     page.h2("Memory and power per pipeline stage")
     page.figure(fig_stages(_stage_items(m, c, [(_label(r.rank, r.config), r.config, r.prediction)
@@ -550,7 +576,8 @@ def recommend_page(res, command: str | None = None) -> Page:
                            c.gpu.memory_gib, usable, c.power_cap_w), "stages",
                 "Top: memory per GPU of each pipeline stage (the prediction's) against the GPU's capacity and the "
                 "usable part the ranking allows. Bottom: mean (bars) and peak (ticks) power per GPU of each stage "
-                "under the cap (the analytical per-stage model, with the constants the ranking used); the dotted "
+                "under the cap, and the mean it would draw without a cap (circles): the per-stage model of "
+                "'advisor place', with the constants of the level the prediction uses for mean power; the dotted "
                 "line is the layout's predicted mean power.")
     return page
 
@@ -583,12 +610,12 @@ def predict_page(model: str, cluster: str, cfg, p, power_cap_w: float | None = N
     page.figure(fig_breakdown([(_layout(cfg), p.breakdown, p.step_time_s)]), "breakdown",
                 "Step time by component (seconds per step on the slowest pipeline stage, summed over its "
                 "microbatches, plus the bubble, exposed data-parallel traffic, optimizer and fixed overheads).")
-    cal_consts = getattr(p, "calibration", None)
+    used = getattr(p, "calibration", None)  # a calibrated prediction names its file
     consts = DEFAULT
-    if cal_consts and cal_consts.get("file"):
+    if used and used.get("file"):
         from advisor.models.calibrate import resolve_calibration
 
-        consts = resolve_calibration(cal_consts["file"]).constants
+        consts = _power_constants(resolve_calibration(used["file"]))
     page.h2("Memory and power per pipeline stage")
     page.figure(fig_stages(_stage_items(m, c, [(_layout(cfg), cfg, p)], consts), c.gpu.memory_gib,
                            c.gpu.memory_gib * consts.memory_usable_fraction, c.power_cap_w), "stages",

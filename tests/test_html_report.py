@@ -93,6 +93,25 @@ def test_cli_html_on_every_command(tmp_path, capsys):
     assert "inside the 80% interval" in data.read_text()
 
 
+def test_tune_and_fit_write_their_reports(tmp_path, capsys):
+    out = tmp_path / "tune.html"
+    code, _, err = run_cli(["tune", "-m", "llama3-8b", "-c", "h100x8", "--runner", "simulate", "--ray-address", "inline",
+                            "--trials", "3", "--storage", str(tmp_path / "s.journal"),
+                            "--dataset", str(tmp_path / "s.jsonl"), "--html", str(out)], capsys)
+    assert code == 0, err
+    text = out.read_text()
+    assert text.count('<figure class="plot"') == 2 and "llama3-8b" in text
+    code, _, err = run_cli(["tune", "-m", "llama3-8b", "-c", "h100x8", "--runner", "simulate", "--dry-run",
+                            "--html", str(tmp_path / "dry.html")], capsys)
+    assert code == 2 and "--dry-run" in err
+    fit = tmp_path / "fit.html"
+    code, _, err = run_cli(["fit", "--data", str(DATASET), "--no-surrogates", "--folds", "2",
+                            "-o", str(tmp_path / "cal.joblib"), "--html", str(fit)], capsys)
+    assert code == 0, err
+    text = fit.read_text()
+    assert "out of fold" in text and "constants (default -&gt; fitted)" in text
+
+
 def test_study_report_pareto_is_the_tune_table(tmp_path):
     import optuna
 
