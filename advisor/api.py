@@ -74,6 +74,8 @@ class RecommendResult:
     elapsed_s: float
     recommendations: list[Recommendation] = field(default_factory=list)
     calibration: str | None = None  # the calibration file used, None = analytical model only
+    stack: str = "te"  # the software stack the layouts are predicted for
+    profile: str | None = None  # the calibration profile's name (None = analytical model only)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,6 +87,8 @@ class RecommendResult:
             "feasible": self.feasible,
             "elapsed_s": self.elapsed_s,
             "calibration": self.calibration,
+            "stack": self.stack,
+            "profile": self.profile,
             "recommendations": [r.to_dict() for r in self.recommendations],
         }
 
@@ -139,18 +143,26 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
-              constants: Constants = DEFAULT, options: SpaceOptions = SpaceOptions(),
-              calibration: Any = None, overrides: Iterable[str] = ()) -> RecommendResult:
-    """Rank every legal layout that fits in memory by the objective. `calibration`: a
-    Calibration, a file, "default" or None (see advisor.models.calibrate); `overrides`: what-if
+              constants: Constants = DEFAULT, options: SpaceOptions | None = None,
+              calibration: Any = "default", overrides: Iterable[str] = (),
+              stack: str | None = None) -> RecommendResult:
+    """Rank every legal layout that fits in memory by the objective. `stack`: the software stack
+    ("te": Megatron-Core with Transformer Engine, the default; "local": this project's runner; see
+    advisor.models.profiles); `calibration`: "default" (the stack's shipped profile), a
+    Calibration, a file or None (the analytical model with `constants`); `overrides`: what-if
     KEY=VALUE strings (gpu=h200, nodes=16, power_cap=500, mbs=4, ...)."""
+    from advisor.models.profiles import get_stack
+
+    st = get_stack(stack)
+    if options is None:
+        options = SpaceOptions(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
-    cal = _calibration(calibration)
+    cal = _calibration(calibration, st.name)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
     screen = cal.screening_constants if cal is not None else constants
@@ -200,7 +212,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   score=_score(p, objective, best_tps, best_e)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
-                           calibration=(cal.source or "calibrated") if cal is not None else None)
+                           calibration=(cal.source or "calibrated") if cal is not None else None,
+                           stack=st.name, profile=cal.profile if cal is not None else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,9 +225,13 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precis
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers")
 
 
-def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any]) -> TrainConfig:
+def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],
+                      stack: str | None = None) -> TrainConfig:
     """A TrainConfig from user flags: DP derived from the cluster; unset knobs take the defaults
-    recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1)."""
+    recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1, and the stack's
+    own: TP communication overlap under Transformer Engine)."""
+    from advisor.models.profiles import apply_layout_defaults
+
     v = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     tp, pp, cp = int(v.get("tp", 1)), int(v.get("pp", 1)), int(v.get("cp", 1))
     for name, val in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -235,19 +252,22 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
     v.setdefault("overlap_grad_reduce", dp * cp > 1)
     v.setdefault("overlap_param_gather", bool(v["distributed_optimizer"]) and dp * cp > 1)
     v["dp"] = dp
-    return TrainConfig.from_dict(v)
+    explicit = {k for k in LAYOUT_KEYS if values.get(k) is not None}
+    return apply_layout_defaults(TrainConfig.from_dict(v), stack, explicit)
 
 
 def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],
-                   power_cap_w: float | None = None, constants: Constants = DEFAULT, calibration: Any = None,
-                   overrides: Iterable[str] = ()) -> tuple[TrainConfig, Prediction]:
+                   power_cap_w: float | None = None, constants: Constants = DEFAULT,
+                   calibration: Any = "default", overrides: Iterable[str] = (),
+                   stack: str | None = None) -> tuple[TrainConfig, Prediction]:
+    """One layout's prediction. `stack` / `calibration` as for `recommend`."""
     m, c = resolve(model, cluster, power_cap_w)
     if overrides:
         from advisor.models.calibrate import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
-    cal = _calibration(calibration)
-    cfg = layout_from_flags(m, c, values)
+    cal = _calibration(calibration, stack)
+    cfg = layout_from_flags(m, c, values, stack)
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
@@ -256,22 +276,23 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     return cfg, predict(m, c, cfg, constants, check_legal=False)
 
 
-def _calibration(spec: Any):
-    """A Calibration from None / "none" / "default" / a path / a Calibration (lazy import)."""
+def _calibration(spec: Any, stack: str | None = None):
+    """A Calibration from None / "none" / "default" (the stack's profile) / a path / a Calibration
+    (lazy import)."""
     if spec is None:
         return None
     from advisor.models.calibrate import resolve_calibration
 
-    return resolve_calibration(spec)
+    return resolve_calibration(spec, stack)
 
 
-def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = None,
-                  overrides: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = "default",
+                  overrides: Iterable[str] = (), stack: str | None = None) -> Iterator[dict[str, Any]]:
     """One output object per input line: every input key echoed, plus `prediction` (with the
     derived `config`) or `error`. A bad line never stops the batch."""
     import json
 
-    calibration = _calibration(calibration)  # load the file once, not per line
+    calibration = _calibration(calibration, stack)  # load the file once, not per line
 
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -290,7 +311,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
                 raise SpecError("each line needs 'model' and 'cluster'")
             cfg, p = predict_layout(str(row["model"]), str(row["cluster"]), row,
                                     power_cap_w=row.get("power_cap_w"), constants=constants,
-                                    calibration=calibration, overrides=overrides)
+                                    calibration=calibration, overrides=overrides, stack=stack)
             out["config"] = cfg.to_dict()
             out["prediction"] = p.to_dict()
         except (SpecError, ValueError, TypeError) as e:

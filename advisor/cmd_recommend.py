@@ -9,11 +9,12 @@ import typer
 
 from advisor import report
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
-                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
+                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel,
+                             Stack)
 
 
-CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
-            "(analytical model only); adds 80% intervals")
+CAL_HELP = ("'default' (the --stack's shipped profile), a calibration file from 'advisor fit', or 'none' "
+            "(analytical model only); a profile adds 80% intervals")
 SET_HELP = "what-if KEY=VALUE, repeatable: gpu=h200, nodes=16, gpus=32, power_cap=500, mbs=4, seq=8192, layers=40, ..."
 
 
@@ -32,6 +33,7 @@ def recommend_cmd(
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
     power_cap: PowerCap = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     as_json: AsJson = False,
 ) -> None:
@@ -39,7 +41,7 @@ def recommend_cmd(
     from advisor.api import recommend
 
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
-                    power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
+                    power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack)
     if as_json:
         json.dump(res.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -72,6 +74,7 @@ def predict_cmd(
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
@@ -82,7 +85,7 @@ def predict_cmd(
     if batch is not None:
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
         with stream:
-            for row in predict_batch(stream, calibration=calibration, overrides=sets or ()):
+            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), stack=stack):
                 sys.stdout.write(json.dumps(row) + "\n")
                 sys.stdout.flush()
         return
@@ -95,12 +98,15 @@ def predict_cmd(
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
-                            overrides=sets or ())
+                            overrides=sets or (), stack=stack)
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
-        json.dump({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()},
-                  sys.stdout, indent=1)
+        from advisor.models.profiles import get_stack
+
+        profile = (getattr(p, "calibration", None) or {}).get("profile")
+        json.dump({"model": model, "cluster": cluster, "stack": get_stack(stack).name, "profile": profile,
+                   "config": cfg.to_dict(), "prediction": p.to_dict()}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         report.print_prediction(model, cluster, cfg, p)

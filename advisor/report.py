@@ -40,9 +40,10 @@ def print_recommendations(res, console: Console | None = None) -> None:
     console.print(
         f"[bold]{res.model.name}[/] on [bold]{c.name}[/] ({c.num_nodes}×{c.gpus_per_node} {c.gpu.name}, "
         f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
+    how = (f"profile {res.profile}: {os.path.basename(res.calibration)}" if res.calibration
+           else "analytical model, no profile")
     console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
-                  f"ranked in {res.elapsed_s:.2f} s "
-                  f"({'calibrated: ' + os.path.basename(res.calibration) if res.calibration else 'analytical model'})")
+                  f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
     t = Table(show_lines=False, pad_edge=False, box=None)
     for col, just in (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
                       ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),
