@@ -76,6 +76,10 @@ class RecommendResult:
     calibration: str | None = None  # the calibration file used, None = analytical model only
     stack: str = "te"  # the software stack the layouts are predicted for
     profile: str | None = None  # the calibration profile's name (None = analytical model only)
+    # ranking scores of every feasible layout (best first), for placing another layout among them
+    rank_scores: list[float] = field(default_factory=list, repr=False)
+    rank_basis: tuple[float, float] = (1.0, 1.0)  # the best tokens/s and J/token the scores used
+    compared: list["Comparison"] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +94,7 @@ class RecommendResult:
             "stack": self.stack,
             "profile": self.profile,
             "recommendations": [r.to_dict() for r in self.recommendations],
+            **({"compared": [x.to_dict() for x in self.compared]} if self.compared else {}),
         }
 
 
@@ -199,6 +204,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
     best_e = min(p.energy_j_per_token for _, p in preds)
     ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    rank_scores = [_score(p, objective, best_tps, best_e) for _, p in ranked]
+    best_tps0, best_e0 = best_tps, best_e
     if cal is not None:  # full calibrated predictions (surrogates, intervals) for the head only
         head = cal.rescore(m, c, ranked[:max(4 * top, 20)], with_constants=rank_constants is cal.constants)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
@@ -213,7 +220,68 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,
-                           stack=st.name, profile=cal.profile if cal is not None else None)
+                           stack=st.name, profile=cal.profile if cal is not None else None,
+                           rank_scores=rank_scores, rank_basis=(best_tps0, best_e0))
+
+
+# ------------------------------------------------------------------------------------------------
+# another layout next to the top-1: where it ranks and where the time goes differently
+# ------------------------------------------------------------------------------------------------
+
+# step-time categories of a Prediction's breakdown, in the order they are named
+_TERMS = (("gemm_s", "GEMMs"), ("attention_s", "attention"), ("memory_bound_s", "memory-bound kernels"),
+          ("recompute_s", "recompute"), ("tp_comm_s", "TP communication"), ("cp_comm_s", "CP communication"),
+          ("ep_comm_s", "EP communication"), ("pp_p2p_s", "PP send/recv"), ("pipeline_bubble_s", "pipeline bubble"),
+          ("dp_comm_exposed_s", "exposed DP communication"), ("optimizer_s", "optimizer"),
+          ("layer_overhead_s", "per-layer overhead"))
+
+
+@dataclass
+class Comparison:
+    config: TrainConfig
+    prediction: Prediction
+    ratio_to_top: float  # tokens/s of this layout / tokens/s of the top-1
+    rank: int | None  # where it would rank among the feasible layouts (None: not feasible)
+    of: int
+    differences_s: dict[str, float]  # per step: top-1 minus this layout, by category
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
+                "ratio_to_top": self.ratio_to_top, "rank": self.rank, "of": self.of,
+                "differences_s": self.differences_s, "why": self.why}
+
+
+def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = "default") -> Comparison:
+    """One layout (flags as for `predict`, workload from `res`) next to `res`'s top-1: its ratio to
+    the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
+    v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision, **dict(values)}
+    cal = _calibration(calibration, res.stack)
+    cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
+    bad = violations(res.model, res.cluster, cfg)
+    if bad:
+        raise IllegalLayout(f"illegal layout to compare: {bad[0]}")
+    p = (cal.predict(res.model, res.cluster, cfg, check_legal=False) if cal is not None
+         else predict(res.model, res.cluster, cfg, check_legal=False))
+    top = res.recommendations[0].prediction
+    ratio = p.tokens_per_s_per_gpu / top.tokens_per_s_per_gpu
+    rank = None
+    if p.feasible and res.rank_scores:  # scored as the ranking scored every layout
+        pr = predict(res.model, res.cluster, cfg, cal.constants if cal is not None else DEFAULT, check_legal=False)
+        own = _score(pr, res.objective, *res.rank_basis)
+        rank = 1 + sum(1 for x in res.rank_scores if x > own)
+    # per-step seconds in each category, scaled to the same tokens per step (same workload)
+    diffs = {k: top.breakdown.get(k, 0.0) - p.breakdown.get(k, 0.0) for k, _ in _TERMS}
+    slow = top.compute_slowdown - p.compute_slowdown
+    parts = [f"{label} {diffs[k]:+.2f} s" for k, label in sorted(_TERMS, key=lambda kl: -abs(diffs[kl[0]]))
+             if abs(diffs[k]) >= 0.005 * max(top.step_time_s, 1e-9)][:4]
+    why = (f"#1 takes {top.step_time_s - p.step_time_s:+.2f} s per step vs this layout "
+           f"({top.step_time_s:.2f} vs {p.step_time_s:.2f} s)"
+           + (": " + ", ".join(parts) if parts else "")
+           + (f"; power-cap slowdown {top.compute_slowdown:.2f}x vs {p.compute_slowdown:.2f}x" if abs(slow) > 0.005 else "")
+           + ("" if p.feasible else f"; does not fit: {p.reason}"))
+    return Comparison(config=cfg, prediction=p, ratio_to_top=ratio, rank=rank, of=res.feasible,
+                      differences_s=diffs, why=why)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -35,13 +35,20 @@ def recommend_cmd(
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    compare: Optional[List[str]] = typer.Option(
+        None, "--compare", help="another layout to place next to #1, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1' "
+                                "(repeatable): its ratio to #1, its rank and where the time differs"),
     as_json: AsJson = False,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
 
+    from advisor.api import compare as compare_layout
+
+    layouts = [parse_layout(x) for x in compare or ()]
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack)
+    res.compared = [compare_layout(res, v, calibration) for v in layouts]
     if as_json:
         json.dump(res.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -52,6 +59,37 @@ def recommend_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo("#1 " + format_intervals(first))
+        for x in res.compared:
+            report.print_comparison(x)
+
+
+_LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")
+
+
+def parse_layout(text: str) -> dict:
+    """'tp=4,pp=4,cp=2,vp=5,mbs=1,recompute=selective' -> layout values (one-line error if bad)."""
+    from advisor.catalog import SpecError
+
+    out: dict = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        k, sep, v = part.partition("=")
+        k = k.strip().replace("-", "_")
+        if not sep or not v.strip():
+            raise SpecError(f"--compare {text!r}: expected KEY=VALUE pairs separated by commas")
+        if k in _LAYOUT_INT:
+            try:
+                out[k] = int(v)
+            except ValueError:
+                raise SpecError(f"--compare {k}={v}: not an integer") from None
+        elif k in ("recompute",):
+            out[k] = v.strip()
+        elif k in ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer"):
+            out[k] = v.strip().lower() in ("1", "true", "on", "yes")
+        else:
+            raise SpecError(f"--compare {k}: unknown key (known: {', '.join(_LAYOUT_INT + ('recompute',))})")
+    if not out:
+        raise SpecError("--compare needs a layout, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1'")
+    return out
 
 
 def predict_cmd(

@@ -91,3 +91,13 @@ def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, 
         if bd.get(k):
             t.add_row(f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s")
     console.print(t)
+
+
+def print_comparison(x, console: Console | None = None) -> None:
+    """One compared layout next to #1 (advisor.api.Comparison)."""
+    console = console or make_console()
+    p = x.prediction
+    where = f"rank {x.rank} of {x.of}" if x.rank is not None else "does not fit in memory"
+    console.print(f"[bold]compared[/] {_layout(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
+                  f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
+    console.print(f"  {x.why}", soft_wrap=True, markup=False, highlight=False)

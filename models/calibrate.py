@@ -454,6 +454,10 @@ class Calibration:
     oof: dict = field(default_factory=dict, repr=False)
     # the profile's name (the shipped "te" / "local", or what `advisor fit --profile-name` gave)
     profile: str = "custom"
+    # the constants the fit adjusted, with their bounds (None: advisor fit's FIT_BOUNDS)
+    fitted_bounds: dict | None = None
+    # the constants the fit started from (None: the defaults)
+    base_constants: Constants | None = None
 
     @property
     def screening_constants(self) -> Constants:
@@ -541,21 +545,27 @@ class Calibration:
 
     # ---- file ----------------------------------------------------------------------------------
     def to_payload(self) -> dict:
-        import joblib
-        import scipy
-        import sklearn
+        import importlib.metadata as md
 
+        def version(pkg: str) -> str | None:
+            try:
+                return md.version(pkg)
+            except md.PackageNotFoundError:
+                return None
+
+        bounds = self.fitted_bounds or FIT_BOUNDS
+        base = self.base_constants or DEFAULT
         return {
             "format": FORMAT, "version": VERSION, "profile": self.profile,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "feature_names": list(self.feature_names),
             "constants": self.constants.to_dict(),
-            "fitted_constants": {k: {"default": getattr(DEFAULT, k), "fitted": getattr(self.constants, k),
-                                     "bounds": list(FIT_BOUNDS[k])} for k in FIT_BOUNDS},
+            "fitted_constants": {k: {"default": getattr(base, k), "fitted": getattr(self.constants, k),
+                                     "bounds": list(bounds[k])} for k in bounds},
             "targets": self.targets,
             "surrogates": {t: PortableGP.state_of(s) for t, s in self.surrogates.items() if s is not None},
             "trained_on": self.trained_on, "cv": self.cv, "fit_info": self.fit_info,
-            "versions": {"sklearn": sklearn.__version__, "scipy": scipy.__version__, "joblib": joblib.__version__},
+            "versions": {k: version(k) for k in ("scikit-learn", "scipy", "joblib", "numpy")},
         }
 
     def save(self, path: str | Path) -> None:
