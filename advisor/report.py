@@ -57,9 +57,10 @@ def print_recommendations(res, console: Console | None = None) -> None:
     console.print(
         f"[bold]{res.model.name}[/] on [bold]{c.name}[/] ({c.num_nodes}×{c.gpus_per_node} {c.gpu.name}, "
         f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
+    how = (f"profile {res.profile}: {os.path.basename(res.calibration)}" if res.calibration
+           else "analytical model, no profile")
     console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
-                  f"ranked in {res.elapsed_s:.2f} s "
-                  f"({'calibrated: ' + os.path.basename(res.calibration) if res.calibration else 'analytical model'})")
+                  f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
     t = Table(show_lines=False, pad_edge=False, box=None)
     for col, just in RECOMMEND_COLUMNS:
         t.add_column(col, justify=just, no_wrap=True)
@@ -107,3 +108,13 @@ def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
         if bd.get(k):
             rows.append((f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s"))
     return rows
+
+
+def print_comparison(x, console: Console | None = None) -> None:
+    """One compared layout next to #1 (advisor.api.Comparison)."""
+    console = console or make_console()
+    p = x.prediction
+    where = f"rank {x.rank} of {x.of}" if x.rank is not None else "does not fit in memory"
+    console.print(f"[bold]compared[/] {_layout(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
+                  f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
+    console.print(f"  {x.why}", soft_wrap=True, markup=False, highlight=False)

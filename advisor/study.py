@@ -197,7 +197,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         raise SpecError(f"--sampler must be tpe or surrogate, got {s.sampler!r}")
     if s.precision not in ("bf16", "fp8"):
         raise SpecError(f"precision must be bf16 or fp8, got {s.precision!r}")
-    cal = resolve_calibration(s.calibration)  # an unreadable file is a one-line error, before anything runs
+    cal = resolve_calibration(s.calibration, "local")  # the trials run this project's runner; an unreadable file is a one-line error, before anything runs
     model, cluster = resolve(s.model, s.cluster, s.power_cap_w)
     if s.layers:
         if s.layers < 1:
@@ -231,7 +231,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
                 break
             try:
                 res = recommend(model, cluster, seq=wl.seq, gbs=wl.gbs, precision=wl.precision,
-                                top=top, objective=obj, options=options, calibration=cal)
+                                top=top, objective=obj, options=options, calibration=cal, stack="local")
             except SpecError:
                 break
             for r in res.recommendations:
