@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from advisor.cmd_recommend import CAL_HELP
+from advisor.options import Stack
 
 
 def register(app: typer.Typer) -> None:
@@ -20,6 +21,7 @@ def report_cmd(
                                        help="the HTML file to write (default: <name>.html here)"),
     study_name: Optional[str] = typer.Option(None, "--study-name", help="the study, when the storage holds several"),
     calibration: str = typer.Option("default", "--calibration", help="DATASET: predictions from " + CAL_HELP),
+    stack: Stack = None,
 ) -> None:
     """Write a self-contained HTML report with plots: a study's convergence, Pareto front and trials,
     or a dataset's measurements against their predictions."""
@@ -30,6 +32,6 @@ def report_cmd(
     if kind == "study":
         page = html_report.study_page(source, study_name)
     else:
-        page = html_report.dataset_page([source], calibration)
+        page = html_report.dataset_page([source], calibration, stack)
     out = html or (Path(source.split("://")[-1].split("/")[-1] if "://" in source else source).stem + ".html")
     html_report.save(out, page)

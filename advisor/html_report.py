@@ -63,7 +63,7 @@ h1{font-size:22px;margin:8px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bo
 .meta{color:#666;font-size:12px}.note{color:#444}
 table{border-collapse:collapse;font-variant-numeric:tabular-nums;margin:6px 0}
 th,td{padding:3px 9px;border-bottom:1px solid #eee;text-align:right;white-space:nowrap}
-th{background:#f6f6f8;font-weight:600}.tbl{overflow-x:auto}td.l,th.l{text-align:left}tr.bad td{color:#b00020}
+th{background:#f6f6f8;font-weight:600}td.l:last-child{white-space:normal;min-width:280px}.tbl{overflow-x:auto}td.l,th.l{text-align:left}tr.bad td{color:#b00020}
 figure.plot{margin:10px 0 18px}figure.plot svg{max-width:100%;height:auto;display:block}
 figcaption{color:#555;font-size:12.5px;max-width:1000px}
 pre{background:#f6f6f8;padding:8px 10px;overflow-x:auto;font-size:12px;white-space:pre-wrap;word-break:break-all;margin:4px 0}
@@ -533,7 +533,9 @@ def recommend_page(res, command: str | None = None) -> Page:
     page.p(f"{c.num_nodes}×{c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, cap {c.power_cap_w:.0f} W); "
            f"seq {wl.seq}, global batch {wl.gbs} sequences, {wl.precision}; objective {res.objective}. "
            f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, ranked in {res.elapsed_s:.2f} s; "
-           + (f"calibrated ({Path(res.calibration).name}), 80% intervals" if res.calibration else "analytical model"))
+           f"stack {res.stack}; "
+           + (f"profile {res.profile} ({Path(res.calibration).name}), 80% intervals" if res.calibration
+              else "analytical model, no profile"))
     page.h2("Ranked layouts")
     page.table(RECOMMEND_COLUMNS, [recommendation_cells(r) for r in res.recommendations],
                copy=("Megatron args", [r.megatron_args for r in res.recommendations]))
@@ -546,6 +548,14 @@ def recommend_page(res, command: str | None = None) -> Page:
             line += f". {format_intervals(r.prediction)}"
         items.append(line)
     page.ul(items, "why each layout" + (" and its 80% intervals" if res.calibration else ""))
+    if res.compared:  # --compare: the layouts placed next to #1, as the terminal prints them
+        from advisor.report import _layout as lay
+
+        page.table([("compared layout", "left"), "mbs", ("recompute", "left"), "tok/s/GPU", "of #1", "rank",
+                    ("why", "left")],
+                   [[lay(x.config), str(x.config.mbs), x.config.recompute, f"{x.prediction.tokens_per_s_per_gpu:,.0f}",
+                     f"{x.ratio_to_top:.3f}", f"{x.rank} of {x.of}" if x.rank is not None else "does not fit", x.why]
+                    for x in res.compared])
 
     # every feasible layout at the level the ranked ones are shown (calibrated: rescored in full)
     pop = list(res.candidates)
@@ -556,6 +566,9 @@ def recommend_page(res, command: str | None = None) -> Page:
            for cfg, p in pop if cfg.key() not in ranked]
     marked = [{"label": f"#{r.rank}", "tps": r.prediction.tokens_per_s_per_gpu, "peak_power_w": r.prediction.peak_power_w,
                "energy_j_per_token": r.prediction.energy_j_per_token} for r in res.recommendations]
+    marked += [{"label": f"compared {k + 1}", "tps": x.prediction.tokens_per_s_per_gpu,
+                "peak_power_w": x.prediction.peak_power_w, "energy_j_per_token": x.prediction.energy_j_per_token}
+               for k, x in enumerate(res.compared) if x.prediction.feasible]
     page.h2("Throughput against power and energy")
     page.figure(fig_tradeoff(pts + marked, marked, c.power_cap_w, "feasible layouts"), "tradeoff",
                 f"Every layout that fits in memory ({len(pop)}; {'calibrated predictions' if cal else 'analytical model'})"
@@ -821,7 +834,8 @@ def fit_page(cal, ds, command: str | None = None) -> Page:
     return page
 
 
-def dataset_page(paths: Sequence[str], calibration: Any = "default", command: str | None = None) -> Page:
+def dataset_page(paths: Sequence[str], calibration: Any = "default", stack: str | None = None,
+                 command: str | None = None) -> Page:
     import hashlib
 
     import numpy as np
@@ -834,7 +848,7 @@ def dataset_page(paths: Sequence[str], calibration: Any = "default", command: st
     ds = dataset_mod.load(paths)
     if not ds.records:
         raise SpecError(f"{', '.join(paths)}: no usable measurement ({len(ds.rejected)} rejected)")
-    cal = _calibration(calibration)
+    cal = _calibration(calibration, stack)
     page = Page(f"measurements: {', '.join(Path(p).name for p in paths)}", "dataset", command)
     page.p(f"data: {ds.summary()}")
     if cal is not None:
