@@ -61,11 +61,9 @@ def browser(tmp_path_factory):
 def reports(tmp_path_factory):
     """One report of each kind, built by the functions the CLI calls."""
     from advisor import html_report as hr
-    from advisor.api import predict_layout, recommend, resolve
-    from advisor.cmd_place import PLAN_COLUMNS  # noqa: F401 - the place table's columns exist
+    from advisor.api import layout_from_flags, predict_layout, recommend, resolve
     from advisor.models import calibrate, dataset
     from advisor.placement import plan
-    from advisor.api import layout_from_flags
 
     out = tmp_path_factory.mktemp("reports")
     pages = {}
