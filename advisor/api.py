@@ -74,6 +74,10 @@ class RecommendResult:
     elapsed_s: float
     recommendations: list[Recommendation] = field(default_factory=list)
     calibration: str | None = None  # the calibration file used, None = analytical model only
+    # every layout that fits, with the prediction it was ranked by (the HTML report plots them),
+    # and the Calibration object itself; neither is in to_dict()
+    candidates: list[tuple[TrainConfig, Prediction]] = field(default_factory=list, repr=False)
+    calibrated_with: Any = field(default=None, repr=False)
     stack: str = "te"  # the software stack the layouts are predicted for
     profile: str | None = None  # the calibration profile's name (None = analytical model only)
     # ranking scores of every feasible layout (best first), for placing another layout among them
@@ -221,7 +225,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,
                            stack=st.name, profile=cal.profile if cal is not None else None,
-                           rank_scores=rank_scores, rank_basis=(best_tps0, best_e0))
+                           rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
+                           candidates=preds, calibrated_with=cal)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from advisor import report
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Html, Model, OptCluster, OptModel,
                              PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel,
                              Stack)
 
@@ -39,9 +39,15 @@ def recommend_cmd(
         None, "--compare", help="another layout to place next to #1, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1' "
                                 "(repeatable): its ratio to #1, its rank and where the time differs"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
+
+    if html:
+        from advisor import html_report
+
+        html_report.require()
 
     from advisor.api import compare as compare_layout
 
@@ -61,6 +67,8 @@ def recommend_cmd(
             typer.echo("#1 " + format_intervals(first))
         for x in res.compared:
             report.print_comparison(x)
+    if html:
+        html_report.save(html, html_report.recommend_page(res))
 
 
 _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")
@@ -116,9 +124,17 @@ def predict_cmd(
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
     from advisor.api import predict_batch, predict_layout
+
+    if html:
+        from advisor import html_report
+
+        if batch is not None:
+            raise typer.BadParameter("--html reports one layout; it does not go with --batch")
+        html_report.require()
 
     if batch is not None:
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
@@ -137,6 +153,7 @@ def predict_cmd(
                   pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or (), stack=stack)
+    raw_cluster = cluster
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
@@ -152,3 +169,5 @@ def predict_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo(format_intervals(p))
+    if html:
+        html_report.save(html, html_report.predict_page(model, raw_cluster, cfg, p, power_cap, sets or ()))

@@ -516,6 +516,25 @@ def _get(d: dict | None, *path: str) -> Any:
     return d
 
 
+def study_pareto(study, obj: str) -> list[dict[str, Any]]:
+    """The Pareto front of a study's launched trials (one row per layout, fastest first); `obj`:
+    the second objective's key (OBJECTIVES)."""
+    out, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
+        k = t.user_attrs.get("layout_key")
+        if k in seen or not t.user_attrs.get("launched"):
+            continue
+        seen.add(k)
+        rec = t.user_attrs.get("record") or {}
+        out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
+                    "tokens_per_s_per_gpu": t.values[0], obj: t.values[1],
+                    "memory_gib": _get(rec, "memory", "max_gib"),
+                    "mean_power_w": _get(rec, "telemetry", "mean_power_w"),
+                    "status": t.user_attrs.get("status"),
+                    "predicted_tokens_per_s_per_gpu": _get(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
+    return out
+
+
 class Tuner:
     """Drives one study; see the module docstring. `run()` returns a TuneResult."""
 
@@ -853,20 +872,7 @@ class Tuner:
                            "status": trial.user_attrs.get("status") if trial is not None else None})
 
     def pareto(self) -> list[dict[str, Any]]:
-        out, seen = [], set()
-        for t in sorted(self.study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
-            k = t.user_attrs.get("layout_key")
-            if k in seen or not t.user_attrs.get("launched"):
-                continue
-            seen.add(k)
-            rec = t.user_attrs.get("record") or {}
-            out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
-                        "tokens_per_s_per_gpu": t.values[0], self.obj: t.values[1],
-                        "memory_gib": _get(rec, "memory", "max_gib"),
-                        "mean_power_w": _get(rec, "telemetry", "mean_power_w"),
-                        "status": t.user_attrs.get("status"),
-                        "predicted_tokens_per_s_per_gpu": _get(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
-        return out
+        return study_pareto(self.study, self.obj)
 
     def counts(self) -> dict[str, int]:
         c: dict[str, int] = {}
