@@ -265,7 +265,7 @@ def test_stage_heat_ranks_measured_pipeline_stages():
     from advisor.models.calibrate import resolve_calibration
 
     mod = load_bench("stage_heat_check")
-    c = resolve_calibration("default").constants
+    c = resolve_calibration("local").constants
     rows, skipped = mod.rows_from(sorted(glob.glob(str(ROOT / "data" / "measurements" / "*.jsonl"))), c)
     s = mod.summarize(rows)
     assert s["trials"] >= 32 and skipped == 0

@@ -36,8 +36,10 @@ def _fitting_layout(model, cluster):
     """The first of a few TP x PP (x EP) layouts that is legal and fits in memory (None if none)."""
     for tp, pp in ((t, p) for p in (1, 2, 4, 8, 16) for t in (8, 4)):
         for ep in ((1, 8, 32) if model.is_moe else (1,)):
+            if cluster.world_size % (tp * pp):
+                continue
             v = {"tp": tp, "pp": pp, "ep": ep, "seq": min(4096, model.max_position_embeddings), "recompute": "full",
-                 "gbs": 512}
+                 "gbs": 8 * (cluster.world_size // (tp * pp))}
             if model.num_layers % pp:  # an uneven split: the remainder on the last stage
                 v["pp_last_layers"] = model.num_layers - (pp - 1) * (model.num_layers // pp)
             try:
@@ -69,7 +71,7 @@ def test_throughput_falls_less_than_the_cap_and_energy_at_70pct_tdp_is_lower(mod
     token of a compute-bound layout is at most what it is at the TDP (DVFS: P ~ f V^2)."""
     m = load_model(model)
     g = next(x for x in NVIDIA if x.name == gpu)
-    cluster = load_cluster(f"{g.name}x{8 * 64}")
+    cluster = load_cluster(f"{g.name}x{g.gpus_per_node * max(1, 512 // g.gpus_per_node)}")
     cfg = _fitting_layout(m, cluster)
     if cfg is None:
         pytest.skip(f"{model} fits on no TP8 / TP4 layout of {cluster.name}")
@@ -269,7 +271,7 @@ def test_measured_runs_power_and_energy_within_the_issue_bounds():
     from advisor.models.calibrate import resolve_calibration
 
     chk = load_bench("power_check")
-    c = resolve_calibration("default").constants
+    c = resolve_calibration("local").constants
     held = [ROOT / "data" / "measurements" / f for f in
             ("h200x4-full-depth.jsonl", "tune-llama3-8b-h200x4.jsonl", "h200x4-gqa.jsonl", "h200x4-hang-probe.jsonl",
              "h100x1-energy.jsonl")]
