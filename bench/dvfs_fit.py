@@ -78,8 +78,8 @@ def observations(rows, col, windows, loads, gpu):
             phase = ("gemm", r["tflops"] / best, x_obs, r["kind"] == "fp8")  # rate at x_obs / best at f_max
         elif r["kind"] == "attention":
             phase = ("attention", 1.0, x_obs, False)
-        else:  # bandwidth / peak; the chain was logged with 12 passes of its buffer, it makes 10
-            nbytes = r["bytes"] * (10 / 12 if r.get("op") == "chain" else 1.0)
+        else:  # bandwidth / peak; the first sweep logged the chain with 12 passes of its buffer, it makes 10
+            nbytes = r["bytes"] * (10 / 12 if r.get("op") == "chain" and "chain_passes" not in r else 1.0)
             phase = ("memory", nbytes / r["gpu_s"] / 1e9 / gpu.hbm_bandwidth_gbs, x_obs, False)
         obs.append({"name": name, "what": "clock" if capped else "power", "phase": phase, "x": x_obs,
                     "y": x_obs if capped else mean, "cap": mean})

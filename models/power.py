@@ -246,7 +246,7 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
         s = stages[crit]
         clk = f"{s.sm_clock_mhz:,.0f} MHz" if s.sm_clock_mhz else f"{s.clock_ratio:.0%} of the maximum clock"
         reason = (f"power cap: {where} would draw {busiest.demand_w:.0f} W at full clock > {cap:.0f} W; "
-                  f"clock held at {clk}, step {(slowdown - 1) * 100:.1f}% slower")
+                  f"clock held at {clk}, step {(slowdown - 1) * 100:.1f}% slower than at full clock")
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
