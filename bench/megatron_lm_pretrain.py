@@ -99,7 +99,20 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def use_prebuilt_dataset_helpers() -> None:
+    """Megatron-LM's initialize runs `make` in megatron/core/datasets to build its C++ dataset
+    helpers; the megatron-core wheel ships them built (helpers_cpp) and no Makefile, so `make`
+    fails and Megatron-LM exits. Use the shipped module instead."""
+    import megatron.core.datasets.utils as U
+
+    def compile_helpers():
+        from megatron.core.datasets import helpers_cpp  # noqa: F401 - fails loudly if it is missing
+
+    U.compile_helpers = compile_helpers
+
+
 def main() -> None:
+    use_prebuilt_dataset_helpers()
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,

@@ -616,7 +616,7 @@ class CommandRunner(M.BatchRunner):
         if stopped == "budget":
             return "killed", (f"cut by the time budget ({self.max_seconds:g} s) after {n} measured step(s); "
                               "the job was stopped, partial steps kept")
-        status, reason = M.classify_failure(M._tail(tr.log), rc)
+        status, reason = classify(M._tail(tr.log), rc)
         if status == "ok":  # exit 0 before enough steps
             if self.node.nnodes > 1 and not got:
                 return "ok", None  # Megatron-LM prints on the last rank: another node has the steps
@@ -626,6 +626,25 @@ class CommandRunner(M.BatchRunner):
             return "crash", (f"the job exited (code {rc}) after {got} iteration line(s), {e.warmup + 1} needed: "
                              f"did its log lines match the {what}? (see command.log_tail)")
         return status, reason
+
+
+_LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's own report of a failed worker
+_ERROR_LOG_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:ERROR|FATAL|CRITICAL)\b.*$", re.M)
+
+
+def classify(text: str, rc: int | None) -> tuple[str, str]:
+    """measure.classify_failure, but a failure reported through torchrun's ChildFailedError names
+    the worker's own error line (a Python exception, else the last ERROR log line)."""
+    status, reason = M.classify_failure(text, rc)
+    if status == "crash" and any(w in reason for w in _LAUNCHER_ERRORS):
+        errors = [e for e in M._ERROR_LINE.findall(text) if not any(w in e[1] for w in _LAUNCHER_ERRORS)]
+        if errors:
+            _, name, _, msg = errors[-1]
+            return status, f"{name}: {msg.strip()[:300]}"
+        logged = _ERROR_LOG_LINE.findall(text)
+        if logged:
+            return status, logged[-1].strip()[:300]
+    return status, reason
 
 
 def _measured(tr: _Trial, e: M.Entry) -> int:
@@ -703,7 +722,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
         if len(tr.parser.steps) >= e.warmup + e.steps:
             status, error = "ok", None
         else:
-            st, why = M.classify_failure(M._tail(tr.log), None)
+            st, why = classify(M._tail(tr.log), None)
             status, error = (st, why) if st in ("oom", "crash", "timeout") else (
                 "killed", f"the launcher died (SIGKILL?) after {n} measured step(s); steps kept from the job's log")
         runner.records = []
