@@ -63,7 +63,7 @@ GIB_PER_MB = 1 / 1024.0  # Megatron's "memory (MB)" is MiB
 
 PLACEHOLDERS = {
     "megatron_args": "the layout as Megatron-LM arguments (layout_args) plus --train-iters {iters} "
-                     "--log-interval 1 --log-throughput --eval-iters 0",
+                     "--log-interval 1 --log-throughput --eval-iters 0 --eval-interval {iters}",
     "megatron_model_args": "the model's architecture as Megatron-LM arguments (shape, GQA, "
                            "activation, vocabulary, MoE / MLA): for scripts that do not fix the model",
     "nemo_overrides": "the layout as NeMo 2 recipe overrides (trainer.strategy.*, data.*, "
@@ -217,8 +217,10 @@ def bridge_overrides(cfg: TrainConfig, iters: int) -> list[str]:
 def placeholder_values(model: ModelSpec, cfg: TrainConfig, iters: int, node: NodeInfo, trial_id: str,
                        run_dir: Path, step_file: Path) -> dict[str, str]:
     c = MA.effective_config(cfg)
+    # --eval-interval: megatron-core 0.19.2 leaves it None and sizes its datasets with
+    # train_iters // eval_interval even when --eval-iters 0 turns evaluation off
     mega = MA.layout_args(c) + ["--train-iters", str(iters), "--log-interval", "1", "--log-throughput",
-                                "--eval-iters", "0"]
+                                "--eval-iters", "0", "--eval-interval", str(iters)]
     return {
         "megatron_args": shlex.join(mega), "megatron_model_args": shlex.join(MA.model_args(model, c)),
         "nemo_overrides": shlex.join(nemo_overrides(c, iters)),

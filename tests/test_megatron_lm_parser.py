@@ -32,3 +32,43 @@ def test_every_top1_layout_of_the_catalog_parses():
     assert {r["form"] for r in checked} == {"production", "runner"}
     bad = [(r["model"], r["cluster"], r["form"], r["error"]) for r in checked if not r["accepted"]]
     assert not bad
+
+
+def test_the_pretrain_script_sets_up_megatron_lm_up_to_its_data(monkeypatch):
+    """bench/megatron_lm_pretrain.py with {megatron_model_args} {megatron_args} and the fixed flags of
+    bench/cmdrun_gpu.sh, on CPU: Megatron-LM's parse_and_validate_args, its config container and
+    transformer config, its dataset sizing (get_train_valid_test_num_samples) and the mock datasets.
+    (What needs a GPU, the model and the loop, runs in bench/cmdrun_gpu.sh.)"""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from advisor.catalog import load_model
+    from advisor.catalog.specs import TrainConfig
+    from advisor.runners import command as C
+
+    root = Path(__file__).resolve().parents[1]
+    fixed = [ln for ln in (root / "bench" / "cmdrun_gpu.sh").read_text().split('MLM_FIXED="', 1)[1].split('"', 1)[0]
+             .replace("\\\n", " ").split()]
+    model, cfg = load_model("llama3-8b").with_layers(4), TrainConfig(mbs=2, gbs=16, seq=2048, recompute="selective")
+    values = C.placeholder_values(model, cfg, 9, C.NodeInfo(1, master_port=1), "t", root, root / "s")
+    argv = shlex.split(values["megatron_model_args"]) + shlex.split(values["megatron_args"]) + fixed
+    monkeypatch.setattr(sys, "argv", ["megatron_lm_pretrain.py", *argv])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    pre = load_bench("megatron_lm_pretrain")
+    from megatron.training import global_vars
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import get_train_valid_test_num_samples
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    args = pre.parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
+    pretrain_cfg_container_from_args(args)
+    tc = pre.core_transformer_config_from_args(args)
+    assert (tc.num_layers, tc.hidden_size, tc.recompute_granularity, tc.bf16) == (4, 4096, "selective", True)
+    assert args.train_iters == 9 and args.micro_batch_size == 2 and args.padded_vocab_size == 128256
+    sizes = get_train_valid_test_num_samples()
+    assert sizes == (9 * 16, 0, 0)
+    train, _, _ = pre.BlendedMegatronDatasetBuilder(pre.MockGPTDataset, list(sizes), lambda: True,
+                                                    pre.dataset_config(args)).build()
+    assert train[0]["tokens"].shape == (2048,)
