@@ -806,6 +806,9 @@ def execute_command(model: ModelSpec, cluster, cfgs: list[TrainConfig], timeout_
     if "command" not in o:
         raise SpecError("the command runner needs a command (--command)")
     spec = CommandSpec.from_dict(o["command"])
+    if cluster.num_nodes > 1 and nnodes == 1:
+        raise SpecError(f"a trial on {cluster.num_nodes} nodes needs one launcher per node: run it on Ray "
+                        "(--ray-address), not inline")
     node = NodeInfo(cluster.gpus_per_node if nnodes > 1 else cfgs[0].world_size, node_rank, nnodes,
                     *(rendezvous if rendezvous else ("127.0.0.1", None)))
     entries = [M.make_entry(model, cfg.world_size, steps=int(o.get("steps", 10)), warmup=int(o.get("warmup", 3)),
