@@ -433,7 +433,7 @@ class CommandRunner(M.BatchRunner):
                  node: NodeInfo, **kw: Any):
         super().__init__(entries, dataset, node.nproc, **kw)
         self.spec, self.node = spec, node
-        self.uuids: list[str | None] = []
+        self.uuids: list[tuple[str, str | None, str]] = []  # (uuid, PCI bus id, name) per local rank
 
     # -- records -------------------------------------------------------------------------------
     def _ranks(self, cfg: TrainConfig, memory: Mapping[int, Mapping[str, float]]) -> dict[int, dict[str, Any]]:
