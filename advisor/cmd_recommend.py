@@ -8,8 +8,9 @@ from typing import List, Optional
 import typer
 
 from advisor import report
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
-                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster, Gbs,
+                             Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PPFirstLayers,
+                             PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
 
 
 CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -50,6 +51,8 @@ def recommend_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo("#1 " + format_intervals(first))
+        for w in res.warnings:
+            typer.echo(f"warning: {w}")
 
 
 def predict_cmd(
@@ -59,10 +62,13 @@ def predict_cmd(
     pp: PP = 1,
     pp_first_layers: PPFirstLayers = None,
     pp_last_layers: PPLastLayers = None,
+    account_for_embedding: AccountForEmbedding = False,
+    account_for_loss: AccountForLoss = False,
+    pipeline_layout: PipelineLayout = None,
     cp: CP = 1,
     ep: EP = 1,
     etp: ETP = 1,
-    vp: VP = 1,
+    vp: OptVP = None,
     mbs: MBS = 1,
     gbs: Gbs = None,
     seq: Seq = None,
@@ -93,7 +99,8 @@ def predict_cmd(
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
                   recompute=recompute, sequence_parallel=sequence_parallel,
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
-                  pp_last_layers=pp_last_layers)
+                  pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
+                  account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or ())
     if sets:  # say what the what-if changed
