@@ -46,32 +46,42 @@ def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range | tuple[int, 
     holds the loss (the first and last stage, unless a pipeline layout places them elsewhere)."""
     plan = pipeline_plan(model, cfg)
     return _stage_params(model, layer_kind_counts(model, layers), stage == plan.embedding_rank,
-                         stage == plan.loss_rank, plan.embedding_rank != plan.loss_rank, cfg.tp, cfg.ep * cfg.etp)
+                         stage == plan.loss_rank, plan.embedding_rank != plan.loss_rank, cfg.tp, cfg.ep * cfg.etp)[:2]
+
+
+def linear_params(model: ModelSpec, cfg: TrainConfig, layers: range | tuple[int, ...]) -> float:
+    """Weights of the TE linear layers one GPU holds for these layers (attention, MLP, experts):
+    the ones that get FP8 copies under fp8."""
+    return _stage_params(model, layer_kind_counts(model, layers), False, False, False, cfg.tp, cfg.ep * cfg.etp)[2]
 
 
 @lru_cache(maxsize=4096)
-def plan_params(model: ModelSpec, plan: PipelinePlan, tp: int, ep_etp: int) -> tuple[tuple[float, float], ...]:
-    """stage_params of every rank of a pipeline plan."""
+def plan_params(model: ModelSpec, plan: PipelinePlan, tp: int, ep_etp: int) -> tuple[tuple[float, float, float], ...]:
+    """(dense, expert, linear) params of every rank of a pipeline plan (see _stage_params)."""
     split = plan.embedding_rank != plan.loss_rank
     return tuple(_stage_params(model, kinds, r == plan.embedding_rank, r == plan.loss_rank, split, tp, ep_etp)
                  for r, kinds in enumerate(rank_kinds(model, plan)))
 
 
 def _stage_params(model: ModelSpec, kinds: dict[int, int], embedding: bool, loss: bool, split: bool,
-                  tp: int, ep_etp: int) -> tuple[float, float]:
+                  tp: int, ep_etp: int) -> tuple[float, float, float]:
+    """(dense, expert, linear) params: linear = the weights of the TE linear layers (attention,
+    MLP, experts), the ones that get FP8 copies under fp8 (not the embedding / output layer)."""
     dense = 0.0
     experts = 0.0
+    linear = 0.0
     for i, n in kinds.items():
         lp = layer_params(model, i)
         dense += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / tp + lp.router + lp.norms)
         experts += n * lp.experts / ep_etp
+        linear += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / tp + lp.experts / ep_etp)
     if embedding:
         dense += embedding_params(model) / tp
     if loss:
         dense += output_params(model) / tp
         if model.tied_embeddings and split:  # Megatron keeps a copy of the word embeddings
             dense += model.vocab_size * model.hidden_size / tp
-    return dense, experts
+    return dense, experts, linear
 
 
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT,
@@ -90,32 +100,42 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     # two norm inputs (residual stream) and two norm outputs (inputs of the QKV and FC1 GEMMs),
     # stored sharded with sequence parallelism. Selective recompute (Megatron's default module,
     # core_attn) re-runs flash attention, which stores no score matrix, so it saves ~nothing here.
-    elems = 4 * sbh / sp
+    # Under fp8 Transformer Engine saves the inputs of its FP8 GEMMs (the norm outputs, the
+    # attention output, the activation output) as FP8 copies: 1 byte instead of 2 (`gemm_in`).
+    elems = 2 * sbh / sp
+    gemm_in = 2 * sbh / sp
     a = model.num_attention_heads
     if model.mla is not None:
         m = model.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         elems += s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)  # latents (replicated)
-        elems += s * b * a * (2 * qk + 2 * m.v_head_dim) / t  # q, k, v, attention output
+        elems += s * b * a * (2 * qk + m.v_head_dim) / t  # q, k, v
+        gemm_in += s * b * a * m.v_head_dim / t  # attention output
     else:
         hd = model.head_dim
-        elems += s * b * (2 * a + 2 * model.kv_heads) * hd / t  # q, attention output, k, v
+        elems += s * b * (a + 2 * model.kv_heads) * hd / t  # q, k, v
+        gemm_in += s * b * a * hd / t  # attention output
     gated = model.activation == "swiglu"
     if model.is_moe_layer(layer):
         moe = model.moe
         k = moe.top_k
         routed = s * b * k  # tokens this rank's experts process on average (balanced routing)
-        elems += 2 * routed * h  # permuted input to the experts + expert output before combine
-        elems += (3 if gated else 2) * routed * moe.ffn_hidden_size / cfg.etp
+        elems += routed * h  # expert output before combine
+        gemm_in += routed * h  # permuted input to the experts
+        elems += (2 if gated else 1) * routed * moe.ffn_hidden_size / cfg.etp
+        gemm_in += routed * moe.ffn_hidden_size / cfg.etp
         if moe.shared_ffn_hidden_size:
-            elems += (3 if gated else 2) * s * b * moe.shared_ffn_hidden_size / t
+            elems += (2 if gated else 1) * s * b * moe.shared_ffn_hidden_size / t
+            gemm_in += s * b * moe.shared_ffn_hidden_size / t
         elems += s * b * moe.num_experts * 2  # router logits in fp32
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
             ffn = model.moe.dense_ffn_hidden_size
-        elems += (3 if gated else 2) * s * b * ffn / t
-    return e * elems
+        elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
+        gemm_in += s * b * ffn / t  # activation output (FC2 input)
+    gemm_bytes = c.bytes_fp8_activation if cfg.precision == "fp8" else e
+    return e * elems + gemm_bytes * gemm_in
 
 
 def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
@@ -160,12 +180,13 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
     else:
         layers_of = stage_layers(model, cfg, layer_counts)
         kinds_of = [layer_kind_counts(model, layers) for layers in layers_of]
-        params_of = [stage_params(model, cfg, layers, k) for k, layers in enumerate(layers_of)]
-    weight_bytes = c.bytes_weight + (c.bytes_fp8_weight_copy if cfg.precision == "fp8" else 0.0)
+        params_of = [stage_params(model, cfg, layers, k) + (linear_params(model, cfg, layers),)
+                     for k, layers in enumerate(layers_of)]
+    fp8_copy = c.bytes_fp8_weight_copy if cfg.precision == "fp8" else 0.0  # of the FP8 GEMMs' weights
     d, edp = cfg.dp * cfg.cp, cfg.expert_dp
     full = cfg.recompute == "full"
     for stage, layers in enumerate(layers_of):
-        dense, experts = params_of[stage]
+        dense, experts, linear = params_of[stage]
         kinds = kinds_of[stage]
         params = dense + experts
         if cfg.distributed_optimizer:
@@ -183,4 +204,5 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
             # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
             logits = (cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp
                       * (c.bytes_activation + c.bytes_logits_fp32))
-        yield stage, len(layers), params, params * weight_bytes, params * c.bytes_grad, opt, acts, logits
+        yield (stage, len(layers), params, params * c.bytes_weight + linear * fp8_copy, params * c.bytes_grad, opt,
+               acts, logits)
