@@ -92,14 +92,24 @@ def megatron_split(n: int, cfg: TrainConfig) -> list[tuple[int, int]]:
     return out
 
 
+def _has_te() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def parse_and_validate(args: list[str], world: int, vocab: int) -> dict:
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import add_megatron_arguments, validate_args
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_megatron_arguments(parser)
+    # what a run adds (data, tokenizer, iterations); without Transformer Engine on this machine, the
+    # TE-only RoPE fusion off so that the TransformerConfig can be built
     extra = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
-             "--train-iters", "10", "--lr", "1e-4"]
+             "--train-iters", "10", "--lr", "1e-4"] + ([] if _has_te() else ["--no-rope-fusion"])
     out = {"parsed": False, "validated": False, "config": False}
     try:
         with contextlib.redirect_stderr(io.StringIO()) as err:
@@ -127,6 +137,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--dry-run", action="store_true", help="advisor side only (no torch / megatron)")
     a = ap.parse_args()
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM asserts it with TP / CP
     rows = []
     t0 = time.time()
     for n, cfg in split_cases():

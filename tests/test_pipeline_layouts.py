@@ -304,3 +304,28 @@ def test_recommend_warns_about_dp1_bubbles_and_low_mfu_with_cause_and_fix():
     warn = [x for x in r.stdout.splitlines() if x.startswith("warning: ")]
     assert any("DP=1" in w for w in warn) and any("MFU" in w and "the pipeline bubble takes" in w for w in warn)
     assert all("fix: raise --gbs" in w for w in warn)
+
+
+# ------------------------------------------- megatron-core's own placement, recorded on the device
+
+MEGATRON_CHECK = Path(__file__).resolve().parents[1] / "data" / "layout" / "h100x1-megatron-core-0.19.2-layout-check.jsonl"
+
+
+def test_plans_equal_megatron_cores_recorded_placement():
+    """bench/megatron_layout_check.py asked megatron-core 0.19.2 (get_num_layers_to_build /
+    get_transformer_layer_offset) where every split of the space puts each chunk's layers; today's
+    pipeline_plan must give the same, and every recorded argument line parsed, validated and built
+    a TransformerConfig."""
+    rows = [json.loads(x) for x in MEGATRON_CHECK.read_text().splitlines()]
+    splits = [r for r in rows if r["check"] == "split"]
+    assert len(splits) >= 150 and {bool(r["layout"]) for r in splits} == {True, False}
+    for r in splits:
+        cfg = TrainConfig(pp=r["pp"], vp=r["vp"], gbs=r["pp"] * 4, pp_first_layers=r["first"],
+                          pp_last_layers=r["last"], account_for_embedding=r["acc_e"], account_for_loss=r["acc_l"],
+                          pipeline_layout=r["layout"])
+        ours = [[x.start, len(x)] for x in pipeline_plan(r["layers"], cfg).chunk_ranges]
+        assert ours == r["megatron"], r
+    args = [r for r in rows if r["check"] == "args" and "parsed" in r]
+    assert len(args) >= 20 and all(r["parsed"] and r["validated"] and r["config"] for r in args)
+    assert {r["model"] for r in args if "--pipeline-model-parallel-layout" in r["args"]} >= {"deepseek-v3"}
+    assert any("--account-for-embedding-in-pipeline-split" in r["args"] for r in args)
