@@ -37,10 +37,22 @@ PPFirstLayers = Annotated[Optional[int], typer.Option(
     "--pp-first-layers", help="layers on the first pipeline stage, for an uneven split (default: an even split)")]
 PPLastLayers = Annotated[Optional[int], typer.Option(
     "--pp-last-layers", help="layers on the last pipeline stage, for an uneven split (default: an even split)")]
+AccountForEmbedding = Annotated[bool, typer.Option(
+    "--account-for-embedding/--no-account-for-embedding",
+    help="count the embedding as a layer when splitting the pipeline (Megatron's --account-for-embedding-in-pipeline-split)")]
+AccountForLoss = Annotated[bool, typer.Option(
+    "--account-for-loss/--no-account-for-loss",
+    help="count the output layer and loss as a layer when splitting the pipeline (--account-for-loss-in-pipeline-split)")]
+PipelineLayout = Annotated[Optional[str], typer.Option(
+    "--pipeline-layout",
+    help="explicit pipeline layout in megatron-core's string form, pp·vp chunks split by '|': E embedding, "
+         "t transformer layer, L loss, (..)*n and t*n repeat, e.g. 'Et|(tt|)*30L' (sets vp; "
+         "Megatron's --pipeline-model-parallel-layout)")]
 CP = Annotated[int, typer.Option("--cp", help="context parallel size")]
 EP = Annotated[int, typer.Option("--ep", help="expert parallel size")]
 ETP = Annotated[int, typer.Option("--etp", help="expert tensor parallel size")]
 VP = Annotated[int, typer.Option("--vp", help="virtual pipeline chunks per rank")]
+OptVP = Annotated[Optional[int], typer.Option("--vp", help="virtual pipeline chunks per rank (default 1, or what --pipeline-layout implies)")]
 MBS = Annotated[int, typer.Option("--mbs", help="micro-batch size")]
 Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or full",
                                         callback=one_of(RECOMPUTE_MODES))]
@@ -51,3 +63,20 @@ Html = Annotated[Optional[str], typer.Option(
 Stack = Annotated[Optional[str], typer.Option(
     "--stack", help="software stack the prediction is for: te (Megatron-Core + Transformer Engine, "
                     "the default: fitted on published runs) or local (this project's runner)")]
+
+# `--runner command` (advisor measure, advisor tune): the user's own training command
+Command = Annotated[Optional[str], typer.Option(
+    "--command", help="--runner command: the training command, run with bash for each trial; placeholders "
+                      "{megatron_args}, {megatron_model_args}, {nemo_overrides}, {bridge_overrides}, {env}, "
+                      "{iters}, {tp} ... {node_rank} {master_addr} {master_port} (docs/tune.md)")]
+LogParser = Annotated[str, typer.Option(
+    "--parser", help="--runner command: how to read the job's log: auto (Megatron-LM / Megatron-Bridge and "
+                     "NeMo lines, and $ADVISOR_STEP_FILE), megatron, nemo, regex (--step-regex), json (the step file only)")]
+StepRegex = Annotated[Optional[str], typer.Option(
+    "--step-regex", help="--runner command: a regex matching one line per iteration, with a named group "
+                         "(?P<s>...) or (?P<ms>...) for its time and optionally (?P<iter>...)")]
+CommandEnv = Annotated[Optional[list[str]], typer.Option(
+    "--env", help="--runner command: NAME=VALUE set for every trial (placeholders allowed; repeatable)")]
+ExitGrace = Annotated[float, typer.Option(
+    "--exit-grace", help="--runner command: seconds the job may take to exit by itself after its measured "
+                         "iterations before the runner stops it")]

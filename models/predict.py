@@ -9,7 +9,7 @@ from advisor.models.flops import training_flops_per_token
 from advisor.models.memory import StageMemory, stage_memory
 from advisor.models.power import PowerEstimate, estimate_power
 from advisor.models.step_time import StepTime, stage_times, step_time
-from advisor.search_spaces.layout import bubble_fraction, violations
+from advisor.search_spaces.layout import violations
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Prediction:
     throttle_fraction: float  # share of the GPUs whose clock the cap holds down
     steady_temp_c: float
     energy_j_per_token: float
-    bubble_fraction: float
+    bubble_fraction: float  # share of the pipeline time a stage idles (fill, drain, uneven stages)
     breakdown: dict = field(default_factory=dict)
     memory_breakdown: dict = field(default_factory=dict)  # of the stage with the most memory
     power: dict = field(default_factory=dict)  # per-stage caps, clocks and powers (models.power)
@@ -89,7 +89,7 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
         tflops_per_gpu=tflops,
         memory_gib_per_gpu=worst.total_gib,
         memory_per_stage_gib=[s.total_gib for s in mem],
-        bubble_fraction=bubble_fraction(cfg),
+        bubble_fraction=st.bubble_fraction,
         breakdown=bd,
         memory_breakdown=worst.to_dict(),
         **power_fields(power),
