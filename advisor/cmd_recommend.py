@@ -7,13 +7,13 @@ from typing import List, Optional
 
 import typer
 
-from advisor import report
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
-                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
+                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel,
+                             calibration_default)
 
 
 CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
-            "(analytical model only); adds 80% intervals")
+            "(analytical model only); adds 80% intervals [default: advisor.api.DEFAULT_CALIBRATION, now 'default']")
 SET_HELP = "what-if KEY=VALUE, repeatable: gpu=h200, nodes=16, gpus=32, power_cap=500, mbs=4, seq=8192, layers=40, ..."
 
 
@@ -31,11 +31,12 @@ def recommend_cmd(
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
     power_cap: PowerCap = None,
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     as_json: AsJson = False,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
+    from advisor import report
     from advisor.api import recommend
 
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
@@ -71,38 +72,48 @@ def predict_cmd(
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
 ) -> None:
-    """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
+    """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl (the
+    flags given with it are every line's defaults; a line's own keys win)."""
     from advisor.api import predict_batch, predict_layout
 
+    values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
+                  recompute=recompute, sequence_parallel=sequence_parallel,
+                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
+                  pp_last_layers=pp_last_layers)
     if batch is not None:
-        stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
+        from advisor import validate
+
+        given = validate.given_params()
+        defaults = {k: v for k, v in dict(values, model=model, cluster=cluster, power_cap_w=power_cap).items()
+                    if k in given or (k == "power_cap_w" and "power_cap" in given)}
+        stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8", errors="replace")
         with stream:
-            for row in predict_batch(stream, calibration=calibration, overrides=sets or ()):
-                sys.stdout.write(json.dumps(row) + "\n")
+            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), defaults=defaults):
+                sys.stdout.write(validate.dumps(row) + "\n")
                 sys.stdout.flush()
         return
     if model is None or cluster is None:
         from advisor.cli import fail
 
         fail("--model and --cluster are required (or give --batch FILE)")
-    values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
-                  recompute=recompute, sequence_parallel=sequence_parallel,
-                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
-                  pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or ())
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
-        json.dump({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()},
+        from advisor.validate import finite_json
+
+        json.dump(finite_json({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()}),
                   sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
+        from advisor import report
+
         report.print_prediction(model, cluster, cfg, p)
         if getattr(p, "intervals", None):
             from advisor.models.calibrate import format_intervals

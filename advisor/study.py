@@ -68,6 +68,7 @@ DEFAULT_STORAGE = "advisor-studies.journal"
 HEARTBEAT_S = int(os.environ.get("ADVISOR_TUNE_HEARTBEAT_S", "20"))
 GRACE_S = int(os.environ.get("ADVISOR_TUNE_GRACE_S", "60"))
 POWER_TOLERANCE = 0.02  # NVML power readings are +-5 W / a few percent
+FAILED_IN_A_ROW = "trials in a row failed"  # TuneResult.stopped when max_failures is reached
 
 
 @dataclass
@@ -92,8 +93,8 @@ class TuneSettings:
     seed: int | None = None
     sampler: str = "tpe"  # tpe (Optuna's default) or surrogate (expected improvement on our GP)
     # predictions: None / "none" = the analytical model; "default" = the shipped calibration; a
-    # calibration file; or a loaded models.calibrate.Calibration
-    calibration: Any = None
+    # calibration file; or a loaded models.calibrate.Calibration (default: the API's and the CLI's)
+    calibration: Any = "default"  # advisor.api.DEFAULT_CALIBRATION (checked equal by the tests)
     power_cap_w: float | None = None
     runner_options: dict = field(default_factory=dict)
     kill_grace_s: float = 30.0
@@ -501,6 +502,11 @@ class TuneResult:
     # (None for a study made before --calibration); the plan's `calibration` is this driver's
     study_calibration: dict | None = None
 
+    @property
+    def broken(self) -> bool:
+        """Stopped because max_failures trials in a row crashed or timed out (a broken set-up)."""
+        return FAILED_IN_A_ROW in self.stopped
+
     def to_dict(self) -> dict[str, Any]:
         return {**self.plan.to_dict(), "study_calibration": self.study_calibration,
                 "counts": self.counts, "launched_by_this_driver": self.launched_here,
@@ -885,10 +891,15 @@ class Tuner:
             self._recover()
             self._sync_claims_and_dataset()
             self._enqueue_seeds()
-            slots = self.executor.slots(self.plan.cluster)
+            from advisor.runners.ray_exec import cpu_only
+
+            sim_cpu = cpu_only(self.s.runner, self.s.runner_options)
+            slots = self.executor.slots(self.plan.cluster, cpu_only=sim_cpu)
             if slots < 1:
-                raise SpecError(f"the Ray cluster has no room for one trial of {self.plan.cluster.world_size} GPUs "
-                                f"({self.plan.cluster.num_nodes} node(s) x {self.plan.cluster.gpus_per_node})")
+                c = self.plan.cluster
+                raise SpecError("the Ray cluster has no CPU for a simulated trial" if sim_cpu else
+                                f"the Ray cluster has no room for one trial of {c.world_size} GPUs "
+                                f"({c.num_nodes} node(s) x {c.gpus_per_node}); --runner simulate needs no GPU")
             idle, last_stale_check = 0, time.time()
             self._report()
             while True:
@@ -898,7 +909,7 @@ class Tuner:
                 elif len(self.claims_taken()) >= self.plan.runnable:
                     stopped = "space exhausted"
                 elif self.fail_streak >= self.s.max_failures:
-                    stopped = f"{self.fail_streak} trials in a row failed (last: {self.last_error})"
+                    stopped = f"{self.fail_streak} {FAILED_IN_A_ROW} (last: {self.last_error})"
                 elif idle >= self.s.patience:
                     stopped = f"{idle} proposals in a row were measured or infeasible layouts"
                 elif measured >= self.s.trials:
@@ -959,6 +970,10 @@ def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = 
     from advisor.runners.ray_exec import make_executor
 
     plan = plan or make_plan(settings)
+    if storage is None:  # paths checked before the study opens (advisor.validate): one error line
+        from advisor.validate import study_paths
+
+        study_paths(plan.storage, plan.dataset)
     tuner = Tuner(plan, None, progress, storage)
     try:
         tuner.executor = executor or make_executor(settings.ray_address, settings.kill_grace_s)
