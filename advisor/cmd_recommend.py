@@ -36,15 +36,18 @@ def recommend_cmd(
     as_json: AsJson = False,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
-    from advisor import report
     from advisor.api import recommend
 
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
     if as_json:
-        json.dump(res.to_dict(), sys.stdout, indent=1)
+        from advisor.validate import finite_json
+
+        json.dump(finite_json(res.to_dict()), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
+        from advisor import report  # rich tables only when printed
+
         report.print_recommendations(res)
         first = res.recommendations[0].prediction if res.recommendations else None
         if getattr(first, "intervals", None):

@@ -168,6 +168,11 @@ class _Progress:
         self.p = self.task = None
 
     def __enter__(self):
+        return self
+
+    def _start(self) -> None:
+        """The bar appears with the study's first report, so that anything refused while the
+        study opens stays one error line."""
         if self.enabled:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -177,9 +182,10 @@ class _Progress:
                               console=Console(stderr=True), transient=False)
             self.p.start()
             self.task = self.p.add_task("starting", total=None)
-        return self
 
     def update(self, e: dict) -> None:
+        if self.p is None:
+            self._start()
         if self.p is None:
             return
         b = e.get("best")

@@ -545,6 +545,12 @@ class Tuner:
             storage = open_storage(plan.storage)
         self.storage = storage
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            self._check_existing(storage)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
         sampler = self._sampler()
         self.study = optuna.create_study(study_name=plan.study_name, storage=storage, sampler=sampler,
                                          directions=["maximize", "minimize"], load_if_exists=True)
@@ -558,18 +564,31 @@ class Tuner:
         self._preds: dict[str, Any] = {}
 
     # -- set-up ------------------------------------------------------------------------------
-    def _check_attrs(self) -> None:
+    def _wanted_attrs(self, have: dict) -> dict:
+        """The study attributes this plan needs; a stored, different one is a one-line error."""
         want = {"model": self.plan.model.name, "cluster": self.plan.cluster.name,
                 "seq": self.plan.workload.seq, "gbs": self.plan.workload.gbs,
                 "precision": self.plan.workload.precision, "objective": self.s.objective,
                 "runner": self.s.runner}
-        have = self.study.user_attrs
         # Two drivers may create the study at the same moment: attributes the other driver has not
         # written yet are missing, not different. Only a stored, different value is a conflict.
         diff = [f"{k}={have[k]!r}" for k, v in want.items() if k in have and have[k] != v]
         if diff:
             raise SpecError(f"study {self.plan.study_name!r} in {self.plan.storage} was made with "
                             f"{', '.join(diff)}; give another --study-name")
+        return want
+
+    def _check_existing(self, storage) -> None:
+        """Refuse a study made for another workload before create_study writes to its storage."""
+        try:
+            sid = storage.get_study_id_from_name(self.plan.study_name)
+        except KeyError:
+            return
+        self._wanted_attrs(storage.get_study_user_attrs(sid))
+
+    def _check_attrs(self) -> None:
+        have = self.study.user_attrs
+        want = self._wanted_attrs(have)
         missing = {k: v for k, v in want.items() if k not in have}
         for k, v in missing.items():
             self.study.set_user_attr(k, v)

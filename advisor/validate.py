@@ -252,6 +252,8 @@ def study_storage(flag: str, spec: str) -> str:
     """A study storage to read (fit --study): an existing journal file or a reachable URL."""
     if "://" in str(spec):
         return database_url(flag, spec)
+    if not Path(spec).expanduser().exists():  # the words advisor.study uses for it too
+        raise InputError(f"{Path(spec).expanduser()}: no such study journal file")
     p = input_file(flag, spec)
     if not _is_journal(_first_object(p)) and p.stat().st_size:
         raise InputError(f"{flag} {spec}: not an Optuna journal file (an 'advisor tune' --storage)")
@@ -261,6 +263,8 @@ def study_storage(flag: str, spec: str) -> str:
 def calibration(flag: str, spec: str) -> str:
     if str(spec).lower() in ("default", "none", "off", "analytical"):
         return spec
+    if not Path(spec).expanduser().exists():  # the words models.calibrate uses for it too
+        raise InputError(f"{spec}: no such calibration file")
     input_file(flag, spec)
     return spec
 

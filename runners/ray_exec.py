@@ -344,8 +344,16 @@ def start_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     remote = address is not None
+    if remote:
+        _check_reachable(address)
     if remote and "RAY_AUTH_MODE" not in os.environ and _ray_token_available():
         os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray read its config at import: have it read the mode again (what ray's CLI does)
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except Exception:  # noqa: BLE001 - an older Ray without token authentication
+            pass
     kw = dict(address=address, logging_level="ERROR", log_to_driver=False,
               include_dashboard=False if address is None else None)
     if not remote:
@@ -372,6 +380,23 @@ def start_ray(address: str | None) -> None:
             text = cap.read().decode(errors="replace")
     if err is not None:
         raise RayStartError(_ray_start_message(address, err, text)) from None
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """A host:port (or ray://host:port) address must accept a TCP connection: Ray itself retries
+    an unreachable address for many minutes."""
+    import socket
+
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", a bare host: Ray resolves it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise RayStartError(_ray_start_message(address, ConnectionError(why), "")) from None
 
 
 def _ray_start_message(address: str | None, e: Exception, log: str) -> str:
