@@ -126,12 +126,12 @@ def output_dir(flag: str, path: str | Path) -> Path:
     return p
 
 
-def input_file(flag: str, path: str | Path) -> Path:
+def input_file(flag: str, path: str | Path, what: str = "file") -> Path:
     p = Path(path).expanduser()
     if p.is_dir():
-        raise InputError(f"{flag} {path}: is a folder; give a file")
+        raise InputError(f"{flag} {path}: is a folder; give a {what}")
     if not p.exists():
-        raise InputError(f"{flag} {path}: no such file")
+        raise InputError(f"{p}: no such {what}")
     if not p.is_file():
         raise InputError(f"{flag} {path}: not a regular file")
     try:
@@ -287,7 +287,7 @@ PATHS: dict[str, Callable[[str, Any], Any]] = {
     "--html": output_file,
     "--output": lambda f, p: output_file(f, p, suffix=".joblib"),
     "--batch": lambda f, p: p if str(p) == "-" else text_file(f, p),
-    "--profile": input_file,
+    "--profile": lambda f, p: input_file(f, p, "profile file"),
     "--from-trace": input_file,
     "--data": lambda f, p: p if any(ch in str(p) for ch in "*?[") else text_file(f, p),
     "MORE": lambda f, p: p if any(ch in str(p) for ch in "*?[") else text_file("--data", p),
@@ -448,13 +448,6 @@ def _check_thermal(p: dict, given: set[str]) -> None:
         out = p.get("out")
         if out and Path(out).expanduser().resolve() in (Path(trace).expanduser().resolve(),):
             raise _conflict("--out", "--from-trace", "the profile would overwrite the trace")
-    else:
-        require("torch", "advisor thermal-profile (without --from-trace)")
-
-
-def _check_measure(p: dict, given: set[str]) -> None:
-    if not p.get("dry_run") and not p.get("salvage"):
-        require("torch", "advisor measure")
 
 
 def _check_recommend(p: dict, given: set[str]) -> None:
@@ -469,7 +462,7 @@ def _check_predict(p: dict, given: set[str]) -> None:
 
 
 COMMAND_CHECKS: dict[str, Callable[[dict, set], None]] = {
-    "tune": _check_tune, "fit": _check_fit, "thermal-profile": _check_thermal, "measure": _check_measure,
+    "tune": _check_tune, "fit": _check_fit, "thermal-profile": _check_thermal,
     "recommend": _check_recommend, "predict": _check_predict,
 }
 EXEMPT = {"launch"}  # runs the user's command whatever happens to the placement (its own rule)

@@ -187,7 +187,7 @@ CASES = [
     (PL + ["--margin", "nan"], "--margin must be a finite number"),
     (PL + ["--margin", "-1"], "--margin must be >= 0"),
     (PL + ["--leak-per-c", "inf"], "--leak-per-c must be a finite number"),
-    (PL[:5] + ["-p", "{missing}", "--pp", "4"], "no such file"),
+    (PL[:5] + ["-p", "{missing}", "--pp", "4"], "no such profile file"),
     (PL[:5] + ["-p", "{dir}", "--pp", "4"], "is a folder"),
     (PL + ["--tp", "0"], "--tp must be >= 1"),
     # measure (--dry-run: no GPU needed to check the inputs)
@@ -200,7 +200,7 @@ CASES = [
 if not _has("torch"):
     CASES += [
         (TS + ["--runner", "megatron", "--ray-address", "inline"], "needs torch, which is not installed"),
-        (["measure", "--model", "llama3-8b"], "needs torch, which is not installed: pip install 'advisor[gpu]'"),
+        (["thermal-profile", "--seconds", "60"], "thermal-profile needs torch"),
     ]
 
 
