@@ -7,13 +7,13 @@ from typing import List, Optional
 
 import typer
 
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Html, Model, OptCluster, OptModel,
                              PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel,
-                             calibration_default)
+                             Stack, calibration_default)
 
 
-CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
-            "(analytical model only); adds 80% intervals [default: advisor.api.DEFAULT_CALIBRATION, now 'default']")
+CAL_HELP = ("'default' (the --stack's shipped profile), a calibration file from 'advisor fit', or 'none' "
+            "(analytical model only); a profile adds 80% intervals [default: advisor.api.DEFAULT_CALIBRATION]")
 SET_HELP = "what-if KEY=VALUE, repeatable: gpu=h200, nodes=16, gpus=32, power_cap=500, mbs=4, seq=8192, layers=40, ..."
 
 
@@ -32,14 +32,28 @@ def recommend_cmd(
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
     power_cap: PowerCap = None,
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
+    stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    compare: Optional[List[str]] = typer.Option(
+        None, "--compare", help="another layout to place next to #1, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1' "
+                                "(repeatable): its ratio to #1, its rank and where the time differs"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
 
+    if html:
+        from advisor import html_report
+
+        html_report.require()
+
+    from advisor.api import compare as compare_layout
+
+    layouts = [parse_layout(x) for x in compare or ()]
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
-                    power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
+                    power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack)
+    res.compared = [compare_layout(res, v, calibration) for v in layouts]
     if as_json:
         from advisor.validate import finite_json
 
@@ -54,6 +68,39 @@ def recommend_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo("#1 " + format_intervals(first))
+        for x in res.compared:
+            report.print_comparison(x)
+    if html:
+        html_report.save(html, html_report.recommend_page(res))
+
+
+_LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")
+
+
+def parse_layout(text: str) -> dict:
+    """'tp=4,pp=4,cp=2,vp=5,mbs=1,recompute=selective' -> layout values (one-line error if bad)."""
+    from advisor.catalog import SpecError
+
+    out: dict = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        k, sep, v = part.partition("=")
+        k = k.strip().replace("-", "_")
+        if not sep or not v.strip():
+            raise SpecError(f"--compare {text!r}: expected KEY=VALUE pairs separated by commas")
+        if k in _LAYOUT_INT:
+            try:
+                out[k] = int(v)
+            except ValueError:
+                raise SpecError(f"--compare {k}={v}: not an integer") from None
+        elif k in ("recompute",):
+            out[k] = v.strip()
+        elif k in ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer"):
+            out[k] = v.strip().lower() in ("1", "true", "on", "yes")
+        else:
+            raise SpecError(f"--compare {k}: unknown key (known: {', '.join(_LAYOUT_INT + ('recompute',))})")
+    if not out:
+        raise SpecError("--compare needs a layout, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1'")
+    return out
 
 
 def predict_cmd(
@@ -76,9 +123,11 @@ def predict_cmd(
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
+    stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl (the
     flags given with it are every line's defaults; a line's own keys win)."""
@@ -88,6 +137,14 @@ def predict_cmd(
                   recompute=recompute, sequence_parallel=sequence_parallel,
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers)
+
+    if html:
+        from advisor import html_report
+
+        if batch is not None:
+            raise typer.BadParameter("--html reports one layout; it does not go with --batch")
+        html_report.require()
+
     if batch is not None:
         from advisor import validate
 
@@ -96,7 +153,8 @@ def predict_cmd(
                     if k in given or (k == "power_cap_w" and "power_cap" in given)}
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8", errors="replace")
         with stream:
-            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), defaults=defaults):
+            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), stack=stack,
+                                     defaults=defaults):
                 sys.stdout.write(validate.dumps(row) + "\n")
                 sys.stdout.flush()
         return
@@ -105,14 +163,17 @@ def predict_cmd(
 
         fail("--model and --cluster are required (or give --batch FILE)")
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
-                            overrides=sets or ())
+                            overrides=sets or (), stack=stack)
+    raw_cluster = cluster
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
+        from advisor.models.profiles import get_stack
         from advisor.validate import finite_json
 
-        json.dump(finite_json({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()}),
-                  sys.stdout, indent=1)
+        profile = (getattr(p, "calibration", None) or {}).get("profile")
+        json.dump(finite_json({"model": model, "cluster": cluster, "stack": get_stack(stack).name, "profile": profile,
+                               "config": cfg.to_dict(), "prediction": p.to_dict()}), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         from advisor import report
@@ -122,3 +183,5 @@ def predict_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo(format_intervals(p))
+    if html:
+        html_report.save(html, html_report.predict_page(model, raw_cluster, cfg, p, power_cap, sets or ()))

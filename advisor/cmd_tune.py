@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from advisor.options import Cluster, Gbs, Model, Precision, Seq, calibration_default
+from advisor.options import (Cluster, Command, CommandEnv, ExitGrace, Gbs, Html, LogParser, Model, Precision,
+                             Seq, StepRegex, calibration_default)
 
 CAL_HELP = ("what the study predicts with (seeds' ranking, each trial's 'predicted', the surrogate sampler's "
             "prior): a calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -30,7 +31,7 @@ def tune_cmd(
     batch: int = typer.Option(1, "--batch", help="trials launched together as one job: one torchrun measures them one after another (start-up paid once per job)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="stop launching trials after this many seconds"),
     trial_timeout: float = typer.Option(900.0, "--trial-timeout", help="a trial running longer is cancelled and recorded as timeout"),
-    runner: str = typer.Option("megatron", "--runner", help="megatron (GPUs, megatron-core) or simulate (analytical model + noise)"),
+    runner: str = typer.Option("megatron", "--runner", help="megatron (GPUs, megatron-core), command (your own training command: --command) or simulate (analytical model + noise)"),
     objective: str = typer.Option("power", "--objective", help="second objective to minimize: power (peak W) or energy (J/token)"),
     storage: Optional[str] = typer.Option(None, "--storage", help="journal file (default ./advisor-studies.journal) or an RDB URL (postgresql://...)"),
     study_name: Optional[str] = typer.Option(None, "--study-name", help="default: <model>@<cluster>-seq..-gbs..-<precision>-<objective>-<runner>"),
@@ -46,6 +47,9 @@ def tune_cmd(
     sigma: float = typer.Option(0.03, "--sim-sigma", help="simulate: log-normal sigma of the step-time noise"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (space, pruned, enqueued) and run nothing"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+    html: Html = None,
+    command: Command = None, parser: LogParser = "auto", step_regex: StepRegex = None,
+    env: CommandEnv = None, exit_grace: ExitGrace = 30.0,
 ) -> None:
     """Search layouts of MODEL on CLUSTER by measuring them: multi-objective Optuna study (tokens/s/GPU
     vs peak power or energy), trials as Ray tasks, resumable storage, Pareto front at the end."""
@@ -54,11 +58,25 @@ def tune_cmd(
     from advisor.study import TuneSettings, make_plan, run_study
 
     opts = {"sigma": sigma, **options_from_env()} if runner == "simulate" else {"steps": steps, "warmup": warmup}
+    if runner == "command" or command is not None:
+        from advisor.runners.command import spec_options
+
+        if runner != "command":
+            fail("--command needs --runner command")
+        if not command:
+            fail("--runner command needs --command 'your training command ... {megatron_args}'")
+        opts["command"] = spec_options(command, parser, step_regex, env, exit_grace)
     s = TuneSettings(model=model, cluster=cluster, seq=seq, gbs=gbs, precision=precision, layers=layers,
                      trials=trials, batch=batch, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
                      dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts,
                      calibration=calibration)
+    if html:
+        from advisor import html_report
+
+        if dry_run:
+            raise typer.BadParameter("--html reports a study's trials; a --dry-run runs none")
+        html_report.require()
     plan = make_plan(s)  # a bad option or calibration file is one error line, before the progress bar
     from advisor.validate import study_paths
 
@@ -82,6 +100,8 @@ def tune_cmd(
         sys.stdout.write("\n")
     else:
         _print_result(res)
+    if html:
+        html_report.save(html, html_report.study_page(plan.storage, plan.study_name))
     if res.broken:  # every trial of the last few failed: the set-up is broken, say so and exit 1
         fail(f"the study stopped: {res.stopped}; its records are in {plan.dataset}", code=1)
 
@@ -123,29 +143,41 @@ def _calibration_line(plan) -> str:
     return line
 
 
+def pareto_columns(objective: str) -> tuple[tuple[str, str], ...]:
+    """(header, justification) of the Pareto table of a study: the terminal and the HTML report."""
+    obj = "peak W" if objective == "power" else "J/token"
+    return (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
+            ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
+            ("predicted tok/s/GPU", "right"))
+
+
+def pareto_cells(r: dict, objective: str) -> list[str]:
+    """One row of study_pareto() as the cells of pareto_columns()."""
+    from advisor.catalog.specs import TrainConfig
+    from advisor.report import _layout
+
+    key = "peak_power_w" if objective == "power" else "energy_j_per_token"
+    c = TrainConfig.from_dict(r["config"])
+    v = r[key]
+    return [str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
+            f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
+            f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
+            f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
+            f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-"]
+
+
 def _print_result(res) -> None:
     from rich.table import Table
 
-    from advisor.catalog.specs import TrainConfig
-    from advisor.report import _layout, make_console
+    from advisor.report import make_console
 
     plan = res.plan
     con = make_console()
-    obj = "peak W" if plan.settings.objective == "power" else "J/token"
-    key = "peak_power_w" if plan.settings.objective == "power" else "energy_j_per_token"
     t = Table(title=f"Pareto front{_sim_label(plan.settings.runner)}: {plan.study_name}", box=None, pad_edge=False)
-    for col, just in (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
-                      ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
-                      ("predicted tok/s/GPU", "right")):
+    for col, just in pareto_columns(plan.settings.objective):
         t.add_column(col, justify=just, no_wrap=True)
     for r in res.pareto:
-        c = TrainConfig.from_dict(r["config"])
-        v = r[key]
-        t.add_row(str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
-                  f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
-                  f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
-                  f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
-                  f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-")
+        t.add_row(*pareto_cells(r, plan.settings.objective))
     con.print(t)
     con.print(_calibration_line(plan), markup=False, highlight=False, soft_wrap=True)
     mine, made = plan.calibration_info, res.study_calibration

@@ -375,7 +375,7 @@ def _conflict(a: str, b: str, why: str) -> InputError:
 EXTRAS = {
     "optuna": ("Optuna", "tune"), "ray": ("Ray", "tune"), "sqlalchemy": ("SQLAlchemy (with Optuna)", "tune"),
     "sklearn": ("scikit-learn", "fit"), "torch": ("torch", "gpu"), "megatron": ("megatron-core", "gpu"),
-    "amdsmi": ("amdsmi", "amd"),
+    "amdsmi": ("amdsmi", "amd"), "matplotlib": ("matplotlib", "report"),
 }
 
 

@@ -55,6 +55,16 @@ def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range, stage: int) 
     return dense, experts
 
 
+def linear_params(model: ModelSpec, cfg: TrainConfig, layers: range) -> float:
+    """Weights of the TE linear layers one GPU holds for these layers (attention, MLP, experts):
+    the ones that get FP8 copies under fp8."""
+    n = 0.0
+    for i, k in layer_kind_counts(model, layers).items():
+        lp = layer_params(model, i)
+        n += k * ((lp.attention + lp.dense_mlp + lp.shared_experts) / cfg.tp + lp.experts / (cfg.ep * cfg.etp))
+    return n
+
+
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
     """Bytes of activations one transformer layer stores for one microbatch on one GPU."""
     s = cfg.seq / cfg.cp
@@ -69,32 +79,42 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     # two norm inputs (residual stream) and two norm outputs (inputs of the QKV and FC1 GEMMs),
     # stored sharded with sequence parallelism. Selective recompute (Megatron's default module,
     # core_attn) re-runs flash attention, which stores no score matrix, so it saves ~nothing here.
-    elems = 4 * sbh / sp
+    # Under fp8 Transformer Engine saves the inputs of its FP8 GEMMs (the norm outputs, the
+    # attention output, the activation output) as FP8 copies: 1 byte instead of 2 (`gemm_in`).
+    elems = 2 * sbh / sp
+    gemm_in = 2 * sbh / sp
     a = model.num_attention_heads
     if model.mla is not None:
         m = model.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         elems += s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)  # latents (replicated)
-        elems += s * b * a * (2 * qk + 2 * m.v_head_dim) / t  # q, k, v, attention output
+        elems += s * b * a * (2 * qk + m.v_head_dim) / t  # q, k, v
+        gemm_in += s * b * a * m.v_head_dim / t  # attention output
     else:
         hd = model.head_dim
-        elems += s * b * (2 * a + 2 * model.kv_heads) * hd / t  # q, attention output, k, v
+        elems += s * b * (a + 2 * model.kv_heads) * hd / t  # q, k, v
+        gemm_in += s * b * a * hd / t  # attention output
     gated = model.activation == "swiglu"
     if model.is_moe_layer(layer):
         moe = model.moe
         k = moe.top_k
         routed = s * b * k  # tokens this rank's experts process on average (balanced routing)
-        elems += 2 * routed * h  # permuted input to the experts + expert output before combine
-        elems += (3 if gated else 2) * routed * moe.ffn_hidden_size / cfg.etp
+        elems += routed * h  # expert output before combine
+        gemm_in += routed * h  # permuted input to the experts
+        elems += (2 if gated else 1) * routed * moe.ffn_hidden_size / cfg.etp
+        gemm_in += routed * moe.ffn_hidden_size / cfg.etp
         if moe.shared_ffn_hidden_size:
-            elems += (3 if gated else 2) * s * b * moe.shared_ffn_hidden_size / t
+            elems += (2 if gated else 1) * s * b * moe.shared_ffn_hidden_size / t
+            gemm_in += s * b * moe.shared_ffn_hidden_size / t
         elems += s * b * moe.num_experts * 2  # router logits in fp32
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
             ffn = model.moe.dense_ffn_hidden_size
-        elems += (3 if gated else 2) * s * b * ffn / t
-    return e * elems
+        elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
+        gemm_in += s * b * ffn / t  # activation output (FC2 input)
+    gemm_bytes = c.bytes_fp8_activation if cfg.precision == "fp8" else e
+    return e * elems + gemm_bytes * gemm_in
 
 
 def _full_layer_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants) -> float:
@@ -109,8 +129,8 @@ def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
         dense, experts = stage_params(model, cfg, layers, stage)
         params = dense + experts
         weights = params * c.bytes_weight
-        if cfg.precision == "fp8":
-            weights += params * c.bytes_fp8_weight_copy
+        if cfg.precision == "fp8":  # FP8 copies of the FP8 GEMMs' weights (not embedding / output)
+            weights += linear_params(model, cfg, layers) * c.bytes_fp8_weight_copy
         grads = params * c.bytes_grad
         if cfg.distributed_optimizer:
             opt = c.bytes_optimizer * (dense / (cfg.dp * cfg.cp) + experts / cfg.expert_dp)
