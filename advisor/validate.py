@@ -293,6 +293,7 @@ PATHS: dict[str, Callable[[str, Any], Any]] = {
     "MORE": lambda f, p: p if any(ch in str(p) for ch in "*?[") else text_file("--data", p),
     "--study": study_storage,
     "--calibration": calibration,
+    "source": lambda f, p: p if "://" in str(p) else input_file("STUDY|DATASET", p),  # advisor report
     "--trace-dir": output_dir,
     "--run-dir": output_dir,
 }

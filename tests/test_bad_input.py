@@ -190,6 +190,10 @@ CASES = [
     (PL[:5] + ["-p", "{missing}", "--pp", "4"], "no such profile file"),
     (PL[:5] + ["-p", "{dir}", "--pp", "4"], "is a folder"),
     (PL + ["--tp", "0"], "--tp must be >= 1"),
+    # report
+    (["report", "{dir}"], "STUDY|DATASET {dir}: is a folder"),
+    (["report", "{journal}", "--html", "{dir}"], "--html {dir}: is a folder"),
+    (["report", "{journal}", "--html", "{ro}/r.html"], "cannot write in"),
     # measure (--dry-run: no GPU needed to check the inputs)
     (M + ["--tp", "0"], "--tp must be >= 1"),
     (M + ["--telemetry-hz", "nan"], "--telemetry-hz must be a finite number"),
@@ -224,7 +228,7 @@ def test_bad_input_is_one_error_line_exit_2(files, args, needle):
 def test_there_are_at_least_60_cases_over_every_command():
     assert len(CASES) >= 60
     assert {a[0] for a, _ in CASES} >= {"recommend", "predict", "catalog", "tune", "fit", "thermal-profile",
-                                         "place", "measure"}
+                                         "place", "measure", "report"}
 
 
 BATCH = [
