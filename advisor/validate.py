@@ -302,7 +302,7 @@ PATHS: dict[str, Callable[[str, Any], Any]] = {
 # --------------------------------------------------------------------------------- layouts
 LAYOUT_INTS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "pp_first_layers", "pp_last_layers")
 LAYOUT_BOOLS = ("sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                "tp_comm_overlap")
+                "tp_comm_overlap", "account_for_embedding", "account_for_loss")
 
 
 def as_flag(key: str) -> str:
@@ -322,6 +322,9 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
         v = out.get(k)
         if v is not None and not isinstance(v, bool):
             raise InputError(f"{where}{name(k)} must be true or false, got {v!r}")
+    v = out.get("pipeline_layout")
+    if v is not None and not isinstance(v, str):
+        raise InputError(f"{where}{name('pipeline_layout')} must be a string, got {v!r}")
     for k, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE_MODES)):
         v = out.get(k)
         if v is not None and v not in choices:
