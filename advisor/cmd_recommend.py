@@ -8,14 +8,9 @@ from typing import List, Optional
 import typer
 
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster, Gbs,
-<<<<<<< HEAD
                              Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PowerCaps,
-                             PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack)
-=======
-                             Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PPFirstLayers,
-                             PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
+                             PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
                              calibration_default)
->>>>>>> main
 
 
 CAL_HELP = ("'default' (the --stack's shipped profile), a calibration file from 'advisor fit', or 'none' "
@@ -37,12 +32,8 @@ def recommend_cmd(
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy (the cap with the least J/token) or balanced (the least J/token within 5% of the fastest step); energy and balanced choose the power cap with the layout"),
     power_cap: PowerCap = None,
-<<<<<<< HEAD
     power_caps: PowerCaps = None,
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
-=======
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
->>>>>>> main
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     compare: Optional[List[str]] = typer.Option(
@@ -146,12 +137,8 @@ def predict_cmd(
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
-<<<<<<< HEAD
     power_caps: PowerCaps = None,
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
-=======
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
->>>>>>> main
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
