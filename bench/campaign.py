@@ -179,6 +179,37 @@ def h100x1_moe_c() -> list[dict]:
     return _moe_variants(d, False)[:5] + _moe_variants(d, True)[:4]
 
 
+# A fourth shape between Mixtral and Qwen3: Mixtral's width with 32 fine-grained experts, top-4
+# (each a quarter of Mixtral's FFN): the same active FLOPs as Mixtral, 4x the experts.
+FINE_PROXY = {"name": "mixtral-fine32-proxy", "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336,
+              "num_attention_heads": 32, "num_query_groups": 8, "vocab_size": 32000,
+              "moe": {"num_experts": 32, "top_k": 4, "ffn_hidden_size": 3584}, "family": "mixtral",
+              "source": "Mixtral-8x7B's attention and width with its experts split in four (fine-grained, "
+                        "as Dai et al. 2024 DeepSeekMoE §3.1); vocabulary 32000"}
+
+
+def h100x1_moe_d() -> list[dict]:
+    """Second call: grouped-GEMM experts for real (the first call's 'grouped' jobs ran
+    SequentialMLP: the spec patch missed megatron-core 0.19.2's partial(MoELayer) spec), the jobs
+    the first call did not reach, and a fourth shape. Jobs that may run out of memory go last."""
+    M, Q, D, F = (_moe_shape(MIXTRAL_PROXY, 2), _moe_shape(QWEN3_PROXY, 3), _moe_shape(DEEPSEEK_PROXY, 4),
+                  _moe_shape(FINE_PROXY, 2))
+    g = {"moe_grouped_gemm": True}
+    s = {"moe_grouped_gemm": False}
+    return [
+        dict(Q, mbs=1, gbs=4, **g), dict(Q, mbs=2, gbs=8, **g), dict(Q, mbs=4, gbs=8, **g),
+        dict(Q, seq=2048, mbs=2, gbs=8, **g), dict(Q, mbs=2, gbs=8, moe_router="forced", **g),
+        dict(D, mbs=1, gbs=4, **g), dict(D, mbs=2, gbs=8, **g), dict(D, mbs=4, gbs=8, **g),
+        dict(D, mbs=2, gbs=8, moe_router="forced", **g), dict(D, mbs=2, gbs=8, moe_dispatcher="allgather", **g),
+        dict(M, mbs=1, gbs=4, **g), dict(M, mbs=1, gbs=4, moe_router="forced", **g),
+        dict(F, mbs=1, gbs=4, **g), dict(F, mbs=2, gbs=8, **g), dict(F, mbs=1, gbs=4, **s),
+        dict(F, mbs=2, gbs=8, moe_router="forced", **g),
+        dict(Q, mbs=2, gbs=8, moe_dispatcher="allgather", **s), dict(D, seq=2048, mbs=2, gbs=8, **s),
+        dict(M, seq=2048, mbs=2, gbs=8, **s), dict(M, mbs=1, gbs=4, moe_dispatcher="allgather", **s),
+        dict(M, mbs=2, gbs=8, **g), dict(F, mbs=4, gbs=8, **g),
+    ]
+
+
 def moe_ep(world: int) -> list[dict]:
     """Expert parallelism over `world` GPUs of one node (EP = world and world / 2): the all-to-all
     and allgather dispatchers on NVLink, each proxy with enough layers to keep the GPUs busy.
@@ -196,7 +227,7 @@ def moe_ep(world: int) -> list[dict]:
 
 BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1,
            "h200x4-full": h200x4_full, "h100x1-moe-a": h100x1_moe_a, "h100x1-moe-b": h100x1_moe_b,
-           "h100x1-moe-c": h100x1_moe_c, "h200x2-moe-ep": lambda: moe_ep(2), "h200x4-moe-ep": lambda: moe_ep(4)}
+           "h100x1-moe-c": h100x1_moe_c, "h100x1-moe-d": h100x1_moe_d, "h200x2-moe-ep": lambda: moe_ep(2), "h200x4-moe-ep": lambda: moe_ep(4)}
 
 
 def write(names: list[str] | None = None) -> None:

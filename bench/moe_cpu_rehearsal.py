@@ -202,6 +202,8 @@ def run_jobs(path: Path) -> int:
             terms = {k: round(v * 1e3, 1) for k, v in (probe.get("terms") or {}).items()}
             print(f"ok   {job['id']} {job['key']} {time.time() - t:.1f}s ms={terms} load={probe.get('load')}")
             assert probe.get("terms", {}).get("expert_s", 0) > 0, "no expert time recorded"
+            want = "TorchGroupedMLP" if job.get("moe_experts") == "grouped" else "SequentialMLP"
+            assert probe.get("experts_module") == want, f"experts ran as {probe.get('experts_module')}, not {want}"
         except Exception as e:  # noqa: BLE001
             import traceback
             failures += 1

@@ -6,6 +6,7 @@
 #   bash bench/moe_device.sh h100x1 [S]   # 1 GPU: batches h100x1-moe-a (SequentialMLP), -c
 #                                         # (DeepSeek-like, MLA), -b (grouped GEMM); no job starts
 #                                         # after S seconds in all (default 500)
+#   bash bench/moe_device.sh h100x1-d [S] # 1 GPU, second call: batch h100x1-moe-d
 #   bash bench/moe_device.sh ep [S]       # 2 or 4 GPUs: h200x2-moe-ep / h200x4-moe-ep (EP 1/2/4,
 #                                         # alltoall vs allgather; not run while only 1-GPU kinds
 #                                         # are lent)
@@ -43,6 +44,9 @@ h100x1)
   run_batch h100x1-moe-a $(( budget * 40 / 100 )) "$ds"
   run_batch h100x1-moe-c $(( $(left "$budget") * 45 / 100 )) "$ds"
   run_batch h100x1-moe-b "$(left "$budget")" "$ds"
+  ;;
+h100x1-d)  # second call: grouped GEMM for real, the jobs call 1 did not reach, a fourth shape
+  run_batch h100x1-moe-d "${2:-480}" "$OUT/h100x1-moe-d.jsonl"
   ;;
 ep)
   budget=${2:-500}

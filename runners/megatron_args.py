@@ -392,7 +392,7 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
 
 
 # The MoE sub-step timing the worker runs after a MoE job's measured steps (runners/moe_probe.py).
-MOE_PROFILE_STEPS = 3
+MOE_PROFILE_STEPS = 2
 
 
 def moe_job_keys(model: ModelSpec, cfg: TrainConfig) -> dict[str, Any]:

@@ -150,7 +150,8 @@ def layer_spec(job, config, vp_stage):
         if job.get("moe_experts") == "grouped":
             if not GROUPED_MM.startswith("torch_grouped_mm"):
                 raise RuntimeError(f"grouped GEMM experts asked for, but {GROUPED_MM}")
-            patch_grouped_experts(spec)
+            if not patch_grouped_experts(spec) and job["tc"].get("num_moe_experts"):
+                raise RuntimeError("grouped GEMM experts asked for, but no MoE layer spec was found to patch")
         return spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     _patch_attention(spec)
@@ -301,6 +302,7 @@ def profile_moe(job, config, model, optimizer, iters):
         times.append(time.time() - t)
     out = summarize_moe(steps, times)
     out["moe_layers"] = len(timer.layers)
+    out["experts_module"] = type(timer.layers[0].experts).__name__ if timer.layers else None
     return out
 
 
@@ -324,6 +326,19 @@ def destroy_groups():
 def free_storage(t):
     if isinstance(t, torch.Tensor) and t.is_cuda:
         t.untyped_storage().resize_(0)
+
+
+def drop_cached_tensors(model):
+    """Drop the activations modules keep between calls (MoE token dispatchers and routers cache
+    probs, routing maps and permutation indices as plain attributes): after an OOM in the middle
+    of a step they hold that step's autograd graph, and the next job ran out of memory on a GPU
+    still ~69 GiB full (data/measurements/h100x1-moe.jsonl, jobs after h100x1-moe-a-02)."""
+    for mod in model.modules():
+        for owner in [mod] + [v for v in vars(mod).values()
+                              if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]:
+            for k, v in list(vars(owner).items()):  # registered parameters / buffers are not in vars()
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                    setattr(owner, k, None)
 
 
 def release(state):
@@ -357,6 +372,7 @@ def release(state):
         for p in m.parameters():
             free_storage(p)
             free_storage(getattr(p, "main_grad", None))
+        drop_cached_tensors(m)
     try:
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         RotaryEmbedding.forward.cache_clear()

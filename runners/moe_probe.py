@@ -113,13 +113,21 @@ class TorchGroupedMLP(MegatronModule):
 
 
 def patch_grouped_experts(block_spec) -> int:
-    """Replace the experts of every MoE layer spec with TorchGroupedMLP; returns how many."""
+    """Replace the experts of every MoE layer spec with TorchGroupedMLP; returns how many. The
+    layer spec's mlp is a ModuleSpec (dense) or, for MoE in megatron-core 0.19.2,
+    functools.partial(MoELayer, submodules=MoESubmodules(experts=...))."""
+    import dataclasses
+    import functools
+
     n = 0
     for ls in block_spec.layer_specs:
         mlp = getattr(ls.submodules, "mlp", None)
-        sub = getattr(mlp, "submodules", None)
-        if sub is not None and hasattr(sub, "experts"):
-            sub.experts = TorchGroupedMLP
+        if isinstance(mlp, functools.partial) and hasattr(mlp.keywords.get("submodules"), "experts"):
+            sub = dataclasses.replace(mlp.keywords["submodules"], experts=TorchGroupedMLP)
+            ls.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": sub})
+            n += 1
+        elif hasattr(getattr(mlp, "submodules", None), "experts"):
+            mlp.submodules.experts = TorchGroupedMLP
             n += 1
     return n
 
