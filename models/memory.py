@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params
+from advisor.models.moe import moe_activation_elements
 from advisor.search_spaces.layout import in_flight_microbatches, layer_kind_counts, stage_layers
 
 
@@ -81,14 +82,7 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
         elems += s * b * (2 * a + 2 * model.kv_heads) * hd / t  # q, attention output, k, v
     gated = model.activation == "swiglu"
     if model.is_moe_layer(layer):
-        moe = model.moe
-        k = moe.top_k
-        routed = s * b * k  # tokens this rank's experts process on average (balanced routing)
-        elems += 2 * routed * h  # permuted input to the experts + expert output before combine
-        elems += (3 if gated else 2) * routed * moe.ffn_hidden_size / cfg.etp
-        if moe.shared_ffn_hidden_size:
-            elems += (3 if gated else 2) * s * b * moe.shared_ffn_hidden_size / t
-        elems += s * b * moe.num_experts * 2  # router logits in fp32
+        elems += moe_activation_elements(model, cfg, c)  # models/moe.py
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
