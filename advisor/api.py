@@ -74,6 +74,16 @@ class RecommendResult:
     elapsed_s: float
     recommendations: list[Recommendation] = field(default_factory=list)
     calibration: str | None = None  # the calibration file used, None = analytical model only
+    # every layout that fits, with the prediction it was ranked by (the HTML report plots them),
+    # and the Calibration object itself; neither is in to_dict()
+    candidates: list[tuple[TrainConfig, Prediction]] = field(default_factory=list, repr=False)
+    calibrated_with: Any = field(default=None, repr=False)
+    stack: str = "te"  # the software stack the layouts are predicted for
+    profile: str | None = None  # the calibration profile's name (None = analytical model only)
+    # ranking scores of every feasible layout (best first), for placing another layout among them
+    rank_scores: list[float] = field(default_factory=list, repr=False)
+    rank_basis: tuple[float, float] = (1.0, 1.0)  # the best tokens/s and J/token the scores used
+    compared: list["Comparison"] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -85,7 +95,10 @@ class RecommendResult:
             "feasible": self.feasible,
             "elapsed_s": self.elapsed_s,
             "calibration": self.calibration,
+            "stack": self.stack,
+            "profile": self.profile,
             "recommendations": [r.to_dict() for r in self.recommendations],
+            **({"compared": [x.to_dict() for x in self.compared]} if self.compared else {}),
         }
 
 
@@ -139,18 +152,26 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
-              constants: Constants = DEFAULT, options: SpaceOptions = SpaceOptions(),
-              calibration: Any = None, overrides: Iterable[str] = ()) -> RecommendResult:
-    """Rank every legal layout that fits in memory by the objective. `calibration`: a
-    Calibration, a file, "default" or None (see advisor.models.calibrate); `overrides`: what-if
+              constants: Constants = DEFAULT, options: SpaceOptions | None = None,
+              calibration: Any = "default", overrides: Iterable[str] = (),
+              stack: str | None = None) -> RecommendResult:
+    """Rank every legal layout that fits in memory by the objective. `stack`: the software stack
+    ("te": Megatron-Core with Transformer Engine, the default; "local": this project's runner; see
+    advisor.models.profiles); `calibration`: "default" (the stack's shipped profile), a
+    Calibration, a file or None (the analytical model with `constants`); `overrides`: what-if
     KEY=VALUE strings (gpu=h200, nodes=16, power_cap=500, mbs=4, ...)."""
+    from advisor.models.profiles import get_stack
+
+    st = get_stack(stack)
+    if options is None:
+        options = SpaceOptions(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
-    cal = _calibration(calibration)
+    cal = _calibration(calibration, st.name)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
     screen = cal.screening_constants if cal is not None else constants
@@ -187,6 +208,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
     best_e = min(p.energy_j_per_token for _, p in preds)
     ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    rank_scores = [_score(p, objective, best_tps, best_e) for _, p in ranked]
+    best_tps0, best_e0 = best_tps, best_e
     if cal is not None:  # full calibrated predictions (surrogates, intervals) for the head only
         head = cal.rescore(m, c, ranked[:max(4 * top, 20)], with_constants=rank_constants is cal.constants)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
@@ -200,7 +223,70 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   score=_score(p, objective, best_tps, best_e)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
-                           calibration=(cal.source or "calibrated") if cal is not None else None)
+                           calibration=(cal.source or "calibrated") if cal is not None else None,
+                           stack=st.name, profile=cal.profile if cal is not None else None,
+                           rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
+                           candidates=preds, calibrated_with=cal)
+
+
+# ------------------------------------------------------------------------------------------------
+# another layout next to the top-1: where it ranks and where the time goes differently
+# ------------------------------------------------------------------------------------------------
+
+# step-time categories of a Prediction's breakdown, in the order they are named
+_TERMS = (("gemm_s", "GEMMs"), ("attention_s", "attention"), ("memory_bound_s", "memory-bound kernels"),
+          ("recompute_s", "recompute"), ("tp_comm_s", "TP communication"), ("cp_comm_s", "CP communication"),
+          ("ep_comm_s", "EP communication"), ("pp_p2p_s", "PP send/recv"), ("pipeline_bubble_s", "pipeline bubble"),
+          ("dp_comm_exposed_s", "exposed DP communication"), ("optimizer_s", "optimizer"),
+          ("layer_overhead_s", "per-layer overhead"))
+
+
+@dataclass
+class Comparison:
+    config: TrainConfig
+    prediction: Prediction
+    ratio_to_top: float  # tokens/s of this layout / tokens/s of the top-1
+    rank: int | None  # where it would rank among the feasible layouts (None: not feasible)
+    of: int
+    differences_s: dict[str, float]  # per step: top-1 minus this layout, by category
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
+                "ratio_to_top": self.ratio_to_top, "rank": self.rank, "of": self.of,
+                "differences_s": self.differences_s, "why": self.why}
+
+
+def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = "default") -> Comparison:
+    """One layout (flags as for `predict`, workload from `res`) next to `res`'s top-1: its ratio to
+    the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
+    v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision, **dict(values)}
+    cal = _calibration(calibration, res.stack)
+    cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
+    bad = violations(res.model, res.cluster, cfg)
+    if bad:
+        raise IllegalLayout(f"illegal layout to compare: {bad[0]}")
+    p = (cal.predict(res.model, res.cluster, cfg, check_legal=False) if cal is not None
+         else predict(res.model, res.cluster, cfg, check_legal=False))
+    top = res.recommendations[0].prediction
+    ratio = p.tokens_per_s_per_gpu / top.tokens_per_s_per_gpu
+    rank = None
+    if p.feasible and res.rank_scores:  # scored as the ranking scored every layout
+        pr = predict(res.model, res.cluster, cfg, cal.constants if cal is not None else DEFAULT, check_legal=False)
+        own = _score(pr, res.objective, *res.rank_basis)
+        rank = 1 + sum(1 for x in res.rank_scores if x > own)
+    # per-step seconds in each category, scaled to the same tokens per step (same workload)
+    diffs = {k: top.breakdown.get(k, 0.0) - p.breakdown.get(k, 0.0) for k, _ in _TERMS}
+    slow = top.compute_slowdown - p.compute_slowdown
+    parts = [f"{label} {diffs[k]:+.2f} s" for k, label in sorted(_TERMS, key=lambda kl: -abs(diffs[kl[0]]))
+             if abs(diffs[k]) >= 0.005 * max(top.step_time_s, 1e-9)][:4]
+    why = (f"#1 takes {top.step_time_s - p.step_time_s:+.2f} s per step vs this layout "
+           f"({top.step_time_s:.2f} vs {p.step_time_s:.2f} s)"
+           + (": " + ", ".join(parts) if parts else "")
+           + (f"; power-cap slowdown {top.compute_slowdown:.2f}x vs {p.compute_slowdown:.2f}x" if abs(slow) > 0.005 else "")
+           + ("" if p.feasible else f"; does not fit: {p.reason}"))
+    return Comparison(config=cfg, prediction=p, ratio_to_top=ratio, rank=rank, of=res.feasible,
+                      differences_s=diffs, why=why)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,9 +298,13 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precis
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers")
 
 
-def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any]) -> TrainConfig:
+def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],
+                      stack: str | None = None) -> TrainConfig:
     """A TrainConfig from user flags: DP derived from the cluster; unset knobs take the defaults
-    recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1)."""
+    recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1, and the stack's
+    own: TP communication overlap under Transformer Engine)."""
+    from advisor.models.profiles import apply_layout_defaults
+
     v = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     tp, pp, cp = int(v.get("tp", 1)), int(v.get("pp", 1)), int(v.get("cp", 1))
     for name, val in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -235,19 +325,22 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
     v.setdefault("overlap_grad_reduce", dp * cp > 1)
     v.setdefault("overlap_param_gather", bool(v["distributed_optimizer"]) and dp * cp > 1)
     v["dp"] = dp
-    return TrainConfig.from_dict(v)
+    explicit = {k for k in LAYOUT_KEYS if values.get(k) is not None}
+    return apply_layout_defaults(TrainConfig.from_dict(v), stack, explicit)
 
 
 def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],
-                   power_cap_w: float | None = None, constants: Constants = DEFAULT, calibration: Any = None,
-                   overrides: Iterable[str] = ()) -> tuple[TrainConfig, Prediction]:
+                   power_cap_w: float | None = None, constants: Constants = DEFAULT,
+                   calibration: Any = "default", overrides: Iterable[str] = (),
+                   stack: str | None = None) -> tuple[TrainConfig, Prediction]:
+    """One layout's prediction. `stack` / `calibration` as for `recommend`."""
     m, c = resolve(model, cluster, power_cap_w)
     if overrides:
         from advisor.models.calibrate import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
-    cal = _calibration(calibration)
-    cfg = layout_from_flags(m, c, values)
+    cal = _calibration(calibration, stack)
+    cfg = layout_from_flags(m, c, values, stack)
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
@@ -256,22 +349,23 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     return cfg, predict(m, c, cfg, constants, check_legal=False)
 
 
-def _calibration(spec: Any):
-    """A Calibration from None / "none" / "default" / a path / a Calibration (lazy import)."""
+def _calibration(spec: Any, stack: str | None = None):
+    """A Calibration from None / "none" / "default" (the stack's profile) / a path / a Calibration
+    (lazy import)."""
     if spec is None:
         return None
     from advisor.models.calibrate import resolve_calibration
 
-    return resolve_calibration(spec)
+    return resolve_calibration(spec, stack)
 
 
-def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = None,
-                  overrides: Iterable[str] = ()) -> Iterator[dict[str, Any]]:
+def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = "default",
+                  overrides: Iterable[str] = (), stack: str | None = None) -> Iterator[dict[str, Any]]:
     """One output object per input line: every input key echoed, plus `prediction` (with the
     derived `config`) or `error`. A bad line never stops the batch."""
     import json
 
-    calibration = _calibration(calibration)  # load the file once, not per line
+    calibration = _calibration(calibration, stack)  # load the file once, not per line
 
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -290,7 +384,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
                 raise SpecError("each line needs 'model' and 'cluster'")
             cfg, p = predict_layout(str(row["model"]), str(row["cluster"]), row,
                                     power_cap_w=row.get("power_cap_w"), constants=constants,
-                                    calibration=calibration, overrides=overrides)
+                                    calibration=calibration, overrides=overrides, stack=stack)
             out["config"] = cfg.to_dict()
             out["prediction"] = p.to_dict()
         except (SpecError, ValueError, TypeError) as e:

@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "advisor.cmd_tune",
     "advisor.cmd_fit",
     "advisor.cmd_place",
+    "advisor.cmd_report",
 )
 
 

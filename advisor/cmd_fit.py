@@ -8,6 +8,8 @@ from typing import List, Optional
 
 import typer
 
+from advisor.options import Html
+
 SHOW_REJECTED = 20
 
 
@@ -36,6 +38,7 @@ def fit_cmd(
     seed: int = typer.Option(0, "--seed"),
     no_surrogates: bool = typer.Option(False, "--no-surrogates", help="calibrate the constants only"),
     as_json: bool = typer.Option(False, "--json", help="the CV summary as JSON on stdout"),
+    html: Html = None,
 ) -> None:
     """Fit the analytical model's constants and residual surrogates to measurements (JSONL files
     and/or the trials of 'advisor tune' studies); print grouped cross-validation (analytical vs
@@ -44,6 +47,10 @@ def fit_cmd(
     from advisor.models import calibrate
     from advisor.study import load_dataset
 
+    if html:
+        from advisor import html_report
+
+        html_report.require()
     if folds < 2:
         raise SpecError("--folds must be at least 2")
     files = _expand(list(data or []) + list(more or []))
@@ -61,6 +68,8 @@ def fit_cmd(
     cal = calibrate.fit(ds, folds=folds, seed=seed, surrogates=not no_surrogates,
                         log=lambda s: print(s, file=err))
     cal.save(output)
+    if html:
+        html_report.save(html, html_report.fit_page(cal, ds))
     if as_json:
         json.dump({"output": output, "data": ds.summary(), "rejected": ds.rejected, "cv": cal.cv,
                    "constants": cal.to_payload()["fitted_constants"]}, sys.stdout, indent=1,

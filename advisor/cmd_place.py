@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from advisor.options import CP, MBS, PP, TP, VP, Cluster, Gbs, Model, PowerCap, Precision, Recompute, Seq, SequenceParallel
+from advisor.options import (CP, MBS, PP, TP, VP, Cluster, Gbs, Html, Model, PowerCap, Precision, Recompute, Seq,
+                             SequenceParallel)
 
 _PROFILE_HELP = "slot profile JSON (advisor thermal-profile); one per node in node-rank order, or one for all"
 
@@ -41,10 +42,16 @@ def place_cmd(
     uneven: bool = typer.Option(False, "--uneven", help="also move layers between stages when it pays (adds pipeline_layout)"),
     leak_per_c: Optional[float] = typer.Option(None, "--leak-per-c", help="capped slowdown per °C (default 0.003)"),
     as_json: bool = typer.Option(False, "--json", help="the plan as one JSON object"),
+    html: Html = None,
 ) -> None:
     """Plan which physical GPU runs each pipeline stage: heavy stages to cooler slots, when it pays."""
     from advisor.api import layout_from_flags, resolve
     from advisor.placement import ThrottleCurve, node_profiles, plan
+
+    if html:
+        from advisor import html_report
+
+        html_report.require()
 
     m, c = resolve(model, cluster, power_cap)
     cfg = layout_from_flags(m, c, _layout_values(tp=tp, pp=pp, vp=vp, cp=cp, mbs=mbs, gbs=gbs, seq=seq,
@@ -56,29 +63,43 @@ def place_cmd(
     if as_json:
         json.dump(p.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")
-        return
-    _print_plan(p, m.name, c.name)
+    else:
+        _print_plan(p, m.name, c.name)
+    if html:
+        html_report.save(html, html_report.place_page(p, m.name, c))
 
 
-def _print_plan(p, model: str, cluster: str) -> None:
-    from advisor.report import make_console
-    from rich.table import Table
+PLAN_COLUMNS = ("stage", "layers", "demand W", "node", "GPUs (PCI order)", "°C identity", "°C planned", "slowdown")
 
+
+def plan_rows(p) -> list[list[str]]:
+    """One row per (stage, node) of a placement plan, in PLAN_COLUMNS: the terminal and the HTML report."""
     run = p.candidate if p.applied else p.identity
-    t = Table(title=f"placement of {model} {p.cfg.key()} on {cluster}")
-    for col in ("stage", "layers", "demand W", "node", "GPUs (PCI order)", "°C identity", "°C planned", "slowdown"):
-        t.add_column(col)
     gpn = len(p.gpus[0])
     per_stage = p.cfg.tp * p.cfg.cp * p.cfg.dp
     names = p.node_names
+    rows = []
     for row in p.stage_map():
         s, n = row["stage"], names.index(row["node"])
         h = p.heats[s]
         ranks = [r for r in range(gpn) if (n * gpn + r) // per_stage == s]
         ident = [p.identity.temps[n][r] for r in ranks]  # identity: local rank r on GPU r
         planned = [run.temps[n][g] for g in row["gpus"]]
-        t.add_row(str(s), str(h.layers), f"{h.demand_mean_w:.0f}", row["node"], ",".join(map(str, row["gpus"])),
-                  f"{max(ident):.0f}", f"{max(planned):.0f}", f"{run.stage_slowdown[s]:.3f}")
+        rows.append([str(s), str(h.layers), f"{h.demand_mean_w:.0f}", row["node"], ",".join(map(str, row["gpus"])),
+                     f"{max(ident):.0f}", f"{max(planned):.0f}", f"{run.stage_slowdown[s]:.3f}"])
+    return rows
+
+
+def _print_plan(p, model: str, cluster: str) -> None:
+    from advisor.report import make_console
+    from rich.table import Table
+
+    t = Table(title=f"placement of {model} {p.cfg.key()} on {cluster}")
+    for col in PLAN_COLUMNS:
+        t.add_column(col)
+    for row in plan_rows(p):
+        t.add_row(*row)
+    names = p.node_names
     con = make_console()
     con.print(t)
     con.print(f"{'APPLIED' if p.applied else 'NOT APPLIED'}: {p.reason}")

@@ -8,12 +8,13 @@ from typing import List, Optional
 import typer
 
 from advisor import report
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Model, OptCluster, OptModel,
-                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel)
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Html, Model, OptCluster, OptModel,
+                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel,
+                             Stack)
 
 
-CAL_HELP = ("calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
-            "(analytical model only); adds 80% intervals")
+CAL_HELP = ("'default' (the --stack's shipped profile), a calibration file from 'advisor fit', or 'none' "
+            "(analytical model only); a profile adds 80% intervals")
 SET_HELP = "what-if KEY=VALUE, repeatable: gpu=h200, nodes=16, gpus=32, power_cap=500, mbs=4, seq=8192, layers=40, ..."
 
 
@@ -32,14 +33,28 @@ def recommend_cmd(
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
     power_cap: PowerCap = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
+    compare: Optional[List[str]] = typer.Option(
+        None, "--compare", help="another layout to place next to #1, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1' "
+                                "(repeatable): its ratio to #1, its rank and where the time differs"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Rank the layouts of MODEL on CLUSTER: speed, memory, power, throttle risk, Megatron args."""
     from advisor.api import recommend
 
+    if html:
+        from advisor import html_report
+
+        html_report.require()
+
+    from advisor.api import compare as compare_layout
+
+    layouts = [parse_layout(x) for x in compare or ()]
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
-                    power_cap_w=power_cap, calibration=calibration, overrides=sets or ())
+                    power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack)
+    res.compared = [compare_layout(res, v, calibration) for v in layouts]
     if as_json:
         json.dump(res.to_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -50,6 +65,39 @@ def recommend_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo("#1 " + format_intervals(first))
+        for x in res.compared:
+            report.print_comparison(x)
+    if html:
+        html_report.save(html, html_report.recommend_page(res))
+
+
+_LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")
+
+
+def parse_layout(text: str) -> dict:
+    """'tp=4,pp=4,cp=2,vp=5,mbs=1,recompute=selective' -> layout values (one-line error if bad)."""
+    from advisor.catalog import SpecError
+
+    out: dict = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        k, sep, v = part.partition("=")
+        k = k.strip().replace("-", "_")
+        if not sep or not v.strip():
+            raise SpecError(f"--compare {text!r}: expected KEY=VALUE pairs separated by commas")
+        if k in _LAYOUT_INT:
+            try:
+                out[k] = int(v)
+            except ValueError:
+                raise SpecError(f"--compare {k}={v}: not an integer") from None
+        elif k in ("recompute",):
+            out[k] = v.strip()
+        elif k in ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer"):
+            out[k] = v.strip().lower() in ("1", "true", "on", "yes")
+        else:
+            raise SpecError(f"--compare {k}: unknown key (known: {', '.join(_LAYOUT_INT + ('recompute',))})")
+    if not out:
+        raise SpecError("--compare needs a layout, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1'")
+    return out
 
 
 def predict_cmd(
@@ -72,17 +120,26 @@ def predict_cmd(
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
     calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
+    html: Html = None,
 ) -> None:
     """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
     from advisor.api import predict_batch, predict_layout
 
+    if html:
+        from advisor import html_report
+
+        if batch is not None:
+            raise typer.BadParameter("--html reports one layout; it does not go with --batch")
+        html_report.require()
+
     if batch is not None:
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
         with stream:
-            for row in predict_batch(stream, calibration=calibration, overrides=sets or ()):
+            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), stack=stack):
                 sys.stdout.write(json.dumps(row) + "\n")
                 sys.stdout.flush()
         return
@@ -95,12 +152,16 @@ def predict_cmd(
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
-                            overrides=sets or ())
+                            overrides=sets or (), stack=stack)
+    raw_cluster = cluster
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
-        json.dump({"model": model, "cluster": cluster, "config": cfg.to_dict(), "prediction": p.to_dict()},
-                  sys.stdout, indent=1)
+        from advisor.models.profiles import get_stack
+
+        profile = (getattr(p, "calibration", None) or {}).get("profile")
+        json.dump({"model": model, "cluster": cluster, "stack": get_stack(stack).name, "profile": profile,
+                   "config": cfg.to_dict(), "prediction": p.to_dict()}, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         report.print_prediction(model, cluster, cfg, p)
@@ -108,3 +169,5 @@ def predict_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo(format_intervals(p))
+    if html:
+        html_report.save(html, html_report.predict_page(model, raw_cluster, cfg, p, power_cap, sets or ()))

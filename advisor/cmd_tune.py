@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from advisor.options import Cluster, Gbs, Model, Precision, Seq
+from advisor.options import Cluster, Gbs, Html, Model, Precision, Seq
 
 CAL_HELP = ("what the study predicts with (seeds' ranking, each trial's 'predicted', the surrogate sampler's "
             "prior): a calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -45,6 +45,7 @@ def tune_cmd(
     sigma: float = typer.Option(0.03, "--sim-sigma", help="simulate: log-normal sigma of the step-time noise"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (space, pruned, enqueued) and run nothing"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
+    html: Html = None,
 ) -> None:
     """Search layouts of MODEL on CLUSTER by measuring them: multi-objective Optuna study (tokens/s/GPU
     vs peak power or energy), trials as Ray tasks, resumable storage, Pareto front at the end."""
@@ -58,6 +59,12 @@ def tune_cmd(
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
                      dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts,
                      calibration=calibration)
+    if html:
+        from advisor import html_report
+
+        if dry_run:
+            raise typer.BadParameter("--html reports a study's trials; a --dry-run runs none")
+        html_report.require()
     plan = make_plan(s)  # a bad option or calibration file is one error line, before the progress bar
     if dry_run:
         if as_json:
@@ -76,6 +83,8 @@ def tune_cmd(
         sys.stdout.write("\n")
     else:
         _print_result(res)
+    if html:
+        html_report.save(html, html_report.study_page(plan.storage, plan.study_name))
 
 
 def _sim_label(runner: str) -> str:
@@ -115,29 +124,41 @@ def _calibration_line(plan) -> str:
     return line
 
 
+def pareto_columns(objective: str) -> tuple[tuple[str, str], ...]:
+    """(header, justification) of the Pareto table of a study: the terminal and the HTML report."""
+    obj = "peak W" if objective == "power" else "J/token"
+    return (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
+            ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
+            ("predicted tok/s/GPU", "right"))
+
+
+def pareto_cells(r: dict, objective: str) -> list[str]:
+    """One row of study_pareto() as the cells of pareto_columns()."""
+    from advisor.catalog.specs import TrainConfig
+    from advisor.report import _layout
+
+    key = "peak_power_w" if objective == "power" else "energy_j_per_token"
+    c = TrainConfig.from_dict(r["config"])
+    v = r[key]
+    return [str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
+            f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
+            f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
+            f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
+            f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-"]
+
+
 def _print_result(res) -> None:
     from rich.table import Table
 
-    from advisor.catalog.specs import TrainConfig
-    from advisor.report import _layout, make_console
+    from advisor.report import make_console
 
     plan = res.plan
     con = make_console()
-    obj = "peak W" if plan.settings.objective == "power" else "J/token"
-    key = "peak_power_w" if plan.settings.objective == "power" else "energy_j_per_token"
     t = Table(title=f"Pareto front{_sim_label(plan.settings.runner)}: {plan.study_name}", box=None, pad_edge=False)
-    for col, just in (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
-                      ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
-                      ("predicted tok/s/GPU", "right")):
+    for col, just in pareto_columns(plan.settings.objective):
         t.add_column(col, justify=just, no_wrap=True)
     for r in res.pareto:
-        c = TrainConfig.from_dict(r["config"])
-        v = r[key]
-        t.add_row(str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
-                  f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
-                  f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
-                  f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
-                  f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-")
+        t.add_row(*pareto_cells(r, plan.settings.objective))
     con.print(t)
     con.print(_calibration_line(plan), markup=False, highlight=False, soft_wrap=True)
     mine, made = plan.calibration_info, res.study_calibration

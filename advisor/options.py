@@ -44,3 +44,8 @@ Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or 
                                         callback=one_of(RECOMPUTE_MODES))]
 SequenceParallel = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="default: on when tp > 1")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout")]
+Html = Annotated[Optional[str], typer.Option(
+    "--html", metavar="FILE", help="also write a self-contained HTML report with plots to FILE (pip install 'advisor[report]')")]
+Stack = Annotated[Optional[str], typer.Option(
+    "--stack", help="software stack the prediction is for: te (Megatron-Core + Transformer Engine, "
+                    "the default: fitted on published runs) or local (this project's runner)")]

@@ -33,6 +33,23 @@ def _layout(cfg: TrainConfig) -> str:
     return s
 
 
+# the ranked table's columns (header, justification) and cells: the terminal and the HTML report
+RECOMMEND_COLUMNS = (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
+                     ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),
+                     ("mean W", "right"), ("throttle", "left"), ("J/tok", "right"))
+# step-time components of Prediction.breakdown, in seconds per step; they add up to the step time
+STEP_KEYS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
+             "pp_p2p_s", "layer_overhead_s", "pipeline_bubble_s", "dp_comm_exposed_s", "optimizer_s",
+             "step_overhead_s")
+
+
+def recommendation_cells(r) -> list[str]:
+    p = r.prediction
+    return [str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
+            f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
+            f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label, f"{p.energy_j_per_token:.3f}"]
+
+
 def print_recommendations(res, console: Console | None = None) -> None:
     console = console or make_console()
     wl = res.workload
@@ -40,20 +57,15 @@ def print_recommendations(res, console: Console | None = None) -> None:
     console.print(
         f"[bold]{res.model.name}[/] on [bold]{c.name}[/] ({c.num_nodes}×{c.gpus_per_node} {c.gpu.name}, "
         f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
+    how = (f"profile {res.profile}: {os.path.basename(res.calibration)}" if res.calibration
+           else "analytical model, no profile")
     console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
-                  f"ranked in {res.elapsed_s:.2f} s "
-                  f"({'calibrated: ' + os.path.basename(res.calibration) if res.calibration else 'analytical model'})")
+                  f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
     t = Table(show_lines=False, pad_edge=False, box=None)
-    for col, just in (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
-                      ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),
-                      ("mean W", "right"), ("throttle", "left"), ("J/tok", "right")):
+    for col, just in RECOMMEND_COLUMNS:
         t.add_column(col, justify=just, no_wrap=True)
     for r in res.recommendations:
-        p = r.prediction
-        t.add_row(str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
-                  f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
-                  f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
-                  f"{p.energy_j_per_token:.3f}")
+        t.add_row(*recommendation_cells(r))
     console.print(t)
     best = res.recommendations[0]
     console.print(f"[bold]#1 why:[/] {best.reason}")
@@ -70,6 +82,13 @@ def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, 
     t = Table(show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
+    for k, v in prediction_rows(p):
+        t.add_row(k, v)
+    console.print(t)
+
+
+def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
+    """(what, value with its unit) of one prediction: the terminal and the HTML report."""
     rows = [
         ("tokens/s/GPU", f"{p.tokens_per_s_per_gpu:,.0f}"),
         ("step time", f"{p.step_time_s:.3f} s"),
@@ -82,11 +101,20 @@ def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, 
         ("energy", f"{p.energy_j_per_token:.3f} J/token"),
         ("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%"),
     ]
-    for k, v in rows:
-        t.add_row(k, v)
     bd = p.breakdown
-    for k in ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
-              "pp_p2p_s", "pipeline_bubble_s", "dp_comm_exposed_s", "optimizer_s"):
+    for k in STEP_KEYS:
+        if k in ("layer_overhead_s", "step_overhead_s"):
+            continue
         if bd.get(k):
-            t.add_row(f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s")
-    console.print(t)
+            rows.append((f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s"))
+    return rows
+
+
+def print_comparison(x, console: Console | None = None) -> None:
+    """One compared layout next to #1 (advisor.api.Comparison)."""
+    console = console or make_console()
+    p = x.prediction
+    where = f"rank {x.rank} of {x.of}" if x.rank is not None else "does not fit in memory"
+    console.print(f"[bold]compared[/] {_layout(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
+                  f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
+    console.print(f"  {x.why}", soft_wrap=True, markup=False, highlight=False)

@@ -197,7 +197,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         raise SpecError(f"--sampler must be tpe or surrogate, got {s.sampler!r}")
     if s.precision not in ("bf16", "fp8"):
         raise SpecError(f"precision must be bf16 or fp8, got {s.precision!r}")
-    cal = resolve_calibration(s.calibration)  # an unreadable file is a one-line error, before anything runs
+    cal = resolve_calibration(s.calibration, "local")  # the trials run this project's runner; an unreadable file is a one-line error, before anything runs
     model, cluster = resolve(s.model, s.cluster, s.power_cap_w)
     if s.layers:
         if s.layers < 1:
@@ -231,7 +231,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
                 break
             try:
                 res = recommend(model, cluster, seq=wl.seq, gbs=wl.gbs, precision=wl.precision,
-                                top=top, objective=obj, options=options, calibration=cal)
+                                top=top, objective=obj, options=options, calibration=cal, stack="local")
             except SpecError:
                 break
             for r in res.recommendations:
@@ -514,6 +514,25 @@ def _get(d: dict | None, *path: str) -> Any:
             return None
         d = d.get(p)
     return d
+
+
+def study_pareto(study, obj: str) -> list[dict[str, Any]]:
+    """The Pareto front of a study's launched trials (one row per layout, fastest first); `obj`:
+    the second objective's key (OBJECTIVES)."""
+    out, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
+        k = t.user_attrs.get("layout_key")
+        if k in seen or not t.user_attrs.get("launched"):
+            continue
+        seen.add(k)
+        rec = t.user_attrs.get("record") or {}
+        out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
+                    "tokens_per_s_per_gpu": t.values[0], obj: t.values[1],
+                    "memory_gib": _get(rec, "memory", "max_gib"),
+                    "mean_power_w": _get(rec, "telemetry", "mean_power_w"),
+                    "status": t.user_attrs.get("status"),
+                    "predicted_tokens_per_s_per_gpu": _get(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
+    return out
 
 
 class Tuner:
@@ -853,20 +872,7 @@ class Tuner:
                            "status": trial.user_attrs.get("status") if trial is not None else None})
 
     def pareto(self) -> list[dict[str, Any]]:
-        out, seen = [], set()
-        for t in sorted(self.study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
-            k = t.user_attrs.get("layout_key")
-            if k in seen or not t.user_attrs.get("launched"):
-                continue
-            seen.add(k)
-            rec = t.user_attrs.get("record") or {}
-            out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
-                        "tokens_per_s_per_gpu": t.values[0], self.obj: t.values[1],
-                        "memory_gib": _get(rec, "memory", "max_gib"),
-                        "mean_power_w": _get(rec, "telemetry", "mean_power_w"),
-                        "status": t.user_attrs.get("status"),
-                        "predicted_tokens_per_s_per_gpu": _get(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
-        return out
+        return study_pareto(self.study, self.obj)
 
     def counts(self) -> dict[str, int]:
         c: dict[str, int] = {}

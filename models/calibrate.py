@@ -452,6 +452,12 @@ class Calibration:
     source: str = ""
     # out-of-fold predictions of the fit that made this ({"source", "y", "levels"}); not saved
     oof: dict = field(default_factory=dict, repr=False)
+    # the profile's name (the shipped "te" / "local", or what `advisor fit --profile-name` gave)
+    profile: str = "custom"
+    # the constants the fit adjusted, with their bounds (None: advisor fit's FIT_BOUNDS)
+    fitted_bounds: dict | None = None
+    # the constants the fit started from (None: the defaults)
+    base_constants: Constants | None = None
 
     @property
     def screening_constants(self) -> Constants:
@@ -520,7 +526,7 @@ class Calibration:
         iv["step_time_s"] = [tokens / (tps_hi * n), tokens / (tps_lo * n)]
         return CalibratedPrediction(**d, throttle_fraction=est["throttle_fraction"][0], intervals=iv,
                                     intervals_level=LEVEL,
-                                    calibration={"file": self.source,
+                                    calibration={"file": self.source, "profile": self.profile,
                                                  "levels": {t: v["mode"] for t, v in self.targets.items()}})
 
     def rescore(self, model: ModelSpec, cluster: ClusterSpec,
@@ -539,21 +545,27 @@ class Calibration:
 
     # ---- file ----------------------------------------------------------------------------------
     def to_payload(self) -> dict:
-        import joblib
-        import scipy
-        import sklearn
+        import importlib.metadata as md
 
+        def version(pkg: str) -> str | None:
+            try:
+                return md.version(pkg)
+            except md.PackageNotFoundError:
+                return None
+
+        bounds = self.fitted_bounds or FIT_BOUNDS
+        base = self.base_constants or DEFAULT
         return {
-            "format": FORMAT, "version": VERSION,
+            "format": FORMAT, "version": VERSION, "profile": self.profile,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "feature_names": list(self.feature_names),
             "constants": self.constants.to_dict(),
-            "fitted_constants": {k: {"default": getattr(DEFAULT, k), "fitted": getattr(self.constants, k),
-                                     "bounds": list(FIT_BOUNDS[k])} for k in FIT_BOUNDS},
+            "fitted_constants": {k: {"default": getattr(base, k), "fitted": getattr(self.constants, k),
+                                     "bounds": list(bounds[k])} for k in bounds},
             "targets": self.targets,
             "surrogates": {t: PortableGP.state_of(s) for t, s in self.surrogates.items() if s is not None},
             "trained_on": self.trained_on, "cv": self.cv, "fit_info": self.fit_info,
-            "versions": {"sklearn": sklearn.__version__, "scipy": scipy.__version__, "joblib": joblib.__version__},
+            "versions": {k: version(k) for k in ("scikit-learn", "scipy", "joblib", "numpy")},
         }
 
     def save(self, path: str | Path) -> None:
@@ -597,8 +609,10 @@ class Calibration:
         sur = {t: d["surrogates"].get(t) for t in d["targets"]}
         # version 2: numpy arrays; version 1: ResidualGP objects (scikit-learn was imported to unpickle them)
         sur = {t: PortableGP(s) if isinstance(s, dict) else s for t, s in sur.items()}
+        # files written before profiles had names: the shipped default is the local stack's
+        profile = d.get("profile") or ("local" if p.resolve() == DEFAULT_FILE.resolve() else "custom")
         return cls(constants=c, targets=d["targets"], surrogates=sur, trained_on=d.get("trained_on", {}),
-                   cv=d.get("cv", {}), fit_info=d.get("fit_info", {}), source=str(p))
+                   cv=d.get("cv", {}), fit_info=d.get("fit_info", {}), source=str(p), profile=profile)
 
 
 def interval_coverage(cal: "Calibration", records: Sequence[Record]) -> dict[str, dict]:
@@ -626,17 +640,32 @@ def _jsonable(o):
     return str(o)
 
 
-def resolve_calibration(spec: "str | Path | Calibration | None") -> "Calibration | None":
-    """None / "none" / "off": no calibration; "default": the packaged default if there is one;
-    a Calibration: itself; anything else: a file path."""
+def resolve_calibration(spec: "str | Path | Calibration | None",
+                        stack: str | None = None) -> "Calibration | None":
+    """None / "none" / "off": no calibration; "default": the shipped profile of `stack` (the default
+    stack when None; see advisor.models.profiles); a stack's name ("te", "local"): its profile; a
+    Calibration: itself; anything else: a file path."""
+    from advisor.models.profiles import STACKS, get_stack
+
     if spec is None or isinstance(spec, Calibration):
         return spec
     s = str(spec)
     if s.lower() in ("none", "off", "analytical"):
         return None
-    if s.lower() == "default":
-        return Calibration.load(DEFAULT_FILE) if DEFAULT_FILE.is_file() else None
+    if s.lower() == "default" or s.lower() in STACKS:
+        st = get_stack(stack if s.lower() == "default" else s.lower())
+        return _load_cached(str(st.file)) if st.file.is_file() else None
     return Calibration.load(s)
+
+
+_CACHE: dict[str, "Calibration"] = {}
+
+
+def _load_cached(path: str) -> "Calibration":
+    """Shipped profiles are read once per process (recommend / predict --batch ask many times)."""
+    if path not in _CACHE:
+        _CACHE[path] = Calibration.load(path)
+    return _CACHE[path]
 
 
 def format_intervals(p: CalibratedPrediction) -> str:
@@ -647,7 +676,9 @@ def format_intervals(p: CalibratedPrediction) -> str:
     parts = [f"{u} {f.format(p.intervals[k][0])}-{f.format(p.intervals[k][1])}"
              for k, (u, f) in units.items() if k in p.intervals]
     src = Path(p.calibration.get("file") or "?").name
-    return f"calibrated ({src}), {p.intervals_level:.0%} intervals: " + ", ".join(parts)
+    prof = p.calibration.get("profile")
+    what = f"profile {prof} ({src})" if prof else f"calibrated ({src})"
+    return f"{what}, {p.intervals_level:.0%} intervals: " + ", ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------------

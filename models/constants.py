@@ -20,10 +20,14 @@ class Constants:
     bytes_weight: float = 2.0
     bytes_grad: float = 4.0
     bytes_optimizer: float = 12.0
-    # fp8 training keeps an fp8 copy (and its transpose) of each GEMM weight (Transformer Engine).
+    # fp8 training keeps an fp8 copy (and its transpose, for Hopper's TN-only FP8 GEMMs) of each
+    # linear-layer weight (Transformer Engine): 1 + 1 bytes per weight.
     bytes_fp8_weight_copy: float = 2.0
     # Bytes per activation element (bf16).
     bytes_activation: float = 2.0
+    # Bytes per saved input of an FP8 GEMM under fp8 (Transformer Engine keeps the FP8 copy it
+    # made for the forward GEMM for the wgrad GEMM of the backward).
+    bytes_fp8_activation: float = 1.0
     # Bytes per logit of the fp32 copy the last stage holds besides the bf16 logits: Megatron's
     # vocab-parallel cross entropy upcasts its logits (VocabParallelCrossEntropy.
     # calculate_logits_max: vocab_parallel_logits.float()), one microbatch at a time.
@@ -42,10 +46,27 @@ class Constants:
     # Best sustained fraction of dense bf16 peak for large GEMMs before power capping:
     # measured 788-798 TFLOP/s of 989 on H100/H200 for 8192^3 bf16 (device KINDS.md) = 0.80.
     gemm_efficiency_max: float = 0.80
-    # fp8 GEMMs reach a lower fraction of their (2x) peak (Transformer Engine reports ~0.65).
+    # fp8 GEMMs reach a lower fraction of their (2x) peak: cuBLASLt FP8 GEMMs of 8192^3 reach
+    # ~1300-1450 of 1979 TFLOP/s on H100 SXM (NVIDIA Transformer Engine / cuBLAS benchmarks), 0.65-0.73.
     gemm_efficiency_max_fp8: float = 0.65
     # GEMM efficiency saturates with each dimension d as d / (d + gemm_half_dim) (fitted).
     gemm_half_dim: float = 96.0
+    # The same for FP8 GEMMs: at twice the rate per byte a tile needs about twice the work to hide its
+    # loads (start: 2 x gemm_half_dim).
+    gemm_half_dim_fp8: float = 192.0
+    # ---- fp8 under Transformer Engine (TE's Linear / LayerNormLinear / LayerNormMLP modules) ---------
+    # Which GEMMs run in FP8: the linear layers of attention (QKV, output projection) and MLP (FC1, FC2,
+    # routed and shared experts). Core attention, the embedding, the output layer (Megatron's
+    # ColumnParallelLinear, not a TE module) and the router stay BF16 (TE fp8_autocast defaults;
+    # Megatron-core's fp8 docs). Per FP8 GEMM TE writes an FP8 copy of its input and the transpose
+    # Hopper's FP8 wgrad GEMM needs (cast_transpose: read 2 B, write 1 + 1 B per element), and in the
+    # backward the same for the output gradient; the read of the input is fused into the norm /
+    # activation that produced it where TE fuses (LayerNormLinear, LayerNormMLP).
+    fp8_cast_fwd_bytes: float = 2.0  # extra HBM bytes per element of each FP8 GEMM input, forward
+    fp8_cast_bwd_bytes: float = 4.0  # extra HBM bytes per element of each FP8 GEMM output gradient
+    # Per FP8 GEMM call: scaling-factor / amax bookkeeping kernels, seconds (TE's delayed scaling
+    # launches a few small kernels per GEMM; fitted).
+    fp8_gemm_overhead_s: float = 8e-6
     # Flash-attention forward efficiency relative to dense peak (FlashAttention-2 paper reports
     # 50-73% of peak forward on A100/H100); backward does 2.5x the forward FLOPs.
     attention_efficiency: float = 0.55
@@ -81,6 +102,13 @@ class Constants:
     tp_overlap_fraction: float = 0.7
     # Fraction of the eligible window actually used to hide DP communication (fitted).
     dp_overlap_efficiency: float = 0.8
+    # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction
+    # (Megatron-LM's default for bf16, this project's runner: grad_reduce_in_fp32=True), 2 in the
+    # Megatron-Bridge / NeMo performance recipes (grad_reduce_in_fp32=False).
+    dp_grad_reduce_bytes: float = 4.0
+    # Fraction of the PP send/recv time hidden behind compute (Megatron's overlap_p2p_comm with the
+    # interleaved schedule; the 1F1B schedule waits on it). Start: 0 (fitted per stack).
+    pp_overlap_fraction: float = 0.0
 
     # ---- power and thermals -------------------------------------------------------------------
     # Sustained-GEMM slowdown under a TDP power cap: measured 651 TFLOP/s sustained over 300 s on

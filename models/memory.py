@@ -56,6 +56,16 @@ def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range, stage: int) 
     return dense, experts
 
 
+def linear_params(model: ModelSpec, cfg: TrainConfig, layers: range) -> float:
+    """Weights of the TE linear layers one GPU holds for these layers (attention, MLP, experts):
+    the ones that get FP8 copies under fp8."""
+    n = 0.0
+    for i, k in layer_kind_counts(model, layers).items():
+        lp = layer_params(model, i)
+        n += k * ((lp.attention + lp.dense_mlp + lp.shared_experts) / cfg.tp + lp.experts / (cfg.ep * cfg.etp))
+    return n
+
+
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
     """Bytes of activations one transformer layer stores for one microbatch on one GPU."""
     s = cfg.seq / cfg.cp
@@ -70,25 +80,34 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     # two norm inputs (residual stream) and two norm outputs (inputs of the QKV and FC1 GEMMs),
     # stored sharded with sequence parallelism. Selective recompute (Megatron's default module,
     # core_attn) re-runs flash attention, which stores no score matrix, so it saves ~nothing here.
-    elems = 4 * sbh / sp
+    # Under fp8 Transformer Engine saves the inputs of its FP8 GEMMs (the norm outputs, the
+    # attention output, the activation output) as FP8 copies: 1 byte instead of 2 (`gemm_in`).
+    elems = 2 * sbh / sp
+    gemm_in = 2 * sbh / sp
     a = model.num_attention_heads
     if model.mla is not None:
         m = model.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         elems += s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)  # latents (replicated)
-        elems += s * b * a * (2 * qk + 2 * m.v_head_dim) / t  # q, k, v, attention output
+        elems += s * b * a * (2 * qk + m.v_head_dim) / t  # q, k, v
+        gemm_in += s * b * a * m.v_head_dim / t  # attention output
     else:
         hd = model.head_dim
-        elems += s * b * (2 * a + 2 * model.kv_heads) * hd / t  # q, attention output, k, v
+        elems += s * b * (a + 2 * model.kv_heads) * hd / t  # q, k, v
+        gemm_in += s * b * a * hd / t  # attention output
     gated = model.activation == "swiglu"
     if model.is_moe_layer(layer):
-        elems += moe_activation_elements(model, cfg, c)  # models/moe.py
+        moe_elems, moe_gemm_in = moe_activation_elements(model, cfg, c)  # models/moe.py
+        elems += moe_elems
+        gemm_in += moe_gemm_in
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
             ffn = model.moe.dense_ffn_hidden_size
-        elems += (3 if gated else 2) * s * b * ffn / t
-    return e * elems
+        elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
+        gemm_in += s * b * ffn / t  # activation output (FC2 input)
+    gemm_bytes = c.bytes_fp8_activation if cfg.precision == "fp8" else e
+    return e * elems + gemm_bytes * gemm_in
 
 
 def _full_layer_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants) -> float:
@@ -103,8 +122,8 @@ def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
         dense, experts = stage_params(model, cfg, layers, stage)
         params = dense + experts
         weights = params * c.bytes_weight
-        if cfg.precision == "fp8":
-            weights += params * c.bytes_fp8_weight_copy
+        if cfg.precision == "fp8":  # FP8 copies of the FP8 GEMMs' weights (not embedding / output)
+            weights += linear_params(model, cfg, layers) * c.bytes_fp8_weight_copy
         grads = params * c.bytes_grad
         if cfg.distributed_optimizer:
             opt = c.bytes_optimizer * (dense / (cfg.dp * cfg.cp) + experts / cfg.expert_dp)

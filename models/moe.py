@@ -62,6 +62,8 @@ class MoELayerTime:
     comm: float = 0.0
     overhead: float = 0.0
     gemm_flops_util: float = 0.0  # sum of GEMM seconds x achieved fraction (drives power)
+    fp8_cast_elems: tuple = (0.0, 0.0)  # fp8: GEMM input / output elements cast per forward
+    fp8_gemm_calls: int = 0
     imbalance: float = 1.0
     tokens_per_expert: float = 0.0
     dispatch_total: float = 0.0  # before overlap
@@ -113,10 +115,11 @@ def grouped_gemm_fraction(n_tokens: float, c: Constants) -> float:
 
 
 def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
-                   gemm: Callable[[float, float, float], tuple[float, float]],
+                   gemm: Callable[..., tuple[float, float]],
                    ep_link, etp_link, collective_time: Callable) -> MoELayerTime:
-    """One MoE layer, one microbatch, forward + backward. `gemm(m, k, n)` is the dense GEMM model
-    (seconds, achieved fraction) of ``step_time``; the links come from ``step_time.group_link``."""
+    """One MoE layer, one microbatch, forward + backward. `gemm(m, k, n, linear=True)` is the
+    dense GEMM model of ``step_time`` (seconds, achieved fraction; linear=False: a BF16 GEMM also
+    under fp8, as the router is); the links come from ``step_time.group_link``."""
     m = model.moe
     out = MoELayerTime()
     h = model.hidden_size
@@ -134,7 +137,7 @@ def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: 
     out.imbalance, out.tokens_per_expert = imb, n_e
 
     # router: GEMM (fwd + 2 bwd), fp32 scores / top-k / aux loss over T x E, launch cost
-    tg, u = gemm(T, h, E)
+    tg, u = gemm(T, h, E, linear=False)
     r_gemm = 3 * tg
     r_mem = c.moe_router_passes * T * E * 4 / hbm
     r_over = c.moe_router_overhead_s + E * c.moe_router_per_expert_s
@@ -188,6 +191,9 @@ def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: 
         x_gemm = 3 * per_token * n_e * E_loc * imb / (frac * c.moe_gemm_efficiency)
         util = (u1 * t1 + u2 * t2) / (t1 + t2) * frac * c.moe_gemm_efficiency
         out.gemm_flops_util += x_gemm * util
+        rows = routed * imb
+        out.fp8_cast_elems = (rows * (h + f), rows * (mats * f + h))
+        out.fp8_gemm_calls = 2 * (1 if cfg.moe_grouped_gemm else int(E_loc))
     x_mem = c.moe_expert_elementwise_passes * routed * imb * f * e / hbm
     gpu = x_gemm + x_mem + c.moe_expert_overhead_s
     host = E_loc * c.moe_sequential_expert_s if not cfg.moe_grouped_gemm else 0.0
@@ -211,25 +217,29 @@ def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: 
     return out
 
 
-def moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) -> float:
-    """Activation elements (bytes_activation each) one MoE layer's MLP block keeps for the
-    backward, per microbatch, on the busiest GPU: per routed token the permuted input and the
-    expert output (h each), the fc1 output (2f gated), the activation and its probability-weighted
-    copy (f each); the router's fp32 logits / probabilities (T x E); shared experts."""
+def moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
+    """(elements kept in BF16, elements that are inputs of the experts' GEMMs: FP8 copies under
+    fp8) one MoE layer's MLP block keeps for the backward, per microbatch, on the busiest GPU. Per
+    routed token: the permuted input (GEMM input) and the expert output (h each), the fc1 output
+    (2f gated), the activation and its probability-weighted copy (f each, the latter the fc2
+    input); the router's fp32 logits / probabilities (T x E); shared experts like a dense MLP."""
     m = model.moe
     T = moe_tokens(model, cfg)
     routed = T * m.top_k * imbalance(model, cfg, c)
     gated = model.activation == "swiglu"
-    f = m.ffn_hidden_size / cfg.etp
     # expert TP gathers the routed tokens of its ETP ranks and splits f: per GPU etp x the tokens
-    # at f / etp, the same FFN elements, etp x the hidden ones
-    elems = routed * (c.moe_act_hidden_per_token * model.hidden_size * cfg.etp
-                      + (c.moe_act_ffn_per_token + (1 if gated else 0)) * f * cfg.etp)
+    # at f / etp (the same FFN elements), etp x the hidden ones
+    hid = c.moe_act_hidden_per_token * model.hidden_size * cfg.etp
+    ffn = (c.moe_act_ffn_per_token + (1 if gated else 0)) * m.ffn_hidden_size
+    gemm_in = routed * (model.hidden_size * cfg.etp + m.ffn_hidden_size)  # fc1 and fc2 inputs
+    elems = routed * (hid + ffn) - gemm_in
     elems += T * m.num_experts * c.moe_act_router_fp32 * 4 / c.bytes_activation
     if m.shared_ffn_hidden_size:
         s = cfg.seq / cfg.cp * cfg.mbs
-        elems += (3 if gated else 2) * s * m.shared_ffn_hidden_size / cfg.tp
-    return elems
+        fs = m.shared_ffn_hidden_size / cfg.tp
+        elems += (2 if gated else 1) * s * fs
+        gemm_in += s * fs
+    return elems, gemm_in
 
 
 def ep_reason(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, breakdown: dict, step_s: float,

@@ -24,14 +24,17 @@ def _sat(d: float, half: float) -> float:
 
 
 def gemm_time(m: float, k: float, n: float, peak_flops: float, hbm_bw: float, c: Constants,
-              eff_max: float) -> tuple[float, float]:
-    """(seconds, achieved fraction of eff_max) of one (m x k) @ (k x n) GEMM in 2-byte elements."""
+              eff_max: float, in_bytes: float = 2.0, half_dim: float | None = None) -> tuple[float, float]:
+    """(seconds, achieved fraction of eff_max) of one (m x k) @ (k x n) GEMM: the larger of its
+    compute time (efficiency by shape) and the time to move its operands (`in_bytes` per input
+    element: 2 for BF16, 1 for FP8) and its BF16 output through HBM."""
     if m <= 0 or k <= 0 or n <= 0:
         return 0.0, 0.0
-    shape = _sat(m, c.gemm_half_dim) * _sat(k, c.gemm_half_dim) * _sat(n, c.gemm_half_dim)
+    hd = c.gemm_half_dim if half_dim is None else half_dim
+    shape = _sat(m, hd) * _sat(k, hd) * _sat(n, hd)
     flops = 2.0 * m * k * n
     t_compute = flops / (peak_flops * eff_max * shape)
-    t_memory = 2.0 * (m * k + k * n + m * n) / (hbm_bw * c.hbm_efficiency)
+    t_memory = (in_bytes * (m * k + k * n) + 2.0 * m * n) / (hbm_bw * c.hbm_efficiency)
     t = max(t_compute, t_memory)
     return t, flops / (t * peak_flops * eff_max)
 
@@ -58,11 +61,19 @@ class Link:
 
 
 def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
-    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in a node."""
+    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in a node.
+    Across nodes, the k ranks of the group that share a node drive k NICs at once (NCCL runs one
+    ring / channel per NIC; a node's boundary hop carries the group's traffic over all of them), so
+    the group's per-rank bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX
+    H100 (8 x 400 Gb/s per node) show multi-node all-reduce bus bandwidths near the NVLink one
+    with full nodes, and ~50 GB/s with one rank per node."""
     span = stride * size
-    if size <= 1 or span <= cluster.gpus_per_node:
+    gpn = cluster.gpus_per_node
+    if size <= 1 or span <= gpn:
         return Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False)
-    return Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True)
+    per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
+    bw = min(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
+    return Link(bw * c.network_efficiency, c.inter_latency_s, True)
 
 
 @dataclass
@@ -79,6 +90,10 @@ class StageTime:
     ep_comm_s: float = 0.0
     pp_p2p_s: float = 0.0
     overhead_s: float = 0.0
+    # fp8 cast / transpose kernels and scaling bookkeeping (per microbatch, forward and backward);
+    # counted in memory_bound_s, kept apart for the breakdown
+    fp8_fwd_s: float = 0.0
+    fp8_bwd_s: float = 0.0
     forward_s: float = 0.0  # compute part of the forward pass (for DP overlap windows)
     backward_s: float = 0.0
     gemm_utilization: float = 0.0  # achieved / best GEMM rate, time-weighted (drives power)
@@ -103,7 +118,8 @@ class StageTime:
 
 
 _MOE = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
-_ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s") + _MOE
+_ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
+             "fp8_fwd_s", "fp8_bwd_s") + _MOE
 
 
 @dataclass
@@ -132,6 +148,7 @@ class StepTime:
             "ep_comm_s": slow.ep_comm_s * m,
             "pp_p2p_s": slow.pp_p2p_s * m,
             "layer_overhead_s": slow.overhead_s * m,
+            "fp8_cast_s": (slow.fp8_fwd_s + slow.fp8_bwd_s) * m,  # part of memory_bound_s
             "pipeline_bubble_s": self.bubble_s,
             "dp_comm_total_s": self.dp_comm_s,
             "dp_comm_exposed_s": self.dp_exposed_s,
@@ -151,20 +168,32 @@ class StepTime:
 def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
                    st: StageTime, tp_link: Link, cp_link: Link, ep_link: Link, etp_link: Link,
                    util_acc: list[float]) -> float:
-    """Add one layer's forward costs for one microbatch to `st`; returns forward compute seconds."""
+    """Add one layer's forward costs for one microbatch to `st`; returns forward compute seconds.
+    FP8 (Transformer Engine): the linear layers' GEMMs run in FP8 at the FP8 peak, with the cast /
+    transpose traffic and per-GEMM scaling overhead of `Constants.fp8_*` (forward share here, the
+    backward share in `st.fp8_cast_s`); core attention and the router stay BF16."""
     gpu = cluster.gpu
-    peak = gpu.peak_tflops(cfg.precision) * 1e12
-    eff = c.gemm_efficiency_max_fp8 if cfg.precision == "fp8" else c.gemm_efficiency_max
+    fp8 = cfg.precision == "fp8"
+    bf16_peak = gpu.bf16_tflops * 1e12
     hbm = gpu.hbm_bandwidth_gbs * 1e9
     t = cfg.tp
-    T = cfg.seq / cfg.cp * cfg.mbs  # tokens per microbatch on this GPU
+    T = cfg.seq / cfg.cp * cfg.mbs  # tokens per microbatch on this GPU (a CP rank holds seq / cp)
     h = model.hidden_size
     a = model.num_attention_heads
     e = c.bytes_activation
     gated = model.activation == "swiglu"
+    cast = [0.0, 0.0, 0]  # fp8: forward cast bytes, backward cast bytes, GEMM calls per forward
 
-    def gemm(m, k, n, count=1):
-        tt, u = gemm_time(m, k, n, peak, hbm, c, eff)
+    def gemm(m, k, n, count=1, linear=True):
+        """A GEMM of the layer; `linear`: a TE linear layer (FP8 under fp8), else BF16."""
+        if fp8 and linear:
+            tt, u = gemm_time(m, k, n, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
+                              in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
+            cast[0] += m * k * count * c.fp8_cast_fwd_bytes
+            cast[1] += m * n * count * c.fp8_cast_bwd_bytes
+            cast[2] += count
+        else:
+            tt, u = gemm_time(m, k, n, bf16_peak, hbm, c, c.gemm_efficiency_max)
         util_acc[0] += tt * u * count
         util_acc[1] += tt * count
         return tt * count
@@ -188,11 +217,19 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         # models/moe.py: router, permute, dispatch, experts, shared experts (forward + backward);
         # entered here in forward-equivalent seconds (stage_times triples GEMM and memory-bound
         # time and doubles communication for the backward), per-term times kept as they are
-        mt = moe_layer_time(model, cfg, cluster, c, lambda m_, k_, n_: gemm_time(m_, k_, n_, peak, hbm, c, eff),
-                            ep_link, etp_link, collective_time)
+        def rate(m_, k_, n_, linear=True):
+            if fp8 and linear:
+                return gemm_time(m_, k_, n_, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
+                                 in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
+            return gemm_time(m_, k_, n_, bf16_peak, hbm, c, c.gemm_efficiency_max)
+        mt = moe_layer_time(model, cfg, cluster, c, rate, ep_link, etp_link, collective_time)
         g += mt.gemm / 3
         util_acc[0] += mt.gemm_flops_util / 3
         util_acc[1] += mt.gemm / 3
+        if fp8:  # the experts' FP8 casts, as `gemm` counts them for the other linear layers
+            cast[0] += mt.fp8_cast_elems[0] * c.fp8_cast_fwd_bytes
+            cast[1] += mt.fp8_cast_elems[1] * c.fp8_cast_bwd_bytes
+            cast[2] += mt.fp8_gemm_calls
         st.memory_bound_s += mt.memory_bound / 3
         st.ep_comm_s += mt.comm / 2
         st.overhead_s += mt.overhead
@@ -208,15 +245,22 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         g += gemm(T, h, (2 if gated else 1) * f) + gemm(T, f, h)
         ffn_for_elementwise = f
     st.gemm_s += g
-    # flash attention
-    attn_flops = attention_core_flops_per_token(model, cfg.seq) * T / t / cfg.cp
-    attn = attn_flops / (peak if cfg.precision == "bf16" else gpu.bf16_tflops * 1e12) / c.attention_efficiency
+    # flash attention (BF16 also under fp8): each of the T local queries of a CP rank attends over
+    # the whole causal context (load-balanced CP holds seq / cp queries and exchanges K, V), so the
+    # work per GPU is (work per token at the full sequence) x T / tp, whatever the CP split
+    attn_flops = attention_core_flops_per_token(model, cfg.seq) * T / t
+    attn = attn_flops / bf16_peak / c.attention_efficiency
     st.attention_s += attn
     # memory-bound kernels
     sp = t if cfg.sequence_parallel else 1
     mb_bytes = e * T * (c.elementwise_hidden_passes * h / sp + c.elementwise_ffn_passes * ffn_for_elementwise)
     mb = mb_bytes / (hbm * c.hbm_efficiency)
     st.memory_bound_s += mb
+    fp8_fwd = 0.0
+    if fp8:  # casts / transposes (memory-bound) and scaling bookkeeping: forward and backward
+        fp8_fwd = cast[0] / (hbm * c.hbm_efficiency) + cast[2] * c.fp8_gemm_overhead_s
+        st.fp8_fwd_s += fp8_fwd
+        st.fp8_bwd_s += cast[1] / (hbm * c.hbm_efficiency) + 2 * cast[2] * c.fp8_gemm_overhead_s
     # TP collectives: 2 per layer (all-reduce, or all-gather + reduce-scatter with SP)
     tp_bytes = T * h * e
     tp = 2 * collective_time("all_reduce", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
@@ -232,7 +276,7 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         ring = (cfg.cp - 1) * collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
         st.cp_comm_s += max(0.0, ring - attn)
     st.overhead_s += c.layer_overhead_s
-    return g + attn + mb
+    return g + attn + mb + fp8_fwd
 
 
 def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageTime]:
@@ -243,8 +287,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
     stage_span = cfg.tp * cfg.cp * cfg.dp
     gpu = cluster.gpu
     hbm = gpu.hbm_bandwidth_gbs * 1e9
-    peak = gpu.peak_tflops(cfg.precision) * 1e12
-    eff = c.gemm_efficiency_max_fp8 if cfg.precision == "fp8" else c.gemm_efficiency_max
+    bf16_peak = gpu.bf16_tflops * 1e12
     e = c.bytes_activation
     T = cfg.seq / cfg.cp * cfg.mbs
     out = []
@@ -262,24 +305,27 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
         # backward: 2x the GEMMs (data and weight gradients), attention x2.5, memory-bound x2,
         # communication again (TP, CP, EP are symmetric); forward-only costs of recompute on top.
         attn_f, gemm_f, mb_f = st.attention_s, st.gemm_s, st.memory_bound_s
+        fp8_f, fp8_b = st.fp8_fwd_s, st.fp8_bwd_s
         comm_f = st.tp_comm_s + st.cp_comm_s + st.ep_comm_s
-        st.forward_s = gemm_f + attn_f + mb_f
-        st.backward_s = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f
+        st.forward_s = gemm_f + attn_f + mb_f + fp8_f
+        st.backward_s = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f + fp8_b
         st.gemm_s = 3 * gemm_f
         st.attention_s = attn_f * (1 + c.attention_backward_factor)
-        st.memory_bound_s = 3 * mb_f
+        st.memory_bound_s = 3 * mb_f + fp8_f + fp8_b
         st.tp_comm_s *= 2
         st.cp_comm_s *= 2
         st.ep_comm_s *= 2
         if cfg.recompute == "full":
-            st.recompute_s = gemm_f + attn_f + mb_f + comm_f
+            st.recompute_s = gemm_f + attn_f + mb_f + fp8_f + comm_f
         elif cfg.recompute == "selective":
             st.recompute_s = attn_f  # core attention (Megatron's default selective module)
         st.backward_s += st.recompute_s
         if stage == 0:  # embedding lookup and its gradient (memory-bound)
             st.memory_bound_s += 3 * T * model.hidden_size * e / (hbm * c.hbm_efficiency)
         if stage == cfg.pp - 1:  # output layer, logits and cross entropy
-            tt, u = gemm_time(T, model.hidden_size, model.vocab_size / cfg.tp, peak, hbm, c, eff)
+            # the output layer is Megatron's ColumnParallelLinear, BF16 also under fp8
+            tt, u = gemm_time(T, model.hidden_size, model.vocab_size / cfg.tp, bf16_peak, hbm, c,
+                              c.gemm_efficiency_max)
             st.gemm_s += 3 * tt
             st.forward_s += tt
             st.backward_s += 2 * tt
@@ -301,7 +347,9 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
                 inter = (stage * stage_span) // gpn != (other * stage_span) // gpn
                 link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if inter
                         else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))
-                st.pp_p2p_s += cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
+                p2p = cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
+                # the interleaved schedule overlaps its send/recv with compute (overlap_p2p_comm)
+                st.pp_p2p_s += p2p * (1.0 - c.pp_overlap_fraction) if cfg.vp > 1 else p2p
         st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
         out.append(st)
     return out
@@ -334,18 +382,19 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
     edp_link = group_link(cluster, cfg.ep * cfg.etp, edp, c)
     layers_of = stage_layers(model, cfg)
     dp_total = dp_exposed = opt = 0.0
+    gb = c.dp_grad_reduce_bytes
     for st, layers in zip(stages, layers_of):
         dense, experts = stage_params(model, cfg, layers, st.stage)
         d = cfg.dp * cfg.cp
         if cfg.distributed_optimizer:
-            grad = (collective_time("reduce_scatter", dense * 4, d, dp_link.bw_gbs, dp_link.latency)
-                    + collective_time("reduce_scatter", experts * 4, edp, edp_link.bw_gbs, edp_link.latency))
+            grad = (collective_time("reduce_scatter", dense * gb, d, dp_link.bw_gbs, dp_link.latency)
+                    + collective_time("reduce_scatter", experts * gb, edp, edp_link.bw_gbs, edp_link.latency))
             gather = (collective_time("all_gather", dense * 2, d, dp_link.bw_gbs, dp_link.latency)
                       + collective_time("all_gather", experts * 2, edp, edp_link.bw_gbs, edp_link.latency))
             shard = dense / d + experts / edp
         else:
-            grad = (collective_time("all_reduce", dense * 4, d, dp_link.bw_gbs, dp_link.latency)
-                    + collective_time("all_reduce", experts * 4, edp, edp_link.bw_gbs, edp_link.latency))
+            grad = (collective_time("all_reduce", dense * gb, d, dp_link.bw_gbs, dp_link.latency)
+                    + collective_time("all_reduce", experts * gb, edp, edp_link.bw_gbs, edp_link.latency))
             gather = 0.0
             shard = dense + experts
         per_mb_bwd = st.backward_s + st.tp_comm_s / 2

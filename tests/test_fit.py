@@ -221,7 +221,7 @@ def test_shipped_default_intervals_cover_held_out_measurements():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    cal = C.resolve_calibration("default")
+    cal = C.resolve_calibration("local")
     assert not any("full-depth" in f or "tune-" in f for f in cal.trained_on["files"])
     iv = cal.targets["tokens_per_s_per_gpu"]["interval"]
     assert iv["lo"] < 0 < iv["hi"]
@@ -320,7 +320,7 @@ def test_resolve_calibration(cal):
     assert C.resolve_calibration(None) is None and C.resolve_calibration("none") is None
     assert C.resolve_calibration(cal) is cal
     assert isinstance(C.resolve_calibration(cal.source), C.Calibration)
-    d = C.resolve_calibration("default")
+    d = C.resolve_calibration("local")
     assert d is None or isinstance(d, C.Calibration)
 
 

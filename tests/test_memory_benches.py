@@ -31,7 +31,7 @@ def test_memory_terms_split_the_models_activations_and_logits():
 def test_compare_leaves_the_runtime_overhead_out_of_analytical_memory_only():
     cmp = load_bench("compare_measurements")
     _, plain = cmp.evaluate([FULL])
-    cal = resolve_calibration("default")
+    cal = resolve_calibration("local")
     _, calibrated = cmp.evaluate([FULL], cal)
     if cal.targets["memory_gib_per_gpu"]["mode"] == "analytical":
         # the calibration's memory is the analytical model's: same figure, same overhead left out

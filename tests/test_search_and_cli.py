@@ -64,7 +64,9 @@ def test_recommend_llama3_70b_h100x64():
 def test_recommend_energy_objective_orders_by_energy():
     res = recommend("llama3-8b", "h100x8", objective="energy", top=5)
     e = [r.prediction.energy_j_per_token for r in res.recommendations]
-    assert e == sorted(e)
+    # ranked by energy, a lower throttle risk breaking near-ties (the score weighs risk at 1%)
+    assert all(a <= b * 1.01 for a, b in zip(e, e[1:]))
+    assert e[0] == min(e)
 
 
 def test_cli_recommend_json_shape():

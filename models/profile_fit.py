@@ -1,0 +1,154 @@
+"""Fitting the `te` stack profile on published runs, and checking any profile against them.
+
+The `te` profile is the analytical model with the physics of Megatron-Core + Transformer Engine
+(`te_base`: constants whose values come from the TE stack's own settings, each with its source)
+and a few efficiencies fitted on the published fit set (`TE_FIT`: each a physical quantity with
+a plausible range). The fit is bounded least squares on log(predicted / measured tokens/s) with a
+soft-L1 loss and a weak pull towards the starting values; every distinct configuration weighs the
+same (a layout republished by several container versions counts once). It is reported out of
+sample: leave one source out and leave one model family out (`cross_validate`).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+from advisor.models.constants import DEFAULT, Constants
+from advisor.models.predict import Prediction, predict
+from advisor.models.profiles import apply_layout_defaults
+from advisor.models.published import PublishedRun
+from advisor.search_spaces.layout import violations
+
+# The TE stack's physics before fitting: settings of the stack, with their sources.
+TE_SETTINGS = {
+    # Megatron-Bridge / NeMo performance recipes: ddp.grad_reduce_in_fp32 = False (bf16 reduction)
+    "dp_grad_reduce_bytes": 2.0,
+}
+
+# Constants fitted on the published runs, with their bounds (physical ranges).
+TE_FIT: dict[str, tuple[float, float]] = {
+    "gemm_efficiency_max": (0.55, 0.90),  # BF16 GEMM, fraction of dense peak (cuBLAS 8192^3: 0.80)
+    "gemm_efficiency_max_fp8": (0.40, 0.85),  # FP8 GEMM, fraction of FP8 dense peak
+    "attention_efficiency": (0.25, 0.85),  # fused attention (cuDNN / FA3 on Hopper), of BF16 peak
+    "elementwise_hidden_passes": (4.0, 20.0),  # HBM passes of the fused norm / rope / residual kernels
+    "tp_overlap_fraction": (0.0, 1.0),  # TP communication hidden by userbuffers overlap
+    "pp_overlap_fraction": (0.0, 1.0),  # PP send/recv hidden by overlap_p2p_comm (interleaved)
+    "layer_overhead_s": (1e-6, 1e-3),  # per layer per microbatch launch / framework time
+}
+
+
+def te_base(base: Constants = DEFAULT) -> Constants:
+    return base.replace(**TE_SETTINGS)
+
+
+@dataclass
+class Row:
+    """A published run ready to predict: its config with the stack's layout defaults."""
+
+    run: PublishedRun
+    cfg: object
+    weight: float
+
+    @property
+    def y(self) -> float:
+        return self.run.tokens_per_s_per_gpu
+
+
+def fit_rows(runs: Iterable[PublishedRun], stack: str = "te",
+             keep: Callable[[PublishedRun], bool] | None = None) -> tuple[list[Row], Counter]:
+    """Usable, legal runs (with the stack's layout defaults), each distinct configuration weighing
+    1 in total; and a count of what was left out and why."""
+    left = Counter()
+    rows = []
+    for r in runs:
+        if not r.usable:
+            left[r.why] += 1
+            continue
+        if keep is not None and not keep(r):
+            left["not selected"] += 1
+            continue
+        v = violations(r.model, r.cluster, r.cfg)
+        if v:
+            left[f"layout not enterable: {v[0].split(':')[0][:60]}"] += 1
+            continue
+        rows.append(Row(r, apply_layout_defaults(r.cfg, stack), 1.0))
+    dup = Counter(_key(x) for x in rows)
+    for x in rows:
+        x.weight = 1.0 / dup[_key(x)]
+    return rows, left
+
+
+def _key(x: Row) -> tuple:
+    return (x.run.model_key, x.run.gpu_type, x.run.num_gpus, x.cfg.key(), x.run.fp8_recipe)
+
+
+def predict_rows(rows: Sequence[Row], c: Constants) -> list[Prediction]:
+    return [predict(x.run.model, x.run.cluster, x.cfg, c, check_legal=False) for x in rows]
+
+
+def log_errors(rows: Sequence[Row], c: Constants) -> np.ndarray:
+    return np.array([math.log(p.tokens_per_s_per_gpu / x.y) for x, p in zip(rows, predict_rows(rows, c))])
+
+
+def fit(rows: Sequence[Row], base: Constants, names: Sequence[str] = tuple(TE_FIT),
+        bounds: dict[str, tuple[float, float]] = TE_FIT, prior_weight: float = 0.02,
+        max_nfev: int = 60) -> tuple[Constants, dict]:
+    """Bounded least squares on each constant's position u in its range ([0, 1] from low to
+    high bound), starting from `base` (clipped into the range) with a weak pull towards it."""
+    from scipy.optimize import least_squares
+
+    names = list(names)
+    lo = np.array([bounds[n][0] for n in names], float)
+    span = np.array([bounds[n][1] for n in names], float) - lo
+    u0 = np.clip((np.array([getattr(base, n) for n in names], float) - lo) / span, 0.0, 1.0)
+    w = np.sqrt(np.array([x.weight for x in rows]) / sum(x.weight for x in rows))
+
+    def consts(u):
+        return base.replace(**{n: float(v) for n, v in zip(names, lo + span * u)})
+
+    def resid(u):
+        return np.concatenate([w * log_errors(rows, consts(u)), prior_weight * (u - u0)])
+
+    res = least_squares(resid, u0, bounds=(0.0, 1.0), loss="soft_l1", f_scale=0.1, diff_step=1e-3,
+                        xtol=1e-5, ftol=1e-6, max_nfev=max_nfev)
+    c = consts(res.x)
+    info = {"nfev": int(res.nfev), "status": int(res.status), "rows": len(rows),
+            "fitted": {n: getattr(c, n) for n in names},
+            "at_bound": [n for n, u in zip(names, res.x) if min(u, 1 - u) < 1e-3]}
+    return c, info
+
+
+def cross_validate(rows: Sequence[Row], base: Constants, by: Callable[[Row], str],
+                   names: Sequence[str] = tuple(TE_FIT), **kw) -> tuple[np.ndarray, dict[str, dict]]:
+    """Leave-one-group-out: fit without each group, predict it. Returns the out-of-fold log errors
+    (one per row) and {group: {"n", "mape", "bias"}}."""
+    groups = defaultdict(list)
+    for i, x in enumerate(rows):
+        groups[by(x)].append(i)
+    oof = np.full(len(rows), np.nan)
+    out = {}
+    for g, idx in sorted(groups.items()):
+        train = [x for i, x in enumerate(rows) if i not in set(idx)]
+        if not train:
+            continue
+        c, _ = fit(train, base, names, **kw)
+        e = log_errors([rows[i] for i in idx], c)
+        oof[idx] = e
+        out[g] = summary(e)
+    return oof, out
+
+
+def summary(log_err: np.ndarray, weights: np.ndarray | None = None) -> dict:
+    """MAPE and median bias (%) of predictions whose log(pred / measured) are `log_err`."""
+    e = np.asarray(log_err, float)
+    ok = np.isfinite(e)
+    if not ok.any():
+        return {"n": 0, "mape": math.nan, "bias": math.nan}
+    ape = np.abs(np.exp(e[ok]) - 1.0) * 100
+    w = None if weights is None else np.asarray(weights, float)[ok]
+    return {"n": int(ok.sum()), "mape": float(np.average(ape, weights=w)),
+            "bias": float((np.exp(np.median(e[ok])) - 1.0) * 100)}

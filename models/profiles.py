@@ -1,0 +1,68 @@
+"""Stack profiles: one physical model, calibrated for the software stack that runs the layout.
+
+  te     Megatron-Core with Transformer Engine (fused TE layers, FP8 through TE, TP communication
+         overlap with userbuffers, bf16 gradient reduction): what platform teams deploy, and so the
+         default for `recommend` and `predict`. Fitted on the published Megatron / NeMo /
+         Megatron-Bridge runs of data/published/ (bench/fit_profiles.py).
+  local  this project's own trial runner (megatron-core's local layers, no Transformer Engine,
+         SDPA attention, fp32 gradient reduction). Fitted on data/measurements/ (advisor fit).
+
+A profile is a calibration file (models/calibrate.Calibration) plus the layout defaults of its
+stack: knobs a stack turns on by itself that the user does not set per run. A user's own fit
+(`advisor fit -o FILE --profile-name NAME`) is a profile too, passed with `--calibration FILE`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from advisor.catalog.specs import SpecError, TrainConfig
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    description: str
+    file: Path
+    # TrainConfig fields the stack sets when the user leaves them unset, as functions of the layout
+    layout_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def defaults_for(self, tp: int, sequence_parallel: bool) -> dict[str, Any]:
+        out = {}
+        for k, v in self.layout_defaults.items():
+            if k == "tp_comm_overlap":  # TE userbuffers overlap TP communication where SP is on
+                out[k] = bool(v) and tp > 1 and sequence_parallel
+            else:
+                out[k] = v
+        return out
+
+
+STACKS: dict[str, Stack] = {
+    "te": Stack(
+        "te", "Megatron-Core + Transformer Engine (fitted on published runs)",
+        DATA / "te_calibration.joblib",
+        # NeMo / Megatron-Bridge performance recipes set tp_comm_overlap for TP > 1 (userbuffers)
+        {"tp_comm_overlap": True}),
+    "local": Stack(
+        "local", "this project's runner: megatron-core local layers, no Transformer Engine",
+        DATA / "default_calibration.joblib", {}),
+}
+DEFAULT_STACK = "te"
+
+
+def get_stack(name: str | None) -> Stack:
+    """The named stack (None: the default one); an unknown name is a one-line error."""
+    key = (name or DEFAULT_STACK).strip().lower()
+    if key not in STACKS:
+        raise SpecError(f"unknown stack {name!r} (known: {', '.join(STACKS)})")
+    return STACKS[key]
+
+
+def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping[str, Any] = ()) -> TrainConfig:
+    """`cfg` with the stack's layout defaults for the knobs not in `explicit` (what the user set)."""
+    s = get_stack(stack)
+    d = {k: v for k, v in s.defaults_for(cfg.tp, cfg.sequence_parallel).items() if k not in explicit}
+    return cfg.replace(**d) if d else cfg
