@@ -110,6 +110,13 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     return e * elems + gemm_bytes * gemm_in
 
 
+def _optimizer_transient(dense: float, experts: float, cfg: TrainConfig, c: Constants) -> float:
+    """Bytes the optimizer step allocates on top of the states: a copy of the gradient shard it
+    updates (bytes_optimizer_transient per parameter of the shard)."""
+    shard = dense / (cfg.dp * cfg.cp) + experts / cfg.expert_dp if cfg.distributed_optimizer else dense + experts
+    return c.bytes_optimizer_transient * shard
+
+
 def _full_layer_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants) -> float:
     return layer_activation_bytes(model, layer, cfg.replace(recompute="none"), c)
 
@@ -146,7 +153,9 @@ def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
             weights_gib=weights / GIB,
             grads_gib=grads / GIB,
             optimizer_gib=opt / GIB,
-            activations_gib=acts * (1.0 + c.fragmentation) / GIB,
+            # the larger of the activations (peak in the backward) and the optimizer step's
+            # transient fp32 copy of its gradient shard (peak in the step)
+            activations_gib=max(acts * (1.0 + c.fragmentation), _optimizer_transient(dense, experts, cfg, c)) / GIB,
             logits_gib=logits * (1.0 + c.fragmentation) / GIB,
             overhead_gib=c.runtime_overhead_gib,
         ))

@@ -33,6 +33,7 @@ weights and their optimizer states are sharded over EP x ETP and expert-DP in ``
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -91,13 +92,17 @@ def imbalance(model: ModelSpec, cfg: TrainConfig, c: Constants) -> float:
     if cfg.ep <= 1:
         return 1.0
     m = model.moe
-    pairs = max(1.0, moe_tokens(model, cfg) * m.top_k)  # per rank, balanced
-    cv2 = 1.0 / pairs
-    if cfg.moe_router == "aux_loss":
-        local = m.num_experts / cfg.ep
-        cv_expert = c.moe_router_skew / math.sqrt(2.0 * math.log(max(m.num_experts, 2)))
-        cv2 += cv_expert ** 2 / local
-    return 1.0 + math.sqrt(2.0 * math.log(cfg.ep)) * math.sqrt(cv2)
+    return _imbalance(m.num_experts, moe_tokens(model, cfg) * m.top_k, cfg.ep,
+                      c.moe_router_skew if cfg.moe_router == "aux_loss" else 0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _imbalance(experts: int, pairs: float, ep: int, skew: float) -> float:
+    cv2 = 1.0 / max(1.0, pairs)  # pairs per rank, balanced: multinomial spread
+    if skew:
+        cv_expert = skew / math.sqrt(2.0 * math.log(max(experts, 2)))
+        cv2 += cv_expert ** 2 / (experts / ep)
+    return 1.0 + math.sqrt(2.0 * math.log(ep)) * math.sqrt(cv2)
 
 
 def expected_max_over_mean(count: int, mean: float) -> float:
@@ -196,11 +201,15 @@ def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: 
         out.fp8_gemm_calls = 2 * (1 if cfg.moe_grouped_gemm else int(E_loc))
     x_mem = c.moe_expert_elementwise_passes * routed * imb * f * e / hbm
     gpu = x_gemm + x_mem + c.moe_expert_overhead_s
+    # SequentialMLP: the host launches expert after expert (the GPU waits when that is slower)
     host = E_loc * c.moe_sequential_expert_s if not cfg.moe_grouped_gemm else 0.0
     out.expert = max(gpu, host)
     out.gemm += x_gemm
     out.memory_bound += x_mem
     out.overhead += out.expert - x_gemm - x_mem  # launch-bound time beyond the GPU work
+    if not cfg.moe_grouped_gemm:  # ... and its 2 weight tensors per expert in the optimizer's and
+        # gradient handling's per-tensor loops, once per step (spread over the microbatches)
+        out.overhead += E_loc * 2 * c.moe_sequential_tensor_step_s / cfg.num_microbatches
 
     # shared experts: a dense MLP on every token of the microbatch (TP-sharded, as Megatron does)
     if m.shared_ffn_hidden_size:
@@ -252,6 +261,72 @@ def ep_reason(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, breakdow
     where = "NVLink" if span <= cluster.gpus_per_node else f"the network ({span // cluster.gpus_per_node} nodes)"
     a2a = breakdown.get("moe_dispatch_s", 0.0)
     share = a2a / step_s if step_s > 0 else 0.0
-    return (f"EP{cfg.ep}: {local} expert{'s' if local != 1 else ''}/GPU, {cfg.moe_dispatcher} over {where} "
-            f"= {share:.0%} of the step, busiest rank {imbalance(model, cfg, c):.2f}x mean, "
+    if cfg.ep <= 1:
+        return (f"EP=1: all {m.num_experts} experts on every GPU (no all-to-all), "
+                f"{tokens_per_expert(model, cfg):.0f} tokens/expert")
+    return (f"EP={cfg.ep}: {local} expert{'s' if local != 1 else ''}/GPU, {cfg.moe_dispatcher} over {where} "
+            f"= {share:.0%} of the step (exposed), busiest rank {imbalance(model, cfg, c):.2f}x the mean load, "
             f"{tokens_per_expert(model, cfg):.0f} tokens/expert")
+
+
+# ------------------------------------------------------------------------------------------------
+# fitting: which MoE constants each stack profile fits, within which physical ranges
+# ------------------------------------------------------------------------------------------------
+
+# Fitted on this project's runner (`local` stack, data/measurements/h100x1-moe*.jsonl) by
+# bench/moe_check.py, on whole-step time, the timed sub-steps and peak memory.
+MOE_LOCAL_FIT: dict[str, tuple[float, float]] = {
+    "moe_router_passes": (2.0, 40.0),
+    "moe_router_overhead_s": (1e-5, 5e-3),
+    "moe_router_per_expert_s": (1e-8, 5e-5),
+    "moe_permute_passes": (2.0, 80.0),
+    "moe_permute_overhead_s": (1e-5, 1e-2),
+    "moe_permute_per_expert_s": (1e-8, 1e-4),
+    "moe_gemm_half_tokens": (16.0, 4096.0),
+    "moe_gemm_efficiency": (0.3, 1.0),
+    "moe_expert_elementwise_passes": (2.0, 40.0),
+    "moe_expert_overhead_s": (1e-6, 5e-3),
+    "moe_sequential_expert_s": (5e-5, 5e-3),
+    "moe_sequential_tensor_step_s": (1e-6, 2e-3),
+    "moe_act_hidden_per_token": (1.0, 4.0),
+    "moe_act_ffn_per_token": (2.0, 6.0),
+    "moe_act_router_fp32": (1.0, 6.0),
+}
+
+# The Transformer Engine stack (NeMo / Megatron-Bridge MoE recipes) before fitting: settings of the
+# stack, each with its source. Fused permutation (--moe-permute-fusion, TE's moe_permute /
+# moe_unpermute / sort_chunks_by_index kernels: one read and one write of the routed tokens each
+# way, no host-side chunk loop); the router and the dispatch preprocessing captured in CUDA graphs
+# (the Qwen3 recipes' "TE cuda graphs attn/moe_router/moe_preprocess", published_fit.csv notes),
+# so their launch costs are those of a graph replay; grouped GEMM (TE GroupedLinear).
+MOE_TE_SETTINGS: dict[str, float] = {
+    "moe_permute_passes": 6.2,  # fused: ~4 (one read + write each way); fitted 6.2 with the rest below
+    "moe_permute_per_expert_s": 1e-8,
+    "moe_permute_overhead_s": 5e-5,
+    "moe_router_overhead_s": 5e-5,
+    "moe_router_per_expert_s": 1e-8,
+    # activations as megatron-core keeps them with TE's fused permutation and activation: per
+    # routed token the permuted input and the expert output (h each), fc1 output and activation
+    # (3f gated); fp32 router logits and probabilities (2 copies over E)
+    "moe_act_hidden_per_token": 2.0,
+    "moe_act_ffn_per_token": 2.0,
+    "moe_act_router_fp32": 2.0,
+    # fitted on the 19 published H100 MoE rows by bench/moe_check.py (MOE_TE_FIT; leave-one-model-
+    # out MAPE 19.5%, in sample 12.0%), until the te profile's own fit folds them in
+    "moe_a2a_exposed": 0.99,
+    "moe_gemm_efficiency": 0.68,
+    "moe_gemm_half_tokens": 160.0,
+    "moe_expert_overhead_s": 2.5e-3,
+}
+# Proposed for the te profile's fit on the published H100 MoE rows (bench/moe_check.py prints the
+# fit and its leave-one-model-out error): the exposed all-to-all fraction (1F1B / shared-expert
+# overlap, DeepEP), the grouped GEMM's efficiency and saturation, the fused permutation's passes.
+MOE_TE_FIT: dict[str, tuple[float, float]] = {
+    "moe_a2a_exposed": (0.05, 1.0),
+    "moe_gemm_efficiency": (0.3, 1.0),
+    "moe_gemm_half_tokens": (16.0, 4096.0),
+    "moe_permute_passes": (2.0, 16.0),
+    # per layer-microbatch host sync of the experts phase: TE's GroupedLinear takes the tokens per
+    # expert as a host list (a device-to-host copy and a launch gap every MoE layer)
+    "moe_expert_overhead_s": (1e-5, 3e-3),
+}

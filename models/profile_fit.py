@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from advisor.models.constants import DEFAULT, Constants
+from advisor.models.moe import MOE_TE_SETTINGS
 from advisor.models.predict import Prediction, predict
 from advisor.models.profiles import apply_layout_defaults
 from advisor.models.published import PublishedRun
@@ -27,6 +28,8 @@ from advisor.search_spaces.layout import violations
 TE_SETTINGS = {
     # Megatron-Bridge / NeMo performance recipes: ddp.grad_reduce_in_fp32 = False (bf16 reduction)
     "dp_grad_reduce_bytes": 2.0,
+    # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
+    **MOE_TE_SETTINGS,
 }
 
 # Constants fitted on the published runs, with their bounds (physical ranges).

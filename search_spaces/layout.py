@@ -67,14 +67,30 @@ def layer_kind(model: ModelSpec, layer: int) -> str:
 
 
 def layer_kind_counts(model: ModelSpec, layers: range) -> dict[int, int]:
-    """{representative layer index: number of layers of its kind} for a range of layers."""
+    """{representative layer index: number of layers of its kind} for a range of layers. Memoised
+    by the model object's identity (recommend asks for the same stages of one model for every
+    layout it ranks; hashing a ModelSpec costs more than the count): the memo keeps the model
+    alive, so an id is never reused while its entry exists."""
+    key = (id(model), layers.start, layers.stop)
+    hit = _KIND_MEMO.get(key)
+    if hit is None or hit[0] is not model:
+        if len(_KIND_MEMO) > 8192:
+            _KIND_MEMO.clear()
+        hit = _KIND_MEMO[key] = (model, _layer_kind_counts(model, layers))
+    return dict(hit[1])
+
+
+_KIND_MEMO: dict[tuple, tuple] = {}
+
+
+def _layer_kind_counts(model: ModelSpec, layers: range) -> tuple[tuple[int, int], ...]:
     reps: dict[str, int] = {}
     counts: dict[int, int] = {}
     for i in layers:
         k = layer_kind(model, i)
         rep = reps.setdefault(k, i)
         counts[rep] = counts.get(rep, 0) + 1
-    return counts
+    return tuple(counts.items())
 
 
 def in_flight_microbatches(cfg: TrainConfig, stage: int) -> float:
