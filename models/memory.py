@@ -27,11 +27,12 @@ class StageMemory:
     activations_gib: float
     logits_gib: float
     overhead_gib: float
+    step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations (peak = the larger)
 
     @property
     def total_gib(self) -> float:
         return (self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
-                + self.logits_gib + self.overhead_gib)
+                + self.logits_gib + self.overhead_gib + self.step_transient_gib)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -153,9 +154,10 @@ def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
             weights_gib=weights / GIB,
             grads_gib=grads / GIB,
             optimizer_gib=opt / GIB,
-            # the larger of the activations (peak in the backward) and the optimizer step's
-            # transient fp32 copy of its gradient shard (peak in the step)
-            activations_gib=max(acts * (1.0 + c.fragmentation), _optimizer_transient(dense, experts, cfg, c)) / GIB,
+            activations_gib=acts * (1.0 + c.fragmentation) / GIB,
+            # the peak is the larger of the activations (in the backward) and the optimizer step's
+            # transient copy of its gradient shard (in the step): what the step adds beyond them
+            step_transient_gib=max(0.0, _optimizer_transient(dense, experts, cfg, c) - acts * (1.0 + c.fragmentation)) / GIB,
             logits_gib=logits * (1.0 + c.fragmentation) / GIB,
             overhead_gib=c.runtime_overhead_gib,
         ))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -124,7 +125,29 @@ def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: 
                    ep_link, etp_link, collective_time: Callable) -> MoELayerTime:
     """One MoE layer, one microbatch, forward + backward. `gemm(m, k, n, linear=True)` is the
     dense GEMM model of ``step_time`` (seconds, achieved fraction; linear=False: a BF16 GEMM also
-    under fp8, as the router is); the links come from ``step_time.group_link``."""
+    under fp8, as the router is), a function of (cluster, constants, precision) alone; the links
+    come from ``step_time.group_link``. Memoised: recommend asks the same MoE layer for the many
+    layouts that differ only in PP / DP / VP / recompute (the memo keeps model, cluster and
+    constants alive, so their ids are not reused while an entry exists)."""
+    key = (id(model), id(cluster), id(c), cfg.tp, cfg.cp, cfg.mbs, cfg.seq, cfg.ep, cfg.etp,
+           cfg.sequence_parallel, cfg.precision, cfg.moe_dispatcher, cfg.moe_grouped_gemm, cfg.moe_router,
+           cfg.num_microbatches, ep_link.bw_gbs, ep_link.latency, etp_link.bw_gbs, etp_link.latency)
+    hit = _LAYER_MEMO.get(key)
+    if hit is not None and hit[0] is model and hit[1] is cluster and hit[2] is c:
+        return dataclasses.replace(hit[3])
+    if len(_LAYER_MEMO) > 4096:
+        _LAYER_MEMO.clear()
+    out = _moe_layer_time(model, cfg, cluster, c, gemm, ep_link, etp_link, collective_time)
+    _LAYER_MEMO[key] = (model, cluster, c, out)
+    return dataclasses.replace(out)
+
+
+_LAYER_MEMO: dict[tuple, tuple] = {}
+
+
+def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
+                    gemm: Callable[..., tuple[float, float]],
+                    ep_link, etp_link, collective_time: Callable) -> MoELayerTime:
     m = model.moe
     out = MoELayerTime()
     h = model.hidden_size
@@ -231,7 +254,24 @@ def moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) ->
     fp8) one MoE layer's MLP block keeps for the backward, per microbatch, on the busiest GPU. Per
     routed token: the permuted input (GEMM input) and the expert output (h each), the fc1 output
     (2f gated), the activation and its probability-weighted copy (f each, the latter the fc2
-    input); the router's fp32 logits / probabilities (T x E); shared experts like a dense MLP."""
+    input); the router's fp32 logits / probabilities (T x E); shared experts like a dense MLP.
+    Memoised like moe_layer_time."""
+    key = (id(model), id(c), cfg.tp, cfg.cp, cfg.mbs, cfg.seq, cfg.ep, cfg.etp, cfg.sequence_parallel,
+           cfg.moe_router)
+    hit = _ACT_MEMO.get(key)
+    if hit is not None and hit[0] is model and hit[1] is c:
+        return hit[2]
+    if len(_ACT_MEMO) > 4096:
+        _ACT_MEMO.clear()
+    out = _moe_activation_elements(model, cfg, c)
+    _ACT_MEMO[key] = (model, c, out)
+    return out
+
+
+_ACT_MEMO: dict[tuple, tuple] = {}
+
+
+def _moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
     m = model.moe
     T = moe_tokens(model, cfg)
     routed = T * m.top_k * imbalance(model, cfg, c)

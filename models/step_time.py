@@ -329,8 +329,9 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             st.gemm_s += 3 * tt
             st.forward_s += tt
             st.backward_s += 2 * tt
-            util[0] += 3 * tt * u
-            util[1] += 3 * tt
+            # weighted like the layers' GEMMs (forward seconds, a third of their gemm_s)
+            util[0] += tt * u
+            util[1] += tt
             st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * 6 / (hbm * c.hbm_efficiency)
             st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
         # PP send/recv: activations to the next stage, gradients to the previous one, once per
