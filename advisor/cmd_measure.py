@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from advisor.options import Command, CommandEnv, ExitGrace, LogParser, StepRegex
+
 
 def register(app: typer.Typer) -> None:
     app.command("measure")(measure_cmd)
@@ -45,6 +47,9 @@ def measure_cmd(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="worker files (default: beside --dataset until the batch is settled, else a temp dir)"),
     salvage: bool = typer.Option(False, "--salvage", help="only record the jobs of batches on --dataset whose launcher died (SIGKILL), then exit"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the jobs and the torchrun command, run nothing"),
+    runner: str = typer.Option("megatron", "--runner", help="megatron (the built-in megatron-core runner) or command (your own training command: --command)"),
+    command: Command = None, parser: LogParser = "auto", step_regex: StepRegex = None,
+    env: CommandEnv = None, exit_grace: ExitGrace = 30.0,
 ) -> None:
     """Measure one layout (--model ...) or a batch (--batch configs.jsonl) on the local GPUs."""
     from advisor.cli import fail
@@ -79,6 +84,8 @@ def measure_cmd(
                                 distributed_optimizer=distributed_optimizer,
                                 overlap_grad_reduce=overlap_grad_reduce,
                                 overlap_param_gather=overlap_param_gather)]
+    spec = _command_spec(runner, command, parser, step_regex, env, exit_grace, entries, world)
+    if batch is None:
         if entries[0].refused and not dry_run:
             rec = M.assemble_record(entries[0], "refused", entries[0].refused, {}, None)
             if out:
@@ -86,6 +93,12 @@ def measure_cmd(
             if dataset:
                 M.append_jsonl(dataset, rec)
             fail(f"refused: {entries[0].refused}")
+    if dry_run and spec is not None:
+        from advisor.runners.command import dry_run_lines
+
+        for line in dry_run_lines(entries, spec, world or max(e.config.world_size for e in entries)):
+            print(json.dumps(line))
+        return
     if dry_run:
         nproc = world or max(e.config.world_size for e in entries)
         for i, e in enumerate(entries):
@@ -96,13 +109,42 @@ def measure_cmd(
         return
     n_run = sum(1 for e in entries if not e.refused)
     print(f"measuring {n_run} job(s) on {world} GPU(s), {len(entries) - n_run} refused", file=sys.stderr)
-    records = M.run_batch(entries, dataset, world, run_dir=run_dir, timeout=timeout,
-                          telemetry_hz=telemetry_hz, trace_dir=trace_dir, max_seconds=max_seconds,
-                          on_record=_print_record)
+    if spec is not None:
+        from functools import partial
+
+        from advisor.runners.command import run_batch as run_command_batch
+
+        run = partial(run_command_batch, spec=spec)
+    else:
+        run = M.run_batch
+    records = run(entries, dataset, world, run_dir=run_dir, timeout=timeout,
+                  telemetry_hz=telemetry_hz, trace_dir=trace_dir, max_seconds=max_seconds,
+                  on_record=_print_record)
     if out and records:
         out.write_text(json.dumps(records[0] if batch is None else records, indent=1) + "\n")
     if batch is None and records and records[0]["status"] != "ok":
         raise typer.Exit(1)
+
+
+def _command_spec(runner, command, parser, step_regex, env, exit_grace, entries, world):
+    """--runner command: the validated command (its refusal rules replace the built-in runner's);
+    None for the built-in runner."""
+    from advisor.cli import fail
+
+    if runner == "megatron":
+        if command is not None:
+            fail("--command needs --runner command")
+        return None
+    if runner != "command":
+        fail(f"--runner must be megatron or command, got {runner!r}")
+    if not command:
+        fail("--runner command needs --command 'your training command ... {megatron_args}'")
+    from advisor.runners import command as C
+
+    spec = C.CommandSpec.from_dict(C.spec_options(command, parser, step_regex, env, exit_grace))
+    for e in entries:
+        e.refused = C.refusal_reason(e.model, e.config, world)
+    return spec
 
 
 def _print_record(rec: dict) -> None:

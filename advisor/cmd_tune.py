@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from advisor.options import Cluster, Gbs, Html, Model, Precision, Seq
+from advisor.options import (Cluster, Command, CommandEnv, ExitGrace, Gbs, Html, LogParser, Model, Precision,
+                             Seq, StepRegex)
 
 CAL_HELP = ("what the study predicts with (seeds' ranking, each trial's 'predicted', the surrogate sampler's "
             "prior): a calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
@@ -29,7 +30,7 @@ def tune_cmd(
     batch: int = typer.Option(1, "--batch", help="trials launched together as one job: one torchrun measures them one after another (start-up paid once per job)"),
     timeout: Optional[float] = typer.Option(None, "--timeout", help="stop launching trials after this many seconds"),
     trial_timeout: float = typer.Option(900.0, "--trial-timeout", help="a trial running longer is cancelled and recorded as timeout"),
-    runner: str = typer.Option("megatron", "--runner", help="megatron (GPUs, megatron-core) or simulate (analytical model + noise)"),
+    runner: str = typer.Option("megatron", "--runner", help="megatron (GPUs, megatron-core), command (your own training command: --command) or simulate (analytical model + noise)"),
     objective: str = typer.Option("power", "--objective", help="second objective to minimize: power (peak W) or energy (J/token)"),
     storage: Optional[str] = typer.Option(None, "--storage", help="journal file (default ./advisor-studies.journal) or an RDB URL (postgresql://...)"),
     study_name: Optional[str] = typer.Option(None, "--study-name", help="default: <model>@<cluster>-seq..-gbs..-<precision>-<objective>-<runner>"),
@@ -46,6 +47,8 @@ def tune_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan (space, pruned, enqueued) and run nothing"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object on stdout"),
     html: Html = None,
+    command: Command = None, parser: LogParser = "auto", step_regex: StepRegex = None,
+    env: CommandEnv = None, exit_grace: ExitGrace = 30.0,
 ) -> None:
     """Search layouts of MODEL on CLUSTER by measuring them: multi-objective Optuna study (tokens/s/GPU
     vs peak power or energy), trials as Ray tasks, resumable storage, Pareto front at the end."""
@@ -54,6 +57,14 @@ def tune_cmd(
     from advisor.study import TuneSettings, make_plan, run_study
 
     opts = {"sigma": sigma, **options_from_env()} if runner == "simulate" else {"steps": steps, "warmup": warmup}
+    if runner == "command" or command is not None:
+        from advisor.runners.command import spec_options
+
+        if runner != "command":
+            fail("--command needs --runner command")
+        if not command:
+            fail("--runner command needs --command 'your training command ... {megatron_args}'")
+        opts["command"] = spec_options(command, parser, step_regex, env, exit_grace)
     s = TuneSettings(model=model, cluster=cluster, seq=seq, gbs=gbs, precision=precision, layers=layers,
                      trials=trials, batch=batch, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,

@@ -49,3 +49,20 @@ Html = Annotated[Optional[str], typer.Option(
 Stack = Annotated[Optional[str], typer.Option(
     "--stack", help="software stack the prediction is for: te (Megatron-Core + Transformer Engine, "
                     "the default: fitted on published runs) or local (this project's runner)")]
+
+# `--runner command` (advisor measure, advisor tune): the user's own training command
+Command = Annotated[Optional[str], typer.Option(
+    "--command", help="--runner command: the training command, run with bash for each trial; placeholders "
+                      "{megatron_args}, {megatron_model_args}, {nemo_overrides}, {bridge_overrides}, {env}, "
+                      "{iters}, {tp} ... {node_rank} {master_addr} {master_port} (docs/tune.md)")]
+LogParser = Annotated[str, typer.Option(
+    "--parser", help="--runner command: how to read the job's log: auto (Megatron-LM / Megatron-Bridge and "
+                     "NeMo lines, and $ADVISOR_STEP_FILE), megatron, nemo, regex (--step-regex), json (the step file only)")]
+StepRegex = Annotated[Optional[str], typer.Option(
+    "--step-regex", help="--runner command: a regex matching one line per iteration, with a named group "
+                         "(?P<s>...) or (?P<ms>...) for its time and optionally (?P<iter>...)")]
+CommandEnv = Annotated[Optional[list[str]], typer.Option(
+    "--env", help="--runner command: NAME=VALUE set for every trial (placeholders allowed; repeatable)")]
+ExitGrace = Annotated[float, typer.Option(
+    "--exit-grace", help="--runner command: seconds the job may take to exit by itself after its measured "
+                         "iterations before the runner stops it")]

@@ -1016,7 +1016,12 @@ def salvage_runs(dataset: str | Path) -> list[dict[str, Any]]:
         if meta is not None and _owner_alive(meta):
             continue
         if meta is not None:
-            recs = salvage_run_dir(d, dataset)
+            if meta.get("runner") == "command":  # the command runner's batches: trial logs
+                from advisor.runners.command import salvage_run_dir as salvage_command
+
+                recs = salvage_command(d, dataset, meta)
+            else:
+                recs = salvage_run_dir(d, dataset)
             if recs:
                 log.warning("salvaged %d record(s) of a batch whose launcher died: %s", len(recs), d)
             out += recs

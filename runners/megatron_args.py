@@ -299,20 +299,9 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         # Megatron-LM asserts --overlap-param-gather comes with --overlap-grad-reduce.
         if cfg.overlap_param_gather:
             a.append("--overlap-param-gather")
-    if model.mla is not None:
-        m = model.mla
-        a.append("--multi-latent-attention")
-        if m.q_lora_rank:  # 0 = no query compression: megatron's default (None)
-            a += ["--q-lora-rank", str(m.q_lora_rank)]
-        a += ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_nope_head_dim),
-              "--qk-pos-emb-head-dim", str(m.qk_rope_head_dim), "--v-head-dim", str(m.v_head_dim)]
+    a += _mla_args(model)
     if model.is_moe:
-        m = model.moe
-        a += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.top_k),
-              "--moe-ffn-hidden-size", str(m.ffn_hidden_size)]
-        if m.shared_ffn_hidden_size:
-            a += ["--moe-shared-expert-intermediate-size", str(m.shared_ffn_hidden_size)]
-        a += _moe_layer_freq(model, compact=True)
+        a += _moe_arch_args(model)
         if cfg.moe_grouped_gemm:
             a.append("--moe-grouped-gemm")
         a += ["--moe-token-dispatcher-type", cfg.moe_dispatcher,
@@ -403,3 +392,64 @@ def moe_job_keys(model: ModelSpec, cfg: TrainConfig) -> dict[str, Any]:
         return {}
     return {"moe_experts": "grouped" if cfg.moe_grouped_gemm else "sequential",
             "moe_profile_steps": MOE_PROFILE_STEPS}
+
+
+def _mla_args(model: ModelSpec) -> list[str]:
+    if model.mla is None:
+        return []
+    m = model.mla
+    a = ["--multi-latent-attention"]
+    if m.q_lora_rank:  # 0 = no query compression: megatron's default (None)
+        a += ["--q-lora-rank", str(m.q_lora_rank)]
+    return a + ["--kv-lora-rank", str(m.kv_lora_rank), "--qk-head-dim", str(m.qk_nope_head_dim),
+                "--qk-pos-emb-head-dim", str(m.qk_rope_head_dim), "--v-head-dim", str(m.v_head_dim)]
+
+
+def _moe_arch_args(model: ModelSpec) -> list[str]:
+    m = model.moe
+    a = ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.top_k),
+         "--moe-ffn-hidden-size", str(m.ffn_hidden_size)]
+    if m.shared_ffn_hidden_size:
+        a += ["--moe-shared-expert-intermediate-size", str(m.shared_ffn_hidden_size)]
+    return a + _moe_layer_freq(model, compact=True)
+
+
+def layout_args(cfg: TrainConfig) -> list[str]:
+    """Only what the layout decides, as Megatron-LM arguments (for the user's own command line,
+    which keeps its model, data, tokenizer and optimizer): TP / PP / CP / EP sizes, micro and
+    global batch, sequence length, virtual pipeline and uneven split, sequence parallelism,
+    recompute, distributed optimizer, overlap, precision."""
+    cfg = effective_config(cfg)
+    a = _parallel_size_args(cfg) + ["--seq-length", str(cfg.seq)]
+    if cfg.ep > 1 or cfg.etp > 1:
+        a += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp),
+              "--moe-token-dispatcher-type", cfg.moe_dispatcher]
+        if cfg.moe_router == "forced":
+            a.append("--moe-router-force-load-balancing")
+    a += _pipeline_args(cfg)
+    if cfg.sequence_parallel:
+        a.append("--sequence-parallel")
+    if cfg.tp_comm_overlap:
+        a.append("--tp-comm-overlap")
+    a += _recompute_args(cfg, name_modules=False)
+    if cfg.distributed_optimizer:
+        a.append("--use-distributed-optimizer")
+    if cfg.overlap_grad_reduce:
+        a.append("--overlap-grad-reduce")
+        if cfg.overlap_param_gather:  # Megatron-LM asserts it comes with --overlap-grad-reduce
+            a.append("--overlap-param-gather")
+    a.append("--bf16")
+    if cfg.precision == "fp8":
+        a += ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
+    return a
+
+
+def model_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
+    """The model's architecture as Megatron-LM arguments (shape, norm, position embedding, GQA,
+    activation, biases, vocabulary, MoE and MLA): for a command whose script does not fix the
+    model, e.g. a proxy with fewer layers."""
+    return _shape_args(model) + _norm_position_args(model) + _architecture_flags(model) + [
+        "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
+        "--vocab-size", str(model.vocab_size),
+        "--make-vocab-size-divisible-by", str(VOCAB_DIVISIBLE_BY),
+    ] + _mla_args(model) + (_moe_arch_args(model) if model.is_moe else [])

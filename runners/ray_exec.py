@@ -27,13 +27,17 @@ from typing import Any, Mapping
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.runners.simulate import new_record
 
-RUNNERS = ("simulate", "megatron")
+RUNNERS = ("simulate", "megatron", "command")
 
 
 def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
     """The layout as `runner` will run it, and why it cannot run it (None when it can)."""
     if runner == "simulate":
         return cfg, None
+    if runner == "command":  # the user's own stack: only legality (multi-node through Ray)
+        from advisor.runners.command import refusal_reason
+
+        return cfg, refusal_reason(model, cfg, cluster.world_size)
     if runner != "megatron":
         raise ValueError(f"unknown runner {runner!r}")
     from advisor.runners import megatron_args as MA
@@ -71,6 +75,10 @@ def execute(runner: str, model: ModelSpec, cluster: ClusterSpec, cfgs: list[Trai
         for rec, i in zip(recs, ids or []):
             rec["id"] = i
         return recs
+    if runner == "command":  # every node rank returns its records (merged by the executor)
+        from advisor.runners.command import execute_command
+
+        return execute_command(model, cluster, cfgs, timeout_s, options, node_rank, nnodes, rendezvous, ids)
     from advisor.runners import measure as M
 
     o = dict(options)
@@ -266,14 +274,20 @@ class RayExecutor:
                 self.ray.cancel(r, force=True)
 
     def _collect(self, job: Job) -> list[dict[str, Any]]:
-        recs, where, errors = None, [], []
+        recs, where, errors, by_node = None, [], [], []
         for ref in job.refs:
             try:
                 r, w = self.ray.get(ref)
                 where.append(w)
                 recs = r if w["node_rank"] == 0 else recs
+                if r is not None:
+                    by_node.append((w["node_rank"], r))
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
+        if job.runner == "command" and len(by_node) > 1 and not errors:
+            from advisor.runners.command import merge_node_records
+
+            recs = merge_node_records(by_node)
         timed_out = job.cancelled_at is not None
         if errors or recs is None:
             e = errors[0] if errors else None

@@ -134,3 +134,25 @@ def test_driver_killed_mid_study_resumes_without_loss_or_repeats(cluster, tmp_pa
     for t in stale:  # one retry each; a trial killed before its sampler gave it a layout has none to retry
         assert len([x for x in trials if x.user_attrs.get("retry_of") == t.number]) == (1 if t.params else 0)
     assert not [t for t in trials if t.state == TS.RUNNING]
+
+
+def test_multi_node_command_trial_runs_one_launcher_per_node_and_merges_their_records(cluster, tmp_path):
+    """--runner command on 2 nodes: each node rank runs the command with its {node_rank}; only the
+    last node prints iteration lines (as Megatron-LM does); the record has its steps and both nodes."""
+    fake = os.path.join(os.path.dirname(__file__), "data", "measure", "fake_train.py")
+    cmd = (f"{sys.executable} {fake} --step-s 0.05 --print-on-node 1 --node {{node_rank}} "
+           f"--master {{master_addr}}:{{master_port}} {{megatron_args}}")
+    tune = [a for a in _cmd(cluster, tmp_path, "cmdmulti", topo="h100x4x2", trials=2) if a != "simulate"]
+    i = tune.index("--runner")
+    tune[i + 1:i + 1] = ["command"]
+    _run(tune + ["--command", cmd, "--steps", "3", "--warmup", "1", "--calibration", "none"])
+    recs = _records(tmp_path / "cmdmulti.jsonl")
+    assert len(recs) == 2
+    for x in recs:
+        assert x["status"] == "ok" and x["runner"] == "command" and x["steps"]["measured"] == 3
+        assert [n["node_rank"] for n in x["command"]["nodes"]] == [0, 1]
+        assert x["cluster"]["num_nodes"] == 2 and x["cluster"]["gpus_per_node"] == 4
+        pl = x["placement"]
+        assert [p["node_rank"] for p in pl] == [0, 1] and pl[0]["node_id"] != pl[1]["node_id"]
+        master = f"--master {pl[0]['master'][0]}:{pl[0]['master'][1]}"
+        assert master in x["command"]["line"]

@@ -1,0 +1,166 @@
+"""Does Megatron-LM's own argument parser accept the Megatron arguments the advisor prints?
+
+For every catalog model on every catalog cluster (and a few `<gpu>x<count>` shapes), the top-1
+layout of `advisor recommend` (its `megatron_args`: the production arguments, Transformer Engine)
+and the same layout as this repo's runner runs it (`--transformer-impl local`) are handed to
+megatron-core's ``megatron.training.arguments``: ``parse_args`` (argparse: every flag must exist,
+every value must parse), then ``validate_args`` with the cluster's world size (Megatron-LM's own
+consistency rules: divisibility, pipeline split, VP, overlap / distributed-optimizer, MoE, MLA).
+The user's side of a command line (data, tokenizer, iterations, learning rate) is added as
+``USER_ARGS``: the advisor leaves those to the user.
+
+Needs torch and megatron-core (Python >= 3.12)::
+
+    python bench/megatron_args_check.py [--json OUT.json]
+
+prints one line per (model, cluster, form) and exits 1 if any is rejected."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shlex
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# What a user's own command line adds to the advisor's arguments (they are not the layout's).
+USER_ARGS = ["--train-iters", "10", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer"]
+EXTRA_CLUSTERS = ("h100x8", "h100x64", "h200x16")
+
+
+def catalog_top1(clusters=None, calibration="default") -> list[dict]:
+    """(model, cluster, world size, config, production args, runner args) of the top-1 layout of
+    every catalog model on every catalog cluster plus EXTRA_CLUSTERS."""
+    from advisor.api import recommend
+    from advisor.catalog import list_models
+    from advisor.catalog.loaders import _clusters
+    from advisor.catalog.specs import SpecError
+    from advisor.runners.megatron_args import megatron_lm_args
+
+    names = list(clusters) if clusters else sorted(_clusters()) + list(EXTRA_CLUSTERS)
+    out = []
+    for m in list_models():
+        for c in names:
+            try:
+                res = recommend(m.name, c, top=1, calibration=calibration)
+            except SpecError as e:  # fits nowhere on this cluster: nothing printed, nothing to check
+                out.append({"model": m.name, "cluster": c, "skipped": str(e)})
+                continue
+            if not res.recommendations:
+                out.append({"model": m.name, "cluster": c, "skipped": "no feasible layout"})
+                continue
+            r = res.recommendations[0]
+            out.append({"model": m.name, "cluster": c, "world_size": res.cluster.world_size,
+                        "arch_major": 8 if res.cluster.gpu.name.startswith("a100") else 9,
+                        "config": r.config.key(), "vocab_size": res.model.vocab_size,
+                        "production": shlex.split(r.megatron_args),
+                        "runner": megatron_lm_args(res.model, r.config, runner=True)})
+    return out
+
+
+# Megatron-LM asserts this environment variable with TP > 1 or CP > 1 on GPUs before Blackwell
+# (its example scripts export it); the command runner sets it too (runners/command.py).
+ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@contextlib.contextmanager
+def _gpu_arch(major: int):
+    """validate_args asks the GPU for its compute capability (Hopper: 9). Without a GPU (CPU
+    tests), answer for the cluster's GPU; with one, ask it."""
+    import torch
+    from megatron.training import arguments as A
+
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = A.get_device_arch_version, torch.cuda.get_device_capability
+    A.get_device_arch_version = lambda: major
+    torch.cuda.get_device_capability = lambda *a, **k: (major, 0)
+    try:
+        yield
+    finally:
+        A.get_device_arch_version, torch.cuda.get_device_capability = saved
+
+
+def megatron_accepts(args: list[str], world_size: int, arch_major: int = 9) -> str | None:
+    """None when megatron.training.arguments parses and validates `args` for `world_size` ranks,
+    else the first line of its complaint. `arch_major`: the GPU's compute capability when no GPU
+    is present (8 Ampere, 9 Hopper)."""
+    from megatron.training import arguments as A
+
+    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", *ENV)
+    old_argv, old_env = sys.argv, {k: os.environ.get(k) for k in keys}
+    sys.argv = ["pretrain_gpt.py", *args]
+    os.environ.update(WORLD_SIZE=str(world_size), RANK="0", LOCAL_RANK="0", **ENV)
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), _gpu_arch(arch_major):
+            ns = A.parse_args()
+            A.validate_args(ns, {})
+        return None
+    except SystemExit as e:  # argparse: an unknown flag or a bad value
+        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+        return (lines[-1] if lines else f"argparse exit {e.code}")[:300]
+    except Exception as e:  # noqa: BLE001 - validate_args asserts and raises
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+    finally:
+        sys.argv = old_argv
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def run(clusters=None, calibration="default") -> list[dict]:
+    rows = []
+    for item in catalog_top1(clusters, calibration):
+        if "skipped" in item:
+            rows.append(item)
+            continue
+        for form in ("production", "runner"):
+            extra = USER_ARGS if form == "production" else []
+            if form == "production":
+                extra = extra + ["--vocab-size", str(item["vocab_size"])]
+            err = megatron_accepts(item[form] + extra, item["world_size"], item["arch_major"])
+            rows.append({"model": item["model"], "cluster": item["cluster"], "form": form,
+                         "world_size": item["world_size"], "config": item["config"],
+                         "accepted": err is None, "error": err,
+                         "args": " ".join(item[form] + extra)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write every row (args included) here")
+    ap.add_argument("--calibration", default="default")
+    o = ap.parse_args(argv)
+    t0 = time.time()
+    import megatron.core
+    import torch
+
+    rows = run(calibration=o.calibration)
+    bad = [r for r in rows if r.get("accepted") is False]
+    checked = [r for r in rows if "accepted" in r]
+    for r in rows:
+        if "skipped" in r:
+            print(f"skip    {r['model']:16s} {r['cluster']:12s} {r['skipped'][:100]}")
+        else:
+            print(f"{'ok' if r['accepted'] else 'REJECT':7s} {r['model']:16s} {r['cluster']:12s} "
+                  f"{r['form']:10s} {r['config']}" + (f"  <- {r['error']}" if r["error"] else ""))
+    print(f"{len(checked) - len(bad)} of {len(checked)} argument lines accepted by megatron.training.arguments "
+          f"(megatron-core {getattr(megatron.core, '__version__', '?')}, torch {torch.__version__}, "
+          f"Python {sys.version.split()[0]}); {sum('skipped' in r for r in rows)} pairs fit nowhere; "
+          f"{time.time() - t0:.0f} s")
+    if o.json:
+        Path(o.json).write_text(json.dumps({"rows": rows, "user_args": USER_ARGS}, indent=1) + "\n")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
