@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model
 from advisor.models import DEFAULT, Constants, Prediction, predict
-from advisor.models.memory import stage_memory
+from advisor.models.memory import peak_memory_gib
 from advisor.search_spaces.layout import IllegalLayout, violations
 from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
 
@@ -24,14 +24,37 @@ class NoFeasibleLayout(SpecError):
     """The model fits nowhere on the cluster."""
 
 
+# Default global batch (sequences), as public recipes scale it: about 8K tokens per GPU per step,
+# the median of the 30 H100 pre-training rows of 64+ GPUs in ../shared/benchmarks/published_fit.csv
+# (1K-131K tokens/GPU; e.g. Llama 3.1 405B on 1024 H100: 512 and 1536 x 8192; DeepSeek-V3 on 1024:
+# 8192 x 4096), never above the 16M-token batch of Llama 3 405B on 8K-16K H100 (Llama 3 paper,
+# Table 4: 2048 x 8192 tokens) and never below 128 sequences (what small recipes use).
+DEFAULT_TOKENS_PER_GPU = 8192
+DEFAULT_MAX_BATCH_TOKENS = 16 * 2 ** 20
+DEFAULT_MIN_GBS = 128
+
+
+def default_gbs(world_size: int, seq: int) -> int:
+    """The default global batch: ~8K tokens per GPU, capped at 16M tokens, at least 128
+    sequences; then the nearest odd(world)·2^k of at least 128 (log scale), so that it is a
+    multiple of every data-parallel size of the cluster up to 2^k (a power of two for
+    power-of-two clusters)."""
+    tokens = min(world_size * DEFAULT_TOKENS_PER_GPU, DEFAULT_MAX_BATCH_TOKENS)
+    want = max(DEFAULT_MIN_GBS, tokens // max(1, seq))
+    gbs = world_size // (world_size & -world_size)  # the odd part of the GPU count
+    while gbs < DEFAULT_MIN_GBS or gbs * 2 <= want:
+        gbs *= 2
+    return gbs * 2 if gbs < want and (gbs * 2) / want < want / gbs else gbs
+
+
 def default_workload(model: ModelSpec, cluster: ClusterSpec, seq: int | None = None,
                      gbs: int | None = None, precision: str = "bf16") -> Workload:
-    """seq: the model's context up to 8192; gbs: 128 sequences, or world/8 rounded up to a power
-    of two on large clusters (Llama 3 405B: 2048 x 8192 tokens on 16K GPUs)."""
+    """seq: the model's context up to 8192; gbs: `default_gbs` (128 sequences up to 128 GPUs at
+    seq 8192, then ~8K tokens per GPU up to Llama 3's 16M-token batch)."""
     if seq is None:
         seq = min(model.max_position_embeddings or 8192, 8192)
     if gbs is None:
-        gbs = max(128, 2 ** math.ceil(math.log2(max(1, cluster.world_size // 8))))
+        gbs = default_gbs(cluster.world_size, seq)
     return Workload(seq=seq, gbs=gbs, precision=precision)
 
 
@@ -74,6 +97,7 @@ class RecommendResult:
     elapsed_s: float
     recommendations: list[Recommendation] = field(default_factory=list)
     calibration: str | None = None  # the calibration file used, None = analytical model only
+    warnings: list[str] = field(default_factory=list)  # about the top layout: cause and fix
     # every layout that fits, with the prediction it was ranked by (the HTML report plots them),
     # and the Calibration object itself; neither is in to_dict()
     candidates: list[tuple[TrainConfig, Prediction]] = field(default_factory=list, repr=False)
@@ -98,6 +122,7 @@ class RecommendResult:
             "stack": self.stack,
             "profile": self.profile,
             "recommendations": [r.to_dict() for r in self.recommendations],
+            "warnings": list(self.warnings),
             **({"compared": [x.to_dict() for x in self.compared]} if self.compared else {}),
         }
 
@@ -124,7 +149,11 @@ def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predict
         parts.append(f"TP={cfg.tp} inside a {gpn}-GPU NVLink node")
     if cfg.pp > 1:
         vp = f"×VP={cfg.vp} " if cfg.vp > 1 else ""
-        parts.append(f"PP={cfg.pp} {vp}with {cfg.num_microbatches} microbatches: {p.bubble_fraction * 100:.1f}% bubble")
+        parts.append(f"PP={cfg.pp} {vp}with {cfg.num_microbatches} microbatches: {p.bubble_fraction * 100:.1f}% "
+                     f"of the pipeline time in the bubble")
+        split = split_label(cfg)
+        if split:
+            parts.append(f"{model.num_layers} layers split {split}")
     if cfg.cp > 1:
         parts.append(f"CP={cfg.cp} splits the {cfg.seq}-token sequence")
     bd = p.breakdown
@@ -145,10 +174,80 @@ def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predict
     return "; ".join(parts)
 
 
+WARN_BUBBLE = 0.15  # a DP=1 top layout idling more than this in its pipeline bubble
+WARN_MFU = 0.25  # a top layout below this MFU
+
+
+def scale_warnings(model: ModelSpec, cluster: ClusterSpec, wl: Workload, cfg: TrainConfig, p: Prediction,
+                   gbs_given: bool = True) -> list[str]:
+    """Warnings about a (top) layout that runs the cluster badly, each with its cause and a fix:
+    DP=1 with a pipeline bubble above 15%, or MFU below 25%."""
+    out = []
+    world = cluster.world_size
+    tokens_gpu = wl.gbs * wl.seq / world
+    m = cfg.num_microbatches
+    bigger = default_gbs(world, wl.seq)
+    if bigger <= wl.gbs:  # enough microbatches for a <= 5% bubble with this pipeline
+        need = -(-19 * (cfg.pp - 1) // cfg.vp)
+        bigger = wl.gbs * max(2, 2 ** math.ceil(math.log2(max(1, need * cfg.mbs * cfg.dp / wl.gbs))))
+    gbs_fix = (f"raise --gbs (e.g. --gbs {bigger}, {bigger * wl.seq / 2 ** 20:.0f}M tokens"
+               + (", the default for this cluster" if bigger == default_gbs(world, wl.seq) and gbs_given else "")
+               + ") or use fewer GPUs")
+    if cfg.dp == 1 and p.bubble_fraction > WARN_BUBBLE:
+        out.append(f"the top layout has DP=1 and idles {p.bubble_fraction:.0%} of the pipeline time in its bubble: "
+                   f"gbs={wl.gbs} gives its PP={cfg.pp} pipeline only {m} microbatches"
+                   + (f" (×VP={cfg.vp})" if cfg.vp > 1 else "")
+                   + f", and one replica spans all {world} GPUs; fix: {gbs_fix}")
+    if p.mfu < WARN_MFU:
+        bd = p.breakdown
+        step = p.step_time_s
+        losses = {
+            "the pipeline bubble": bd["pipeline_bubble_s"],
+            "exposed communication": bd["tp_comm_s"] + bd["cp_comm_s"] + bd["ep_comm_s"] + bd["pp_p2p_s"]
+            + bd["dp_comm_exposed_s"],
+            "memory-bound kernels": bd["memory_bound_s"],
+            "recompute": bd["recompute_s"],
+            "the optimizer step": bd["optimizer_s"],
+        }
+        what, secs = max(losses.items(), key=lambda kv: kv[1])
+        cause = (f"{what} takes {secs / step:.0%} of the step, with {tokens_gpu:,.0f} tokens per GPU per step "
+                 f"(gbs={wl.gbs} × seq {wl.seq} over {world} GPUs)")
+        if what == "recompute":
+            fix = "more GPUs per replica (higher TP/PP) so that less recompute fits, or a GPU with more memory"
+        elif tokens_gpu < DEFAULT_TOKENS_PER_GPU or what in ("the pipeline bubble", "the optimizer step"):
+            fix = gbs_fix
+        else:
+            fix = f"use fewer GPUs for {model.name}, or {gbs_fix.replace(' or use fewer GPUs', '')}"
+        out.append(f"the top layout reaches only {p.mfu:.0%} MFU: {cause}; fix: {fix}")
+    return out
+
+
+def split_label(cfg: TrainConfig) -> str:
+    """How an uneven pipeline split is made, in words ('' for an even split)."""
+    if cfg.pipeline_layout:
+        return f"by the layout {cfg.pipeline_layout}"
+    acc = [w for w, on in (("embedding", cfg.account_for_embedding), ("loss", cfg.account_for_loss)) if on]
+    if acc:
+        return f"evenly with the {' and the '.join(acc)} counted as a layer"
+    if cfg.pp_first_layers is not None or cfg.pp_last_layers is not None:
+        return (f"with {cfg.pp_first_layers if cfg.pp_first_layers is not None else 'even'} on the first and "
+                f"{cfg.pp_last_layers if cfg.pp_last_layers is not None else 'even'} on the last stage")
+    return ""
+
+
 def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
     from advisor.runners.megatron_args import megatron_lm_args_string
 
     return megatron_lm_args_string(model, cfg)
+
+
+RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # extra work per step, in this order
+
+
+def _but_recompute(cfg: TrainConfig) -> tuple:
+    return (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.vp, cfg.mbs, cfg.distributed_optimizer,
+            cfg.pp_first_layers, cfg.pp_last_layers, cfg.account_for_embedding, cfg.account_for_loss,
+            cfg.pipeline_layout)
 
 
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
@@ -157,10 +256,11 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
               constants: Constants = DEFAULT, options: SpaceOptions | None = None,
               calibration: Any = "default", overrides: Iterable[str] = (),
               stack: str | None = None) -> RecommendResult:
-    """Rank every legal layout that fits in memory by the objective. `stack`: the software stack
-    ("te": Megatron-Core with Transformer Engine, the default; "local": this project's runner; see
-    advisor.models.profiles); `calibration`: "default" (the stack's shipped profile), a
-    Calibration, a file or None (the analytical model with `constants`); `overrides`: what-if
+    """Rank every legal layout that fits in memory by the objective (a layout with more
+    recompute than the cheapest mode that fits it is counted as fitting, not ranked). `stack`: the
+    software stack ("te": Megatron-Core with Transformer Engine, the default; "local": this
+    project's runner; see advisor.models.profiles); `calibration`: "default" (the stack's shipped
+    profile), a Calibration, a file or None (the analytical model with `constants`); `overrides`: what-if
     KEY=VALUE strings (gpu=h200, nodes=16, power_cap=500, mbs=4, ...)."""
     from advisor.models.profiles import get_stack
 
@@ -186,16 +286,24 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
     wl = default_workload(m, c, seq, gbs, precision)
     capacity = c.gpu.memory_gib * screen.memory_usable_fraction
-    evaluated = 0
+    evaluated = feasible = 0
     min_mem = (math.inf, None)
     preds: list[tuple[TrainConfig, Prediction]] = []
+    fits_with = (None, math.inf)  # (layout but recompute, the cheapest recompute that fits it)
     for cfg in enumerate_layouts(m, c, wl, options):
         evaluated += 1
-        mem = max(s.total_gib for s in stage_memory(m, cfg, screen))
+        key, cost = _but_recompute(cfg), RECOMPUTE_COST[cfg.recompute]
+        if key == fits_with[0] and cost > fits_with[1]:
+            # recompute only costs time: with a cheaper mode fitting, this one fits and is slower
+            feasible += 1
+            continue
+        mem = peak_memory_gib(m, cfg, screen)
         if mem > capacity:
             if mem < min_mem[0]:
                 min_mem = (mem, cfg)
             continue
+        feasible += 1
+        fits_with = (key, cost)
         preds.append((cfg, predict(m, c, cfg, rank_constants, check_legal=False)))
     if evaluated == 0:
         raise NoFeasibleLayout(
@@ -224,11 +332,12 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   reason=explain(m, c, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
-                           feasible=len(preds), elapsed_s=time.perf_counter() - t0, recommendations=out,
+                           feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,
                            stack=st.name, profile=cal.profile if cal is not None else None,
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
-                           candidates=preds, calibrated_with=cal)
+                           candidates=preds, calibrated_with=cal,
+                           warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,7 +396,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
            + (": " + ", ".join(parts) if parts else "")
            + (f"; power-cap slowdown {top.compute_slowdown:.2f}x vs {p.compute_slowdown:.2f}x" if abs(slow) > 0.005 else "")
            + ("" if p.feasible else f"; does not fit: {p.reason}"))
-    return Comparison(config=cfg, prediction=p, ratio_to_top=ratio, rank=rank, of=res.feasible,
+    return Comparison(config=cfg, prediction=p, ratio_to_top=ratio, rank=rank, of=len(res.rank_scores),
                       differences_s=diffs, why=why)
 
 
@@ -297,7 +406,8 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "recompute",
                "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-               "tp_comm_overlap", "pp_first_layers", "pp_last_layers")
+               "tp_comm_overlap", "pp_first_layers", "pp_last_layers", "account_for_embedding",
+               "account_for_loss", "pipeline_layout")
 
 
 def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],
@@ -322,6 +432,12 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
         v["seq"] = min(model.max_position_embeddings or 8192, 8192)
     if "gbs" not in v:
         v["gbs"] = default_workload(model, cluster, v["seq"]).gbs
+    if "vp" not in v and v.get("pipeline_layout"):  # the layout's chunks / pp, as Megatron-LM derives it
+        from advisor.search_spaces.layout import parse_pipeline_layout
+
+        chunks = len(parse_pipeline_layout(str(v["pipeline_layout"])))
+        if chunks % pp == 0:
+            v["vp"] = chunks // pp
     v.setdefault("sequence_parallel", tp > 1)
     v.setdefault("distributed_optimizer", dp * cp > 1)
     v.setdefault("overlap_grad_reduce", dp * cp > 1)

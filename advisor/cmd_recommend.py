@@ -8,9 +8,9 @@ from typing import List, Optional
 import typer
 
 from advisor import report
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, VP, AsJson, Cluster, Gbs, Html, Model, OptCluster, OptModel,
-                             PowerCap, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel,
-                             Stack)
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster, Gbs,
+                             Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PPFirstLayers,
+                             PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack)
 
 
 CAL_HELP = ("'default' (the --stack's shipped profile), a calibration file from 'advisor fit', or 'none' "
@@ -65,6 +65,8 @@ def recommend_cmd(
             from advisor.models.calibrate import format_intervals
 
             typer.echo("#1 " + format_intervals(first))
+        for w in res.warnings:
+            typer.echo(f"warning: {w}")
         for x in res.compared:
             report.print_comparison(x)
     if html:
@@ -75,10 +77,15 @@ _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "p
 
 
 def parse_layout(text: str) -> dict:
-    """'tp=4,pp=4,cp=2,vp=5,mbs=1,recompute=selective' -> layout values (one-line error if bad)."""
+    """'tp=4,pp=4,cp=2,vp=5,mbs=1,recompute=selective' -> layout values (one-line error if bad).
+    A pipeline layout (it may hold commas) comes last: '...,pipeline_layout=Et|(tt|)*30L'."""
     from advisor.catalog import SpecError
 
     out: dict = {}
+    for key in ("pipeline_layout=", "pipeline-layout="):
+        if key in text:
+            text, _, layout = text.partition(key)
+            out["pipeline_layout"] = layout.strip()
     for part in filter(None, (x.strip() for x in text.split(","))):
         k, sep, v = part.partition("=")
         k = k.strip().replace("-", "_")
@@ -91,10 +98,12 @@ def parse_layout(text: str) -> dict:
                 raise SpecError(f"--compare {k}={v}: not an integer") from None
         elif k in ("recompute",):
             out[k] = v.strip()
-        elif k in ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer"):
+        elif k in ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
+                   "account_for_loss"):
             out[k] = v.strip().lower() in ("1", "true", "on", "yes")
         else:
-            raise SpecError(f"--compare {k}: unknown key (known: {', '.join(_LAYOUT_INT + ('recompute',))})")
+            raise SpecError(f"--compare {k}: unknown key (known: {', '.join(_LAYOUT_INT + ('recompute',))}, "
+                            f"account_for_embedding, account_for_loss, pipeline_layout last)")
     if not out:
         raise SpecError("--compare needs a layout, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1'")
     return out
@@ -107,10 +116,13 @@ def predict_cmd(
     pp: PP = 1,
     pp_first_layers: PPFirstLayers = None,
     pp_last_layers: PPLastLayers = None,
+    account_for_embedding: AccountForEmbedding = False,
+    account_for_loss: AccountForLoss = False,
+    pipeline_layout: PipelineLayout = None,
     cp: CP = 1,
     ep: EP = 1,
     etp: ETP = 1,
-    vp: VP = 1,
+    vp: OptVP = None,
     mbs: MBS = 1,
     gbs: Gbs = None,
     seq: Seq = None,
@@ -150,7 +162,8 @@ def predict_cmd(
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
                   recompute=recompute, sequence_parallel=sequence_parallel,
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
-                  pp_last_layers=pp_last_layers)
+                  pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
+                  account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or (), stack=stack)
     raw_cluster = cluster

@@ -35,10 +35,22 @@ PPFirstLayers = Annotated[Optional[int], typer.Option(
     "--pp-first-layers", help="layers on the first pipeline stage, for an uneven split (default: an even split)")]
 PPLastLayers = Annotated[Optional[int], typer.Option(
     "--pp-last-layers", help="layers on the last pipeline stage, for an uneven split (default: an even split)")]
+AccountForEmbedding = Annotated[bool, typer.Option(
+    "--account-for-embedding/--no-account-for-embedding",
+    help="count the embedding as a layer when splitting the pipeline (Megatron's --account-for-embedding-in-pipeline-split)")]
+AccountForLoss = Annotated[bool, typer.Option(
+    "--account-for-loss/--no-account-for-loss",
+    help="count the output layer and loss as a layer when splitting the pipeline (--account-for-loss-in-pipeline-split)")]
+PipelineLayout = Annotated[Optional[str], typer.Option(
+    "--pipeline-layout",
+    help="explicit pipeline layout in megatron-core's string form, pp·vp chunks split by '|': E embedding, "
+         "t transformer layer, L loss, (..)*n and t*n repeat, e.g. 'Et|(tt|)*30L' (sets vp; "
+         "Megatron's --pipeline-model-parallel-layout)")]
 CP = Annotated[int, typer.Option("--cp", help="context parallel size")]
 EP = Annotated[int, typer.Option("--ep", help="expert parallel size")]
 ETP = Annotated[int, typer.Option("--etp", help="expert tensor parallel size")]
 VP = Annotated[int, typer.Option("--vp", help="virtual pipeline chunks per rank")]
+OptVP = Annotated[Optional[int], typer.Option("--vp", help="virtual pipeline chunks per rank (default 1, or what --pipeline-layout implies)")]
 MBS = Annotated[int, typer.Option("--mbs", help="micro-batch size")]
 Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or full",
                                         callback=one_of(RECOMPUTE_MODES))]

@@ -30,6 +30,10 @@ def _layout(cfg: TrainConfig) -> str:
         s += f"·VP{cfg.vp}"
     if cfg.pp_first_layers or cfg.pp_last_layers:
         s += f"·split{cfg.pp_first_layers or '-'}/{cfg.pp_last_layers or '-'}"
+    if cfg.account_for_embedding or cfg.account_for_loss:
+        s += "·acc" + "E" * cfg.account_for_embedding + "L" * cfg.account_for_loss
+    if cfg.pipeline_layout:
+        s += f"·layout {cfg.pipeline_layout}"
     return s
 
 

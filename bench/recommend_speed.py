@@ -20,6 +20,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's code, not whichever copy is installed
 
 CASES = [
     ("llama3-70b", "h100x64", 1.0),
@@ -36,7 +40,7 @@ def cold_runs(args: list[str], n: int) -> list[float]:
     for _ in range(n):
         t0 = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "advisor", *args], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+                           stderr=subprocess.PIPE, text=True, cwd=ROOT)
         out.append(time.perf_counter() - t0)
         if r.returncode:
             raise SystemExit(f"advisor {' '.join(args)} failed: {r.stderr.strip()}")

@@ -92,6 +92,18 @@ class ModelSpec:
                 f"multiple of num_query_groups ({self.num_query_groups})"
             )
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: the models cache per-model results (layer kinds,
+        parameters per pipeline stage) keyed by the spec, thousands of times per recommend."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:  # str hashes differ between processes: never ship the cached one
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
@@ -227,8 +239,14 @@ class ClusterSpec:
 class TrainConfig:
     """One training layout plus workload, Megatron-style. DP is derived from the world size.
 
-    ``pp_first_layers`` / ``pp_last_layers`` give an uneven pipeline split (Megatron's
-    ``--decoder-first/last-pipeline-num-layers``); None means an even split.
+    How the layers are split over the pipeline (defaults: an even split, Megatron's default):
+    - ``pp_first_layers`` / ``pp_last_layers``: transformer layers on the first / last stage
+      (``--decoder-first/last-pipeline-num-layers``), the rest spread evenly;
+    - ``account_for_embedding`` / ``account_for_loss``: the embedding / the output layer and loss
+      count as one layer each in an even split (``--account-for-embedding/loss-in-pipeline-split``);
+    - ``pipeline_layout``: an explicit layout in megatron-core's string form
+      (``--pipeline-model-parallel-layout``, e.g. ``"Et|(tt|)*30L"``; its stage count is pp·vp).
+    Rules on these live in ``advisor.search_spaces.layout``.
     """
 
     tp: int = 1
@@ -250,6 +268,9 @@ class TrainConfig:
     tp_comm_overlap: bool = False
     pp_first_layers: int | None = None
     pp_last_layers: int | None = None
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    pipeline_layout: str | None = None
     # Mixture of experts (ignored for dense models): token dispatcher, grouped GEMM for the local
     # experts (False: one GEMM per expert, megatron-core's SequentialMLP), router balancing.
     moe_dispatcher: str = "alltoall"
@@ -273,6 +294,9 @@ class TrainConfig:
             raise SpecError(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
             )
+        if self.pipeline_layout is not None and (not isinstance(self.pipeline_layout, str)
+                                                 or not self.pipeline_layout.strip()):
+            raise SpecError(f"pipeline_layout must be a non-empty string, got {self.pipeline_layout!r}")
 
     @property
     def world_size(self) -> int:
@@ -311,10 +335,13 @@ class TrainConfig:
         return cls(**dict(data))
 
     def key(self) -> str:
-        """A short stable label, e.g. 'tp2-pp4-dp8-cp1-ep1-vp1-mbs1-gbs512-selective'."""
+        """A short stable label, e.g. 'tp2-pp4-dp8-cp1-ep1-vp1-mbs1-gbs512-selective'; the
+        embedding / loss accounting and an explicit pipeline layout are appended only when set."""
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}-cp{self.cp}-ep{self.ep}-etp{self.etp}-vp{self.vp}"
             f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.precision}-{self.recompute}"
+            + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
+            + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
             + self.moe_key()
         )
 

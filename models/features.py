@@ -15,14 +15,14 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.flops import recompute_flops_per_token, training_flops_per_token
 from advisor.models.memory import stage_params
 from advisor.models.predict import Prediction
-from advisor.search_spaces.layout import stage_layers
+from advisor.search_spaces.layout import bubble_fraction, stage_layers
 
 FEATURE_NAMES = (
     "log10_flops_per_gpu_step",  # model + recompute FLOPs one GPU runs per step
     "log2_tokens_per_microbatch",  # seq / cp * mbs
     "log2_gemm_intensity",  # FLOPs per element of the typical MLP GEMM: 1/(1/T + 1/h + 1/(f/tp))
     "gemm_utilization",  # achieved / best GEMM rate (analytical)
-    "bubble_fraction",
+    "bubble_fraction",  # (p - 1) / (v·m) of the schedule
     "frac_gemm",  # phase fractions of the step (analytical); idle = 1 - the others
     "frac_memory_bound",
     "frac_communication",
@@ -79,7 +79,7 @@ def features(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predic
         math.log2(T),
         math.log2(intensity),
         p.breakdown["gemm_utilization"],
-        p.bubble_fraction,
+        bubble_fraction(cfg),  # the schedule's (p-1)/(v·m), as the fitted surrogates were trained on
         f["gemm"],
         f["memory_bound"],
         f["communication"],

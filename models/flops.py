@@ -9,6 +9,7 @@ count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from advisor.catalog.specs import ModelSpec
 
@@ -134,9 +135,10 @@ def attention_core_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) 
     return full * (0.5 if causal else 1.0)
 
 
+@lru_cache(maxsize=256)
 def matmul_params_per_token(m: ModelSpec) -> int:
     """Weights that a token multiplies through (active, excluding the embedding lookup, norms,
-    biases and routers are included since they are tiny)."""
+    biases and routers are included since they are tiny). Cached: a pure function of the spec."""
     n = 0
     for i in range(m.num_layers):
         lp = layer_params(m, i)

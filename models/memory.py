@@ -8,12 +8,14 @@ s x s score matrix is stored; this is what Megatron runs with TE or SDPA attenti
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params
 from advisor.models.moe import moe_activation_elements
-from advisor.search_spaces.layout import in_flight_microbatches, layer_kind_counts, stage_layers
+from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
+                                          pipeline_plan, rank_kinds, stage_layers)
 
 
 @dataclass(frozen=True)
@@ -40,35 +42,54 @@ class StageMemory:
         return d
 
 
-def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range, stage: int) -> tuple[float, float]:
-    """(dense params, expert params) held by one GPU of the stage."""
-    dense = 0.0
-    experts = 0.0
-    for i, n in layer_kind_counts(model, layers).items():
-        lp = layer_params(model, i)
-        dense += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / cfg.tp + lp.router + lp.norms)
-        experts += n * lp.experts / (cfg.ep * cfg.etp)
-    if stage == 0:
-        dense += embedding_params(model) / cfg.tp
-    if stage == cfg.pp - 1:
-        dense += output_params(model) / cfg.tp
-        if model.tied_embeddings and cfg.pp > 1:  # Megatron keeps a copy of the word embeddings
-            dense += model.vocab_size * model.hidden_size / cfg.tp
-    return dense, experts
+def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range | tuple[int, ...], stage: int) -> tuple[float, float]:
+    """(dense params, expert params) held by one GPU of the stage: its transformer layers, plus the
+    word embeddings on the stage that holds the embedding and the output layer on the one that
+    holds the loss (the first and last stage, unless a pipeline layout places them elsewhere)."""
+    plan = pipeline_plan(model, cfg)
+    return _stage_params(model, layer_kind_counts(model, layers), stage == plan.embedding_rank,
+                         stage == plan.loss_rank, plan.embedding_rank != plan.loss_rank, cfg.tp, cfg.ep * cfg.etp)[:2]
 
 
-def linear_params(model: ModelSpec, cfg: TrainConfig, layers: range) -> float:
+def linear_params(model: ModelSpec, cfg: TrainConfig, layers: range | tuple[int, ...]) -> float:
     """Weights of the TE linear layers one GPU holds for these layers (attention, MLP, experts):
     the ones that get FP8 copies under fp8."""
-    n = 0.0
-    for i, k in layer_kind_counts(model, layers).items():
+    return _stage_params(model, layer_kind_counts(model, layers), False, False, False, cfg.tp, cfg.ep * cfg.etp)[2]
+
+
+@lru_cache(maxsize=4096)
+def plan_params(model: ModelSpec, plan: PipelinePlan, tp: int, ep_etp: int) -> tuple[tuple[float, float, float], ...]:
+    """(dense, expert, linear) params of every rank of a pipeline plan (see _stage_params)."""
+    split = plan.embedding_rank != plan.loss_rank
+    return tuple(_stage_params(model, kinds, r == plan.embedding_rank, r == plan.loss_rank, split, tp, ep_etp)
+                 for r, kinds in enumerate(rank_kinds(model, plan)))
+
+
+def _stage_params(model: ModelSpec, kinds: dict[int, int], embedding: bool, loss: bool, split: bool,
+                  tp: int, ep_etp: int) -> tuple[float, float, float]:
+    """(dense, expert, linear) params: linear = the weights of the TE linear layers (attention,
+    MLP, experts), the ones that get FP8 copies under fp8 (not the embedding / output layer)."""
+    dense = 0.0
+    experts = 0.0
+    linear = 0.0
+    for i, n in kinds.items():
         lp = layer_params(model, i)
-        n += k * ((lp.attention + lp.dense_mlp + lp.shared_experts) / cfg.tp + lp.experts / (cfg.ep * cfg.etp))
-    return n
+        dense += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / tp + lp.router + lp.norms)
+        experts += n * lp.experts / ep_etp
+        linear += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / tp + lp.experts / ep_etp)
+    if embedding:
+        dense += embedding_params(model) / tp
+    if loss:
+        dense += output_params(model) / tp
+        if model.tied_embeddings and split:  # Megatron keeps a copy of the word embeddings
+            dense += model.vocab_size * model.hidden_size / tp
+    return dense, experts, linear
 
 
-def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
-    """Bytes of activations one transformer layer stores for one microbatch on one GPU."""
+def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT,
+                           recompute: str | None = None) -> float:
+    """Bytes of activations one transformer layer stores for one microbatch on one GPU (with
+    `recompute` instead of the config's mode when given)."""
     s = cfg.seq / cfg.cp
     b = cfg.mbs
     h = model.hidden_size
@@ -76,7 +97,7 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     sp = t if cfg.sequence_parallel else 1
     e = c.bytes_activation
     sbh = s * b * h
-    if cfg.recompute == "full":
+    if (cfg.recompute if recompute is None else recompute) == "full":
         return e * sbh / sp  # only the layer input is kept
     # two norm inputs (residual stream) and two norm outputs (inputs of the QKV and FC1 GEMMs),
     # stored sharded with sequence parallelism. Selective recompute (Megatron's default module,
@@ -118,51 +139,75 @@ def _optimizer_transient(dense: float, experts: float, cfg: TrainConfig, c: Cons
     return c.bytes_optimizer_transient * shard
 
 
-def _full_layer_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants) -> float:
-    return layer_activation_bytes(model, layer, cfg.replace(recompute="none"), c)
-
-
 def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
                  layer_counts: list[int] | None = None) -> list[StageMemory]:
-    """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`."""
-    out = []
-    for stage, layers in enumerate(stage_layers(model, cfg, layer_counts)):
-        dense, experts = stage_params(model, cfg, layers, stage)
-        params = dense + experts
-        weights = params * c.bytes_weight
-        if cfg.precision == "fp8":  # FP8 copies of the FP8 GEMMs' weights (not embedding / output)
-            weights += linear_params(model, cfg, layers) * c.bytes_fp8_weight_copy
-        grads = params * c.bytes_grad
-        if cfg.distributed_optimizer:
-            opt = c.bytes_optimizer * (dense / (cfg.dp * cfg.cp) + experts / cfg.expert_dp)
-        else:
-            opt = c.bytes_optimizer * params
-        kinds = layer_kind_counts(model, layers)
-        per_mb = sum(n * layer_activation_bytes(model, i, cfg, c) for i, n in kinds.items())
-        acts = per_mb * in_flight_microbatches(cfg, stage)
-        if cfg.recompute == "full" and len(layers):
-            acts += max(_full_layer_bytes(model, i, cfg, c) for i in kinds)  # recompute working set
-        logits = 0.0
-        if stage == cfg.pp - 1:
-            s, b = cfg.seq / cfg.cp, cfg.mbs
-            # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
-            logits = s * b * model.vocab_size / cfg.tp * (c.bytes_activation + c.bytes_logits_fp32)
-        out.append(StageMemory(
-            stage=stage,
-            layers=len(layers),
-            params=int(params),
-            weights_gib=weights / GIB,
-            grads_gib=grads / GIB,
-            optimizer_gib=opt / GIB,
-            activations_gib=acts * (1.0 + c.fragmentation) / GIB,
-            # the peak is the larger of the activations (in the backward) and the optimizer step's
-            # transient copy of its gradient shard (in the step): what the step adds beyond them
-            step_transient_gib=max(0.0, _optimizer_transient(dense, experts, cfg, c) - acts * (1.0 + c.fragmentation)) / GIB,
-            logits_gib=logits * (1.0 + c.fragmentation) / GIB,
-            overhead_gib=c.runtime_overhead_gib,
-        ))
-    return out
+    """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`
+    (contiguous layers per stage; virtual chunks then taken as equal)."""
+    f = 1.0 + c.fragmentation
+    # the peak is the larger of the activations (in the backward) and the optimizer step's transient
+    # copy of its gradient shard (in the step): step_transient_gib is what the step adds beyond them
+    return [StageMemory(stage=stage, layers=n, params=int(params), weights_gib=weights / GIB, grads_gib=grads / GIB,
+                        optimizer_gib=opt / GIB, activations_gib=acts * f / GIB, logits_gib=logits * f / GIB,
+                        overhead_gib=c.runtime_overhead_gib, step_transient_gib=max(0.0, transient - acts * f) / GIB)
+            for stage, n, params, weights, grads, opt, acts, logits, transient
+            in _stage_bytes(model, cfg, c, layer_counts)]
 
 
 def peak_memory_gib(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
-    return max(s.total_gib for s in stage_memory(model, cfg, c))
+    """The fullest stage's memory per GPU (the total of stage_memory, without building it)."""
+    f = 1.0 + c.fragmentation
+    peak = max(weights + grads + opt + max(acts * f, transient) + logits * f
+               for _, _, _, weights, grads, opt, acts, logits, transient in _stage_bytes(model, cfg, c, None))
+    return peak / GIB + c.runtime_overhead_gib
+
+
+def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts: list[int] | None):
+    """Per stage: (stage, layers, params, weight, gradient, optimizer, activation, logits bytes, the
+    optimizer step's transient bytes)."""
+    plan = pipeline_plan(model, cfg)
+    per_kind: dict[tuple[int, bool], float] = {}
+
+    def layer_bytes(i: int, full: bool = False) -> float:  # i: a kind's representative layer
+        key = (i, full)
+        v = per_kind.get(key)
+        if v is None:
+            v = per_kind[key] = layer_activation_bytes(model, i, cfg, c, "none" if full else None)
+        return v
+
+    def bytes_of(kinds: dict[int, float]) -> float:
+        return sum(n * layer_bytes(i) for i, n in kinds.items())
+
+    if layer_counts is None:
+        layers_of = plan.rank_layers
+        kinds_of = rank_kinds(model, plan)
+        params_of = plan_params(model, plan, cfg.tp, cfg.ep * cfg.etp)
+        in_flight = in_flight_layers(model, plan, cfg.num_microbatches)
+    else:
+        layers_of = stage_layers(model, cfg, layer_counts)
+        kinds_of = [layer_kind_counts(model, layers) for layers in layers_of]
+        params_of = [stage_params(model, cfg, layers, k) + (linear_params(model, cfg, layers),)
+                     for k, layers in enumerate(layers_of)]
+    fp8_copy = c.bytes_fp8_weight_copy if cfg.precision == "fp8" else 0.0  # of the FP8 GEMMs' weights
+    d, edp = cfg.dp * cfg.cp, cfg.expert_dp
+    full = cfg.recompute == "full"
+    for stage, layers in enumerate(layers_of):
+        dense, experts, linear = params_of[stage]
+        kinds = kinds_of[stage]
+        params = dense + experts
+        if cfg.distributed_optimizer:
+            opt = c.bytes_optimizer * (dense / d + experts / edp)
+        else:
+            opt = c.bytes_optimizer * params
+        if layer_counts is None:  # each virtual chunk with its own layers and in-flight microbatches
+            acts = bytes_of(in_flight[stage])
+        else:
+            acts = bytes_of(kinds) * sum(in_flight_chunks(cfg, stage)) / cfg.vp
+        if full and kinds:  # recompute working set
+            acts += max(layer_bytes(i, full=True) for i in kinds)
+        logits = 0.0
+        if stage == plan.loss_rank:
+            # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
+            logits = (cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp
+                      * (c.bytes_activation + c.bytes_logits_fp32))
+        yield (stage, len(layers), params, params * c.bytes_weight + linear * fp8_copy, params * c.bytes_grad, opt,
+               acts, logits, _optimizer_transient(dense, experts, cfg, c))

@@ -9,7 +9,7 @@ from advisor.models.flops import training_flops_per_token
 from advisor.models.memory import StageMemory, stage_memory
 from advisor.models.power import estimate_power, phase_fractions
 from advisor.models.step_time import step_time
-from advisor.search_spaces.layout import bubble_fraction, violations
+from advisor.search_spaces.layout import violations
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Prediction:
     compute_slowdown: float
     steady_temp_c: float
     energy_j_per_token: float
-    bubble_fraction: float
+    bubble_fraction: float  # share of the pipeline time a stage idles (fill, drain, uneven stages)
     breakdown: dict = field(default_factory=dict)
     memory_breakdown: dict = field(default_factory=dict)  # of the stage with the most memory
 
@@ -92,7 +92,7 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
         compute_slowdown=power.compute_slowdown,
         steady_temp_c=power.steady_temp_c,
         energy_j_per_token=energy,
-        bubble_fraction=bubble_fraction(cfg),
+        bubble_fraction=st.bubble_fraction,
         breakdown=bd,
         memory_breakdown=worst.to_dict(),
     )

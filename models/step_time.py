@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token
-from advisor.models.memory import stage_params
+from advisor.models.memory import plan_params
+from advisor.search_spaces.layout import pipeline_plan, rank_kinds
 from advisor.models.moe import moe_layer_time
-from advisor.search_spaces.layout import layer_kind_counts, stage_layers
 
 
 def _sat(d: float, half: float) -> float:
@@ -133,6 +133,16 @@ class StepTime:
     overhead_s: float
     stages: list[StageTime] = field(default_factory=list)
     num_microbatches: int = 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the pipeline's time a stage idles, averaged over the stages: the fill and
+        drain, plus the wait on a slower stage when the stages are unequal (an uneven split).
+        Equal stages: (p - 1) / (v·m + p - 1), always below 1."""
+        if self.pipeline_s <= 0 or not self.stages:
+            return 0.0
+        busy = self.num_microbatches * sum(s.total_s for s in self.stages) / len(self.stages)
+        return max(0.0, 1.0 - busy / self.pipeline_s)
 
     def breakdown(self) -> dict:
         """Seconds per step by category, summed over microbatches of the slowest stage."""
@@ -290,14 +300,19 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
     bf16_peak = gpu.bf16_tflops * 1e12
     e = c.bytes_activation
     T = cfg.seq / cfg.cp * cfg.mbs
+    plan = pipeline_plan(model, cfg)
+    per_kind: dict[int, tuple[StageTime, list[float]]] = {}  # one layer's forward costs by its kind
     out = []
-    for stage, layers in enumerate(stage_layers(model, cfg)):
+    for stage, kinds in enumerate(rank_kinds(model, plan)):
         st = StageTime(stage=stage)
         util = [0.0, 0.0]
-        for i, n in layer_kind_counts(model, layers).items():
-            one = StageTime(stage=stage)
-            u1 = [0.0, 0.0]
-            _layer_forward(model, i, cfg, cluster, c, one, tp_link, cp_link, ep_link, etp_link, u1)
+        for i, n in kinds.items():
+            if i not in per_kind:  # i represents its kind
+                one = StageTime(stage=stage)
+                u1 = [0.0, 0.0]
+                _layer_forward(model, i, cfg, cluster, c, one, tp_link, cp_link, ep_link, etp_link, u1)
+                per_kind[i] = (one, u1)
+            one, u1 = per_kind[i]
             for name in _ADDITIVE:
                 setattr(st, name, getattr(st, name) + n * getattr(one, name))
             util[0] += n * u1[0]
@@ -320,9 +335,11 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
         elif cfg.recompute == "selective":
             st.recompute_s = attn_f  # core attention (Megatron's default selective module)
         st.backward_s += st.recompute_s
-        if stage == 0:  # embedding lookup and its gradient (memory-bound)
+        # the embedding and the loss sit on the first and last stage unless a pipeline layout
+        # places them elsewhere (with virtual chunks: in the rank's first / last chunk)
+        if stage == plan.embedding_rank:  # embedding lookup and its gradient (memory-bound)
             st.memory_bound_s += 3 * T * model.hidden_size * e / (hbm * c.hbm_efficiency)
-        if stage == cfg.pp - 1:  # output layer, logits and cross entropy
+        if stage == plan.loss_rank:  # output layer, logits and cross entropy
             # the output layer is Megatron's ColumnParallelLinear, BF16 also under fp8
             tt, u = gemm_time(T, model.hidden_size, model.vocab_size / cfg.tp, bf16_peak, hbm, c,
                               c.gemm_efficiency_max)
@@ -381,11 +398,10 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
     dp_link = group_link(cluster, cfg.tp * cfg.cp, cfg.dp, c)
     edp = cfg.expert_dp
     edp_link = group_link(cluster, cfg.ep * cfg.etp, edp, c)
-    layers_of = stage_layers(model, cfg)
+    params_of = plan_params(model, pipeline_plan(model, cfg), cfg.tp, cfg.ep * cfg.etp)
     dp_total = dp_exposed = opt = 0.0
     gb = c.dp_grad_reduce_bytes
-    for st, layers in zip(stages, layers_of):
-        dense, experts = stage_params(model, cfg, layers, st.stage)
+    for st, (dense, experts, _) in zip(stages, params_of):
         d = cfg.dp * cfg.cp
         if cfg.distributed_optimizer:
             grad = (collective_time("reduce_scatter", dense * gb, d, dp_link.bw_gbs, dp_link.latency)

@@ -19,7 +19,7 @@ from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import stage_memory
 from advisor.models.power import PowerEstimate, estimate_power
 from advisor.models.step_time import StageTime, StepTime, stage_times, step_time
-from advisor.search_spaces.layout import IllegalLayout, stage_layer_counts
+from advisor.search_spaces.layout import IllegalLayout, layer_counts
 
 _SUMMED = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s",
            "ep_comm_s", "overhead_s", "forward_s", "backward_s")
@@ -55,20 +55,20 @@ class LayerCosts:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT):
         self.model, self.cluster, self.cfg, self.c = model, cluster, cfg, c
         n = model.num_layers
-        one = cfg.replace(pp=n, vp=1, pp_first_layers=None, pp_last_layers=None)
+        one = cfg.replace(pp=n, vp=1, pp_first_layers=None, pp_last_layers=None, account_for_embedding=False,
+                          account_for_loss=False, pipeline_layout=None)
         self.layer = stage_times(model, cluster, one, c)  # index i = layer i (+ embedding / head)
         self.position = stage_times(model, cluster, cfg, c)  # for the PP send/recv of each position
         self.base = step_time(model, cluster, cfg, c)  # DP, optimizer and fixed costs of the step
 
     def default_counts(self) -> list[int]:
-        return stage_layer_counts(self.model.num_layers, self.cfg.pp, self.cfg.pp_first_layers,
-                                  self.cfg.pp_last_layers)
+        return layer_counts(self.model, self.cfg)
 
     def check_counts(self, counts: list[int]) -> None:
         if len(counts) != self.cfg.pp or sum(counts) != self.model.num_layers or min(counts) < 1:
             raise IllegalLayout(f"pipeline split {counts} is not {self.cfg.pp} stages of >= 1 layer adding up "
                                 f"to {self.model.num_layers}")
-        if self.cfg.vp > 1 and any(k % self.cfg.vp for k in counts):
+        if self.cfg.vp > 1 and any(k % self.cfg.vp for k in counts) and list(counts) != self.default_counts():
             raise IllegalLayout(f"pipeline split {counts}: vp={self.cfg.vp} must divide every stage's layers")
 
     def stage_times(self, counts: list[int]) -> list[StageTime]:

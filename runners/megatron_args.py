@@ -119,6 +119,9 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig) -> dict[str, A
         "sequence_parallel": cfg.sequence_parallel,
         "num_layers_in_first_pipeline_stage": cfg.pp_first_layers,
         "num_layers_in_last_pipeline_stage": cfg.pp_last_layers,
+        "account_for_embedding_in_pipeline_split": cfg.account_for_embedding,
+        "account_for_loss_in_pipeline_split": cfg.account_for_loss,
+        "pipeline_model_parallel_layout": cfg.pipeline_layout,
         # Precision.
         "bf16": cfg.precision == "bf16",
         "params_dtype": "bfloat16",
@@ -250,11 +253,20 @@ def _architecture_flags(model: ModelSpec) -> list[str]:
 
 
 def _pipeline_args(cfg: TrainConfig) -> list[str]:
+    """The split flags of megatron-core 0.19.2's megatron/training/arguments.py. A layout sets
+    the virtual stages itself (its chunks / pp; Megatron-LM refuses it together with
+    --num-virtual-stages-per-pipeline-rank) and excludes the other split flags."""
+    if cfg.pipeline_layout is not None:
+        return ["--pipeline-model-parallel-layout", cfg.pipeline_layout]
     a: list[str] = []
     if cfg.vp > 1:
         # Megatron-LM also has --num-layers-per-virtual-pipeline-stage; only this one works
         # together with an uneven first/last stage.
         a += ["--num-virtual-stages-per-pipeline-rank", str(cfg.vp)]
+    if cfg.account_for_embedding:
+        a.append("--account-for-embedding-in-pipeline-split")
+    if cfg.account_for_loss:
+        a.append("--account-for-loss-in-pipeline-split")
     if cfg.pp_first_layers is not None:
         a += ["--decoder-first-pipeline-num-layers", str(cfg.pp_first_layers)]
     if cfg.pp_last_layers is not None:

@@ -3,6 +3,10 @@ microbatches are in flight, and the rules a Megatron layout must satisfy (each w
 Pure functions; no prediction here."""
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 
 
@@ -19,7 +23,8 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last:
         base, extra = divmod(num_layers, pp)
         if extra:
             raise IllegalLayout(f"{num_layers} layers do not split evenly over pp={pp} stages "
-                                f"(give --pp-first-layers/--pp-last-layers for an uneven split)")
+                                f"(give --pp-first-layers/--pp-last-layers, --account-for-embedding/"
+                                f"--account-for-loss or --pipeline-layout for an uneven split)")
         return [base] * pp
     middle_stages = pp - (first is not None) - (last is not None)
     rest = num_layers - (first or 0) - (last or 0)
@@ -42,18 +47,174 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None, last:
     return counts
 
 
-def stage_layers(model: ModelSpec, cfg: TrainConfig, counts: list[int] | None = None) -> list[range]:
-    """Layer indices held by each pipeline stage (all virtual chunks of a rank together), for the
-    config's split or for `counts` layers per stage (any split, e.g. one placement tries)."""
+# ------------------------------------------------------------------------------------------------
+# Pipeline plan: which layers, embedding and loss each (pipeline rank, virtual chunk) holds
+# ------------------------------------------------------------------------------------------------
+
+LAYOUT_CHARS = {"E": "embedding", "t": "transformer layer", "m": "multi-token-prediction layer", "L": "loss"}
+
+
+def parse_pipeline_layout(layout: str) -> list[str]:
+    """megatron-core's layout string as one string of layer letters per pipeline chunk, in its
+    order (chunk i is virtual stage i // pp of pipeline rank i % pp). The grammar is that of
+    ``PipelineParallelLayerLayout.parse_str_to_list`` (megatron-core 0.19.2): commas are
+    cosmetic, ``(...)*n`` and then ``x*n`` repeat (no nesting), ``|`` separates chunks, and the
+    letters are E (embedding), t (transformer layer), m (MTP layer) and L (loss)."""
+    s = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        s = re.sub(pattern, lambda x: x.group(1) * int(x.group(2)), s)
+    chunks = s.split("|")
+    for c in chunks:
+        bad = next((ch for ch in c if ch not in LAYOUT_CHARS), None)
+        if bad is not None:
+            raise IllegalLayout(f"pipeline layout {layout!r}: {bad!r} is not a layer letter "
+                                f"(E, t, m, L; '|' between chunks, (..)*n and x*n repeat)")
+    return chunks
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Decoder layers of each pipeline chunk in megatron-core's order (chunk i = virtual stage
+    i // pp of rank i % pp; layers are numbered in chunk order). The embedding is built on the
+    first chunk of rank 0 and the output layer with the loss on the last chunk of the last rank,
+    whatever the split (megatron-core 0.19.2 gives GPTModel pre_process / post_process from
+    parallel_state.is_pipeline_first / last_stage; a layout's E and L letters must sit there)."""
+
+    pp: int
+    vp: int
+    chunk_layers: tuple[int, ...]
+
+    @property
+    def embedding_rank(self) -> int:
+        return 0
+
+    @property
+    def loss_rank(self) -> int:
+        return self.pp - 1
+
+    @cached_property
+    def chunk_ranges(self) -> tuple[range, ...]:
+        out, start = [], 0
+        for n in self.chunk_layers:
+            out.append(range(start, start + n))
+            start += n
+        return tuple(out)
+
+    def rank_chunks(self, rank: int) -> tuple[int, ...]:
+        """Chunk indices of a rank, in virtual-stage order."""
+        return tuple(range(rank, len(self.chunk_layers), self.pp))
+
+    @cached_property
+    def counts(self) -> tuple[int, ...]:
+        """Decoder layers per pipeline rank (all its chunks together)."""
+        return tuple(sum(self.chunk_layers[c] for c in self.rank_chunks(r)) for r in range(self.pp))
+
+    @cached_property
+    def rank_layers(self) -> tuple[range | tuple[int, ...], ...]:
+        """Layer indices per rank: a range when they are contiguous (vp = 1), else a tuple."""
+        out = []
+        for r in range(self.pp):
+            rs = [self.chunk_ranges[c] for c in self.rank_chunks(r)]
+            if len(rs) == 1:
+                out.append(rs[0])
+            else:
+                out.append(tuple(i for x in rs for i in x))
+        return tuple(out)
+
+
+def _even_chunks(total: int, pp: int, vp: int) -> tuple[int, ...]:
+    return (total // (pp * vp),) * (pp * vp)
+
+
+@lru_cache(maxsize=4096)
+def _plan(num_layers: int, pp: int, vp: int, first: int | None, last: int | None, acc_e: bool, acc_l: bool,
+          layout: str | None) -> PipelinePlan:
+    if layout is not None:
+        if first is not None or last is not None or acc_e or acc_l:
+            raise IllegalLayout("a pipeline layout cannot be combined with --pp-first-layers/--pp-last-layers or "
+                                "--account-for-embedding/--account-for-loss (megatron-core refuses it)")
+        chunks = parse_pipeline_layout(layout)
+        if len(chunks) % pp:
+            raise IllegalLayout(f"pipeline layout {layout!r} has {len(chunks)} chunks, not a multiple of pp={pp}")
+        if len(chunks) // pp != vp:
+            raise IllegalLayout(f"pipeline layout {layout!r} has {len(chunks) // pp} virtual stages per rank "
+                                f"({len(chunks)} chunks / pp={pp}) but vp={vp}")
+        flat = "".join(chunks)
+        if flat.count("m"):
+            raise IllegalLayout(f"pipeline layout {layout!r} places multi-token-prediction layers ('m'), which "
+                                f"this model spec does not have: drop them")
+        if not flat.startswith("E") or flat.count("E") != 1:
+            raise IllegalLayout(f"pipeline layout {layout!r}: the embedding 'E' must come exactly once, first")
+        if not flat.endswith("L") or flat.count("L") != 1:
+            raise IllegalLayout(f"pipeline layout {layout!r}: the loss 'L' must come exactly once, last")
+        if flat.count("t") != num_layers:
+            raise IllegalLayout(f"pipeline layout {layout!r} places {flat.count('t')} transformer layers, "
+                                f"the model has {num_layers}")
+        if "E" not in chunks[0] or "L" not in chunks[-1]:  # megatron builds them there
+            raise IllegalLayout(f"pipeline layout {layout!r}: the embedding 'E' must be in the first chunk and the "
+                                f"loss 'L' in the last one")
+        return PipelinePlan(pp, vp, tuple(c.count("t") for c in chunks))
+    if acc_e or acc_l:
+        if first is not None or last is not None:
+            raise IllegalLayout("--account-for-embedding/--account-for-loss cannot be combined with "
+                                "--pp-first-layers/--pp-last-layers (megatron-core refuses it)")
+        total = num_layers + acc_e + acc_l
+        if total % pp:
+            raise IllegalLayout(f"{num_layers} layers{' + embedding' if acc_e else ''}{' + loss' if acc_l else ''} "
+                                f"= {total} do not split evenly over pp={pp} stages")
+        if (total // pp) % vp:
+            raise IllegalLayout(f"vp={vp} does not divide the {total // pp} layers (embedding and loss "
+                                f"counted) of a pipeline stage")
+        c = list(_even_chunks(total, pp, vp))
+        c[0] -= acc_e
+        c[-1] -= acc_l
+        if min(c) < 0:
+            raise IllegalLayout(f"{total} layers over {pp * vp} chunks leave no room for the embedding and the loss")
+        return PipelinePlan(pp, vp, tuple(c))
+    counts = stage_layer_counts(num_layers, pp, first, last)
+    if vp > 1:
+        bad = [k for k in counts if k % vp]
+        if bad:
+            raise IllegalLayout(f"vp={vp} does not divide the {bad[0]} layers of a pipeline stage")
+    per = [k // vp for k in counts]
+    return PipelinePlan(pp, vp, tuple(per[r] for _ in range(vp) for r in range(pp)))
+
+
+def pipeline_plan(model: ModelSpec | int, cfg: TrainConfig) -> PipelinePlan:
+    """The config's pipeline plan (even, first/last, account-for or explicit layout); raises
+    IllegalLayout naming the rule when the split is not one megatron-core builds."""
+    n = model if isinstance(model, int) else model.num_layers
+    return _plan(n, cfg.pp, cfg.vp, cfg.pp_first_layers, cfg.pp_last_layers, bool(cfg.account_for_embedding),
+                 bool(cfg.account_for_loss), cfg.pipeline_layout)
+
+
+def layer_counts(model: ModelSpec | int, cfg: TrainConfig) -> list[int]:
+    """Transformer layers per pipeline rank for the config's split."""
+    return list(pipeline_plan(model, cfg).counts)
+
+
+def stage_layers(model: ModelSpec, cfg: TrainConfig, counts: list[int] | None = None) -> list[range | tuple[int, ...]]:
+    """Layer indices held by each pipeline stage (all virtual chunks of a rank together, in
+    megatron-core's interleaved order), for the config's split, or contiguous ranges of
+    `counts` layers per stage (any split, e.g. one placement tries)."""
     if counts is None:
-        counts = stage_layer_counts(model.num_layers, cfg.pp, cfg.pp_first_layers, cfg.pp_last_layers)
-    elif len(counts) != cfg.pp or sum(counts) != model.num_layers or min(counts) < 1:
+        return list(pipeline_plan(model, cfg).rank_layers)
+    if len(counts) != cfg.pp or sum(counts) != model.num_layers or min(counts) < 1:
         raise IllegalLayout(f"split {list(counts)} is not {cfg.pp} stages of >= 1 layer adding up to {model.num_layers}")
     out, start = [], 0
     for c in counts:
         out.append(range(start, start + c))
         start += c
     return out
+
+
+def holds_embedding(model: ModelSpec, cfg: TrainConfig, stage: int) -> bool:
+    return stage == pipeline_plan(model, cfg).embedding_rank
+
+
+def holds_loss(model: ModelSpec, cfg: TrainConfig, stage: int) -> bool:
+    """The stage computes the output layer, the logits and the cross entropy."""
+    return stage == pipeline_plan(model, cfg).loss_rank
 
 
 def layer_kind(model: ModelSpec, layer: int) -> str:
@@ -66,47 +227,83 @@ def layer_kind(model: ModelSpec, layer: int) -> str:
     return "dense"
 
 
-def layer_kind_counts(model: ModelSpec, layers: range) -> dict[int, int]:
-    """{representative layer index: number of layers of its kind} for a range of layers. Memoised
-    by the model object's identity (recommend asks for the same stages of one model for every
-    layout it ranks; hashing a ModelSpec costs more than the count): the memo keeps the model
-    alive, so an id is never reused while its entry exists."""
-    key = (id(model), layers.start, layers.stop)
-    hit = _KIND_MEMO.get(key)
-    if hit is None or hit[0] is not model:
-        if len(_KIND_MEMO) > 8192:
-            _KIND_MEMO.clear()
-        hit = _KIND_MEMO[key] = (model, _layer_kind_counts(model, layers))
-    return dict(hit[1])
+def layer_kind_counts(model: ModelSpec, layers: range | tuple[int, ...]) -> dict[int, int]:
+    """{representative layer index: number of layers of its kind} for a range of layers; the
+    representative of a kind is its first layer in the model, the same for every range."""
+    if model.moe is None:  # one kind
+        return {0: len(layers)} if len(layers) else {}
+    return dict(_kind_counts(model, layers if isinstance(layers, (range, tuple)) else tuple(layers)))
 
 
-_KIND_MEMO: dict[tuple, tuple] = {}
+@lru_cache(maxsize=256)
+def _kind_reps(model: ModelSpec) -> tuple[int, ...]:
+    """The representative (first layer of its kind) of every layer."""
+    first: dict[str, int] = {}
+    return tuple(first.setdefault(layer_kind(model, i), i) for i in range(model.num_layers))
 
 
-def _layer_kind_counts(model: ModelSpec, layers: range) -> tuple[tuple[int, int], ...]:
-    reps: dict[str, int] = {}
+@lru_cache(maxsize=8192)
+def _kind_counts(model: ModelSpec, layers: range | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    reps = _kind_reps(model)
     counts: dict[int, int] = {}
     for i in layers:
-        k = layer_kind(model, i)
-        rep = reps.setdefault(k, i)
-        counts[rep] = counts.get(rep, 0) + 1
+        counts[reps[i]] = counts.get(reps[i], 0) + 1
     return tuple(counts.items())
+
+
+@lru_cache(maxsize=4096)
+def rank_kinds(model: ModelSpec, plan: PipelinePlan) -> tuple[dict[int, int], ...]:
+    """layer_kind_counts of every rank's layers (read only)."""
+    return tuple(layer_kind_counts(model, layers) for layers in plan.rank_layers)
+
+
+@lru_cache(maxsize=4096)
+def chunk_kinds(model: ModelSpec, plan: PipelinePlan) -> tuple[dict[int, int], ...]:
+    """layer_kind_counts of every chunk's layers, in chunk order (read only)."""
+    return tuple(layer_kind_counts(model, layers) for layers in plan.chunk_ranges)
+
+
+@lru_cache(maxsize=8192)
+def in_flight_layers(model: ModelSpec, plan: PipelinePlan, num_microbatches: int) -> tuple[dict[int, float], ...]:
+    """Per rank, {kind representative: layer-microbatches of that kind whose activations the rank
+    holds at its peak}: each chunk's layers times its in-flight microbatches (in_flight_chunks)."""
+    cfg = TrainConfig(pp=plan.pp, vp=plan.vp, gbs=num_microbatches)
+    per_chunk = chunk_kinds(model, plan)
+    out = []
+    for r in range(plan.pp):
+        w: dict[int, float] = {}
+        for n, ch in zip(in_flight_chunks(cfg, r), plan.rank_chunks(r)):
+            for i, k in per_chunk[ch].items():
+                w[i] = w.get(i, 0.0) + n * k
+        out.append(w)
+    return tuple(out)
+
+
+def in_flight_chunks(cfg: TrainConfig, stage: int) -> list[int]:
+    """Microbatches whose activations each virtual chunk of a stage holds at the stage's peak (the
+    end of the warm-up), chunk by chunk. 1F1B: min(m, pp - stage). Interleaved: megatron-core's
+    warm-up, (pp - stage - 1)·2 + (vp - 1)·pp forwards plus the first steady one, taken in its
+    schedule order (groups of pp microbatches through chunk 0, then chunk 1, ...)."""
+    m, p, v = cfg.num_microbatches, cfg.pp, cfg.vp
+    if p == 1:
+        return [1] * v
+    if v == 1:
+        return [min(m, p - stage)]
+    w = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    cycles, rest = divmod(w, p * v)
+    return [cycles * p + min(p, max(0, rest - k * p)) for k in range(v)]
 
 
 def in_flight_microbatches(cfg: TrainConfig, stage: int) -> float:
     """Microbatches whose activations a stage holds at its peak, in units of 'all layers of the
     stage' (1F1B: min(m, pp - stage); interleaved: Megatron's warm-up count of chunks / vp)."""
-    m, p, v = cfg.num_microbatches, cfg.pp, cfg.vp
-    if p == 1:
-        return 1.0
-    if v == 1:
-        return float(min(m, p - stage))
-    chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
-    return chunks / v
+    return sum(in_flight_chunks(cfg, stage)) / cfg.vp
 
 
 def bubble_fraction(cfg: TrainConfig) -> float:
-    """Idle fraction relative to the ideal pipeline time with equal stages: (p - 1) / (v·m)."""
+    """The schedule's idle time relative to its busy time with equal stages, (p - 1) / (v·m): the
+    ratio the literature quotes (it exceeds 1 when m < p - 1). The share of the step a pipeline
+    actually idles, with the stages' real costs, is StepTime.bubble_fraction."""
     return (cfg.pp - 1) / (cfg.vp * cfg.num_microbatches)
 
 
@@ -128,11 +325,7 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
             out.append(f"tp·pp·cp·dp = {cfg.tp}·{cfg.pp}·{cfg.cp}·{cfg.dp} = {cfg.world_size} "
                        f"≠ {cluster.world_size} GPUs in the cluster")
     try:
-        counts = stage_layer_counts(model.num_layers, cfg.pp, cfg.pp_first_layers, cfg.pp_last_layers)
-        if cfg.vp > 1:
-            bad = [c for c in counts if c % cfg.vp]
-            if bad:
-                out.append(f"vp={cfg.vp} does not divide the {bad[0]} layers of a pipeline stage")
+        pipeline_plan(model, cfg)
     except IllegalLayout as e:
         out.append(str(e))
     if cfg.vp > 1 and cfg.pp < 2:

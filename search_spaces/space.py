@@ -1,7 +1,8 @@
 """All legal layouts for a model x cluster x workload, and the same space for Optuna.
 
 The enumeration is exhaustive over TP (within a node; divides heads and KV groups), CP, PP (even
-splits, or Megatron's uneven first/last split when the layers do not divide), virtual pipeline,
+splits; when the layers do not divide, Megatron's uneven splits: embedding / loss counted as a
+layer, first / last stage trimmed, or an explicit pipeline layout, see `split_choices`), virtual pipeline,
 EP / expert TP for MoE models, micro-batch and recompute; DP is derived. Sequence parallelism is on
 whenever TP > 1, the distributed optimizer whenever there is data parallelism, and gradient
 reduce / parameter gather overlap with it (the settings every Megatron recipe uses); the space
@@ -45,10 +46,11 @@ class Workload:
 class SpaceOptions:
     mbs: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = ("none", "selective", "full")
-    max_vp: int = 8
+    max_vp: int = 32  # NVIDIA's H100 presets go to one layer per chunk (VP 12, 20, 24)
     max_cp: int = 16
     min_tokens_per_cp_rank: int = 2048
     uneven_pipeline: bool = True
+    max_layout_vp: int = 8  # explicit layouts are generated for power-of-two vp up to this
     tp_comm_overlap: bool = False  # needs Transformer Engine
     distributed_optimizer: tuple[bool, ...] = (True,)
     extra: dict = field(default_factory=dict)
@@ -73,6 +75,90 @@ def pipeline_splits(num_layers: int, pp: int, allow_uneven: bool) -> list[tuple[
     return [(first, last)]
 
 
+def balanced_layout(num_layers: int, pp: int, vp: int) -> str | None:
+    """A megatron-core pipeline layout string for pp·vp chunks in which the embedding and the loss
+    count as one layer each and every chunk holds k or k - 1 of these units. The short chunks are
+    the loss chunk, then the embedding chunk, then spread so that every rank gets as many short
+    chunks as the others (later chunks first). DeepSeek-V3's 61 layers on PP8 VP4 give
+    "Et|(tt|)*30L", the layout Megatron-LM's DeepSeek-V3 example uses without MTP. None when a
+    chunk would be left with nothing."""
+    chunks = pp * vp
+    units = num_layers + 2
+    k = -(-units // chunks)
+    slack = chunks * k - units
+    if k < 1 or slack >= chunks or (k == 1 and slack > 0):
+        return None
+    short = [chunks - 1, 0][:slack]
+    per_rank = [0] * pp
+    for ch in short:
+        per_rank[ch % pp] += 1
+    rest = [ch for ch in range(chunks - 2, 0, -1)]
+    while len(short) < slack:
+        ch = min((c for c in rest if c not in short), key=lambda c: (per_rank[c % pp], -c))
+        short.append(ch)
+        per_rank[ch % pp] += 1
+    size = [k - (ch in short) for ch in range(chunks)]
+    size[0] -= 1  # the embedding
+    size[-1] -= 1  # the loss
+    if min(size) < 0:
+        return None
+    names = [("E" if ch == 0 else "") + _t(size[ch]) + ("L" if ch == chunks - 1 else "") for ch in range(chunks)]
+    out, i = [], 0
+    while i < chunks:
+        j = i
+        while j + 1 < chunks and names[j + 1] == names[i]:
+            j += 1
+        n = j - i + 1
+        out.append(f"({names[i]}|)*{n}" if n > 1 else names[i] + "|")
+        i = j + 1
+    s = "".join(out)
+    return s[:-1] if s.endswith("|") else s
+
+
+def _t(n: int) -> str:
+    return "t" * n if n <= 3 else f"t*{n}"
+
+
+def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple[dict, list[int]]]:
+    """The pipeline splits of num_layers over pp ranks, each as (TrainConfig fields, the vp values
+    it allows). An even split when it exists. Otherwise Megatron's uneven splits: the embedding
+    and / or the loss counted as a layer (--account-for-*-in-pipeline-split, as NVIDIA's 405B and
+    Qwen3-235B presets do), the first / last stage trimmed (--decoder-first/last-pipeline-num-
+    layers) when that accounting does not split either, and for a power-of-two vp that none of them
+    allows an explicit --pipeline-model-parallel-layout (`balanced_layout`)."""
+    if pp == 1:
+        return [({}, [1])]
+    if num_layers < pp:
+        return []
+
+    def vps(*counts: int) -> list[int]:
+        return [v for v in range(1, options.max_vp + 1) if all(c % v == 0 and c >= v for c in counts)]
+
+    if num_layers % pp == 0:
+        return [({}, vps(num_layers // pp))]
+    if not options.uneven_pipeline:
+        return []
+    out: list[tuple[dict, list[int]]] = []
+    for acc_e, acc_l in ((True, True), (False, True), (True, False)):  # both, then the loss (heavier)
+        total = num_layers + acc_e + acc_l
+        if total % pp == 0:
+            out.append(({"account_for_embedding": acc_e, "account_for_loss": acc_l}, vps(total // pp)))
+            break
+    if not out:  # the embedding / loss accounting fits better: the first / last split is only a fallback
+        from advisor.search_spaces.layout import stage_layer_counts
+
+        for first, last in pipeline_splits(num_layers, pp, True):
+            counts = stage_layer_counts(num_layers, pp, first, last)
+            out.append(({"pp_first_layers": first, "pp_last_layers": last}, vps(*counts)))
+    covered = {v for _, vs in out for v in vs}
+    for v in powers_of_two_upto(min(options.max_vp, options.max_layout_vp))[1:]:
+        if v not in covered:
+            layout = balanced_layout(num_layers, pp, v)
+            if layout is not None:
+                out.append(({"pipeline_layout": layout}, [v]))
+    return out
+
+
 def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
                       options: SpaceOptions = SpaceOptions(),
                       keep: Callable[[TrainConfig], bool] | None = None) -> Iterator[TrainConfig]:
@@ -93,23 +179,16 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 dp = world // (tp * cp * pp)
                 if workload.gbs % dp:
                     continue
-                for first, last in pipeline_splits(model.num_layers, pp, options.uneven_pipeline):
-                    yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, first, last, keep)
+                for split, vps in split_choices(model.num_layers, pp, options):
+                    yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep)
 
 
-def _inner(model, cluster, workload, options, tp, cp, pp, dp, first, last, keep):
+def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
     if model.is_moe:
         eps = [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0]
         etps = sorted({1, tp})
     else:
         eps, etps = [1], [1]
-    if pp > 1:
-        from advisor.search_spaces.layout import stage_layer_counts
-
-        counts = stage_layer_counts(model.num_layers, pp, first, last)
-        vps = [v for v in divisors(min(counts)) if v <= options.max_vp and all(c % v == 0 for c in counts)]
-    else:
-        vps = [1]
     per_dp = workload.gbs // dp
     for mbs in options.mbs:
         if per_dp % mbs:
@@ -134,7 +213,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, first, last, keep)
                                 overlap_grad_reduce=dp * cp > 1,
                                 overlap_param_gather=dist and dp * cp > 1,
                                 tp_comm_overlap=options.tp_comm_overlap and tp > 1,
-                                pp_first_layers=first, pp_last_layers=last,
+                                **split,
                             )
                             if keep is None or keep(cfg):
                                 yield cfg

@@ -348,7 +348,9 @@ def test_every_emitted_flag_exists_in_megatron_core_wheel():
     cfgs = [TrainConfig(), TrainConfig(tp=2, pp=2, vp=2, recompute="selective"),
             TrainConfig(tp=4, pp=3, precision="fp8", sequence_parallel=True, tp_comm_overlap=True,
                         recompute="full", pp_first_layers=2, pp_last_layers=2, cp=2, ep=2, etp=2),
-            TrainConfig(distributed_optimizer=False, overlap_grad_reduce=False)]
+            TrainConfig(distributed_optimizer=False, overlap_grad_reduce=False),
+            TrainConfig(pp=2, vp=2, account_for_embedding=True, account_for_loss=True),
+            TrainConfig(pp=2, vp=2, pipeline_layout="Et|(t|)*2tL")]
     emitted = 0
     for m in models:
         for c in cfgs:

@@ -139,13 +139,15 @@ def test_help_still_works(args):
 
 @pytest.mark.parametrize("calibration", ["none", "default"])
 def test_predict_reproduces_recommends_uneven_pipeline_split(calibration):
-    """llama3.1-405b has 126 layers: recommend's layouts on 16K GPUs split the pipeline unevenly,
-    and predict takes that split with --pp-first-layers / --pp-last-layers."""
+    """llama3.1-405b has 126 layers: recommend's layouts on 16K GPUs split the pipeline unevenly
+    (the embedding and the loss counted as layers, as NVIDIA's 405B preset does), and predict
+    takes that split with --account-for-embedding / --account-for-loss, or the first / last
+    stage's layers with --pp-first-layers / --pp-last-layers."""
     top = recommend("llama3.1-405b", "h100x16384", top=1, calibration=calibration).recommendations[0]
     c = top.config
-    assert c.pp > 1 and c.pp_first_layers is not None and c.pp_last_layers is not None
+    assert c.pp > 1 and c.account_for_embedding and c.account_for_loss
     flags = ["--tp", c.tp, "--pp", c.pp, "--cp", c.cp, "--vp", c.vp, "--mbs", c.mbs, "--gbs", c.gbs,
-             "--recompute", c.recompute, "--pp-first-layers", c.pp_first_layers, "--pp-last-layers", c.pp_last_layers]
+             "--recompute", c.recompute, "--account-for-embedding", "--account-for-loss"]
     p = run_cli("predict", "--model", "llama3.1-405b", "--cluster", "h100x16384", *map(str, flags),
                 "--calibration", calibration, "--json")
     assert p.returncode == 0, p.stderr

@@ -173,7 +173,7 @@ def test_cli_dry_run_json_and_errors(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["runner"] == "simulate" and d["simulated"] is True and d["dry_run"] is True
-    assert d["space"]["pruned_by_memory"] > 0 and d["space"]["layouts"] == 576 and len(d["enqueued"]) == 6
+    assert d["space"]["pruned_by_memory"] > 0 and d["space"]["layouts"] == 648 and len(d["enqueued"]) == 6
     assert not (tmp_path / "x.journal").exists()
     r = _cli("-m", "llama3-8b", "-c", "h100x8", "--objective", "speed", "--dry-run")
     assert r.returncode == 2 and r.stderr.startswith("error: objective must be") and r.stderr.count("\n") == 1
