@@ -204,6 +204,26 @@ def imbalance_check() -> None:
                       f"{' (=E)' if ep == E else ''} | {statistics.mean(ratios):.3f} | {model:.3f} |")
 
 
+def recipe_split(model, cluster, cfg):
+    """A pipeline split the published recipes' PP x VP can run: as given, else with the embedding
+    and the loss counted as layers (Qwen3-235B: 94 + 2 = 96 on PP8 VP4), else megatron-core's
+    layout with the embedding beside the first layer and the loss alone in the last chunk
+    (DeepSeek-V3: 'Et|(tt|)*30L', the recipes' own placement without the MTP layer)."""
+    from advisor.search_spaces.layout import violations
+
+    if not violations(model, cluster, cfg):
+        return cfg
+    acc = cfg.replace(account_for_embedding=True, account_for_loss=True)
+    if not violations(model, cluster, acc):
+        return acc
+    chunks, rest = cfg.pp * cfg.vp, model.num_layers - 1
+    if chunks > 2 and rest % (chunks - 2) == 0:
+        lay = cfg.replace(pipeline_layout=f"Et|({'t' * (rest // (chunks - 2))}|)*{chunks - 2}L")
+        if not violations(model, cluster, lay):
+            return lay
+    return cfg
+
+
 def published_check(quick: bool) -> None:
     from advisor.models import published as P
     from advisor.models.profiles import STACKS, apply_layout_defaults
@@ -216,10 +236,7 @@ def published_check(quick: bool) -> None:
         notes = (r.raw.get("notes") or "").lower()
         if "force-balanced" in notes or "token-drop" in notes:
             cfg = cfg.replace(moe_router="forced")  # NVIDIA's footnote: forced-balanced routing
-        if r.model.num_layers % cfg.pp:  # DeepSeek-V3: 61 layers on PP8 (the recipe's own layout
-            per = -(-r.model.num_layers // cfg.pp)  # puts the embedding / MTP on stages): the
-            first = r.model.num_layers - per * (cfg.pp - 1)  # first stage lighter
-            cfg = cfg.replace(pp_first_layers=first, pp_last_layers=per)
+        cfg = recipe_split(r.model, r.cluster, cfg)
         rows.append({"run": r, "cfg": cfg})
 
     def pred(row, c):

@@ -132,13 +132,6 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     return e * elems + gemm_bytes * gemm_in
 
 
-def _optimizer_transient(dense: float, experts: float, cfg: TrainConfig, c: Constants) -> float:
-    """Bytes the optimizer step allocates on top of the states: a copy of the gradient shard it
-    updates (bytes_optimizer_transient per parameter of the shard)."""
-    shard = dense / (cfg.dp * cfg.cp) + experts / cfg.expert_dp if cfg.distributed_optimizer else dense + experts
-    return c.bytes_optimizer_transient * shard
-
-
 def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
                  layer_counts: list[int] | None = None) -> list[StageMemory]:
     """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`
@@ -194,10 +187,10 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
         dense, experts, linear = params_of[stage]
         kinds = kinds_of[stage]
         params = dense + experts
-        if cfg.distributed_optimizer:
-            opt = c.bytes_optimizer * (dense / d + experts / edp)
-        else:
-            opt = c.bytes_optimizer * params
+        shard = dense / d + experts / edp if cfg.distributed_optimizer else params  # the optimizer's
+        opt = c.bytes_optimizer * shard
+        # the optimizer step's transient: a copy of the gradient shard it updates
+        transient = c.bytes_optimizer_transient * shard
         if layer_counts is None:  # each virtual chunk with its own layers and in-flight microbatches
             acts = bytes_of(in_flight[stage])
         else:
@@ -210,4 +203,4 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
             logits = (cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp
                       * (c.bytes_activation + c.bytes_logits_fp32))
         yield (stage, len(layers), params, params * c.bytes_weight + linear * fp8_copy, params * c.bytes_grad, opt,
-               acts, logits, _optimizer_transient(dense, experts, cfg, c))
+               acts, logits, transient)
