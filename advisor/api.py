@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,11 @@ from advisor.search_spaces.layout import IllegalLayout, violations
 from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
 
 OBJECTIVES = ("throughput", "energy", "balanced")
+
+# What recommend / predict / tune predict with unless told otherwise, in the API and the CLI alike
+# (the CLI's --calibration reads it): "default" = the calibration shipped in models/data (or the
+# analytical model when none is shipped), "none" = the analytical model, or a calibration file.
+DEFAULT_CALIBRATION = "default"
 
 
 class NoFeasibleLayout(SpecError):
@@ -254,7 +260,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
               constants: Constants = DEFAULT, options: SpaceOptions | None = None,
-              calibration: Any = "default", overrides: Iterable[str] = (),
+              calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
               stack: str | None = None) -> RecommendResult:
     """Rank every legal layout that fits in memory by the objective (a layout with more
     recompute than the cheapest mode that fits it is counted as fitting, not ranked). `stack`: the
@@ -414,9 +420,12 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
                       stack: str | None = None) -> TrainConfig:
     """A TrainConfig from user flags: DP derived from the cluster; unset knobs take the defaults
     recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1, and the stack's
-    own: TP communication overlap under Transformer Engine)."""
+    own: TP communication overlap under Transformer Engine). Values are checked by
+    advisor.validate.layout_values (integers, ranges, names, the uneven split)."""
     from advisor.models.profiles import apply_layout_defaults
+    from advisor.validate import layout_values
 
+    values = layout_values(values)
     v = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     tp, pp, cp = int(v.get("tp", 1)), int(v.get("pp", 1)), int(v.get("cp", 1))
     for name, val in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -449,7 +458,7 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
 
 def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],
                    power_cap_w: float | None = None, constants: Constants = DEFAULT,
-                   calibration: Any = "default", overrides: Iterable[str] = (),
+                   calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
                    stack: str | None = None) -> tuple[TrainConfig, Prediction]:
     """One layout's prediction. `stack` / `calibration` as for `recommend`."""
     m, c = resolve(model, cluster, power_cap_w)
@@ -477,34 +486,66 @@ def _calibration(spec: Any, stack: str | None = None):
     return resolve_calibration(spec, stack)
 
 
-def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = "default",
-                  overrides: Iterable[str] = (), stack: str | None = None) -> Iterator[dict[str, Any]]:
-    """One output object per input line: every input key echoed, plus `prediction` (with the
-    derived `config`) or `error`. A bad line never stops the batch."""
-    import json
+# keys a predict --batch line may carry (anything else is an error naming the key)
+BATCH_KEYS = ("model", "cluster", "power_cap_w", "dp", "id") + LAYOUT_KEYS
+
+
+def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = DEFAULT_CALIBRATION,
+                  overrides: Iterable[str] = (), stack: str | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """One output object per input line, blank lines included: every input key echoed, plus
+    `prediction` (with the derived `config`) or `error` (with the `line` number). A line carries
+    `model`, `cluster`, `power_cap_w`, `id` (any value, echoed) and the layout keys (LAYOUT_KEYS);
+    `stack` / `calibration` as for `recommend`;
+    `defaults` (the CLI's flags) fill the keys a line does not give. An unknown key, a number
+    that is not finite (NaN, Infinity), a wrong type or an illegal layout is that line's error;
+    a key the `overrides` (--set) also set, with another value, too. A bad line never stops the
+    batch. Output values are finite or null (advisor.validate.dumps writes strict JSON)."""
+    from advisor import validate
 
     calibration = _calibration(calibration, stack)  # load the file once, not per line
+    sets = validate.parse_sets(overrides)
+    set_keys = {"power_cap": "power_cap_w"}
+    defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
 
     for n, line in enumerate(lines, 1):
+        where = f"line {n}: "
         if not line.strip():
+            yield {"line": n, "error": f"{where}blank line (one JSON object per line)"}
             continue
         try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            yield {"line": n, "error": f"line {n}: not JSON ({e.msg})"}
+            row = validate.loads_strict(line)
+        except ValueError as e:
+            msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            yield {"line": n, "error": f"{where}not JSON ({msg})"}
             continue
         if not isinstance(row, dict):
-            yield {"line": n, "error": f"line {n}: expected a JSON object"}
+            yield {"line": n, "error": f"{where}expected a JSON object, got {type(row).__name__}"}
             continue
         out = dict(row)
         try:
-            if "model" not in row or "cluster" not in row:
-                raise SpecError("each line needs 'model' and 'cluster'")
-            cfg, p = predict_layout(str(row["model"]), str(row["cluster"]), row,
-                                    power_cap_w=row.get("power_cap_w"), constants=constants,
-                                    calibration=calibration, overrides=overrides, stack=stack)
+            for k in row:
+                if k not in BATCH_KEYS:
+                    raise validate.unknown_key(k, BATCH_KEYS, where)
+            values = {**defaults, **row}
+            for k in row:
+                sk = next((s for s, rk in set_keys.items() if rk == k), k)
+                if sk in sets and row[k] is not None and not validate._same(row[k], sets[sk]):
+                    raise validate.InputError(f"{where}{k}={row[k]!r} conflicts with --set {sk}={sets[sk]}")
+            for k in ("model", "cluster"):
+                if not isinstance(values.get(k), str) or not values[k].strip():
+                    raise SpecError(f"{where}needs {k!r} (a string), got {values.get(k)!r}")
+            cap = values.get("power_cap_w")
+            if cap is not None:
+                cap = validate.number(f"{where}power_cap_w", cap, lo=0, lo_open=True)
+            values = validate.layout_values(values, where)
+            cfg, p = predict_layout(values["model"], values["cluster"], values, power_cap_w=cap,
+                                    constants=constants, calibration=calibration, overrides=overrides,
+                                    stack=stack)
             out["config"] = cfg.to_dict()
             out["prediction"] = p.to_dict()
-        except (SpecError, ValueError, TypeError) as e:
-            out["error"] = str(e)
+        except (SpecError, ValueError, TypeError, ArithmeticError) as e:
+            msg = str(e)
+            out["line"] = n
+            out["error"] = msg if msg.startswith(where) else where + msg
         yield out

@@ -42,6 +42,22 @@ def _register_all() -> None:
         mod.register(app)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from advisor import __version__
+
+        typer.echo(f"advisor {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main_options(
+    version: bool = typer.Option(False, "--version", help="print the version and exit", is_eager=True,
+                                 callback=_version),
+) -> None:
+    """Auto-tuning advisor for distributed LLM training: layouts, memory, speed, power, placement."""
+
+
 def fail(message: str, code: int = 2) -> "typer.Exit":
     """Print one clear line on stderr and exit with `code` (2 = bad input)."""
     typer.echo(f"error: {message}", err=True)
@@ -59,15 +75,39 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Python warnings (e.g. the catalog's on an HF config) as one `warning: ...` line each, once."""
+    text = f"warning: {_one_line(message)}"
+    if text not in _warned:
+        _warned.add(text)
+        print(text, file=sys.stderr)
+
+
+_warned: set[str] = set()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI. Usage errors (bad values, unknown or missing options, unknown commands) and
     the tool's own input errors print one line `error: ...` on stderr and exit 2; `--help` and a
-    bare `advisor` print the help as usual."""
+    bare `advisor` print the help as usual. Every command's parameters go through
+    advisor.validate first; a missing extra names its install command; an unexpected failure is
+    one line too (ADVISOR_DEBUG=1 shows its traceback)."""
+    import os
+    import warnings
+
+    import typer.main
+
+    from advisor import validate
+
     _register_all()
+    warnings.showwarning = _show_warning
+    debug = bool(os.environ.get("ADVISOR_DEBUG"))
     try:
+        command = typer.main.get_command(app)
+        validate.install(command)
         # standalone_mode=False: click raises its usage errors here instead of printing a boxed
         # block; typer.Exit / ctx.exit(code) come back as the return value
-        rv = app(args=argv, standalone_mode=False)
+        rv = command.main(args=argv, standalone_mode=False, prog_name="advisor")
     except _ClickException as e:  # UsageError (exit 2) and its kin, FileError (exit 1)
         if _NoArgsIsHelpError is not None and isinstance(e, _NoArgsIsHelpError):
             # a bare `advisor`: the help, exit 2 as click does (typer's rich help has already
@@ -89,6 +129,24 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except ModuleNotFoundError as e:  # an optional extra that is not installed
+        hint = validate.install_hint(e.name or "")
+        if hint is None or debug:
+            raise
+        typer.echo(f"error: this needs {hint}", err=True)
+        sys.exit(2)
+    except OSError as e:  # a file the checks could not foresee (full disk, a file removed meanwhile)
+        if debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        typer.echo(f"error: {where}{e.strerror or _one_line(e)}", err=True)
+        sys.exit(2)
+    except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback on demand
+        if debug:
+            raise
+        typer.echo(f"error: internal error ({type(e).__name__}: {_one_line(e)[:300]}); "
+                   f"ADVISOR_DEBUG=1 shows the traceback", err=True)
+        sys.exit(1)
     sys.exit(rv if isinstance(rv, int) and not isinstance(rv, bool) else 0)
 
 

@@ -6,9 +6,6 @@ import sys
 
 import typer
 from advisor.options import one_of
-from advisor.report import make_console
-from rich.table import Table
-from rich.text import Text
 
 WHAT = ("models", "gpus", "clusters")
 
@@ -19,8 +16,10 @@ def _doc_name(source: str) -> str:
     return source.split(": ", 1)[0].strip()
 
 
-def _cell(text: str) -> Text:
+def _cell(text: str):
     """A table cell that rich cuts with an ellipsis instead of wrapping when the column narrows."""
+    from rich.text import Text
+
     return Text(text, no_wrap=True, overflow="ellipsis")
 
 
@@ -52,8 +51,11 @@ def catalog_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON on stdout"),
 ) -> None:
     """List the built-in models, GPUs or clusters with their key numbers."""
+    from rich.table import Table  # tables only when printed (--json needs no rich)
+
     from advisor.catalog import list_clusters, list_gpus, list_models
     from advisor.models.flops import active_params, total_params
+    from advisor.report import make_console
 
     if what == "models":
         items = list_models()

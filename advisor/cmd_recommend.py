@@ -7,14 +7,14 @@ from typing import List, Optional
 
 import typer
 
-from advisor import report
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster, Gbs,
                              Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PPFirstLayers,
-                             PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack)
+                             PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
+                             calibration_default)
 
 
 CAL_HELP = ("'default' (the --stack's shipped profile), a calibration file from 'advisor fit', or 'none' "
-            "(analytical model only); a profile adds 80% intervals")
+            "(analytical model only); a profile adds 80% intervals [default: advisor.api.DEFAULT_CALIBRATION]")
 SET_HELP = "what-if KEY=VALUE, repeatable: gpu=h200, nodes=16, gpus=32, power_cap=500, mbs=4, seq=8192, layers=40, ..."
 
 
@@ -32,7 +32,7 @@ def recommend_cmd(
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
     power_cap: PowerCap = None,
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     compare: Optional[List[str]] = typer.Option(
@@ -56,9 +56,13 @@ def recommend_cmd(
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack)
     res.compared = [compare_layout(res, v, calibration) for v in layouts]
     if as_json:
-        json.dump(res.to_dict(), sys.stdout, indent=1)
+        from advisor.validate import finite_json
+
+        json.dump(finite_json(res.to_dict()), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
+        from advisor import report  # rich tables only when printed
+
         report.print_recommendations(res)
         first = res.recommendations[0].prediction if res.recommendations else None
         if getattr(first, "intervals", None):
@@ -131,15 +135,22 @@ def predict_cmd(
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
     batch: Optional[str] = typer.Option(None, "--batch", help="JSONL file of layouts ('-' = stdin); one JSON line out per line in"),
     as_json: AsJson = False,
     html: Html = None,
 ) -> None:
-    """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl."""
+    """Predict one layout (DP is derived), or a batch of them with --batch FILE.jsonl (the
+    flags given with it are every line's defaults; a line's own keys win)."""
     from advisor.api import predict_batch, predict_layout
+
+    values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
+                  recompute=recompute, sequence_parallel=sequence_parallel,
+                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
+                  pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
+                  account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)
 
     if html:
         from advisor import html_report
@@ -149,21 +160,22 @@ def predict_cmd(
         html_report.require()
 
     if batch is not None:
-        stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8")
+        from advisor import validate
+
+        given = validate.given_params()
+        defaults = {k: v for k, v in dict(values, model=model, cluster=cluster, power_cap_w=power_cap).items()
+                    if k in given or (k == "power_cap_w" and "power_cap" in given)}
+        stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8", errors="replace")
         with stream:
-            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), stack=stack):
-                sys.stdout.write(json.dumps(row) + "\n")
+            for row in predict_batch(stream, calibration=calibration, overrides=sets or (), stack=stack,
+                                     defaults=defaults):
+                sys.stdout.write(validate.dumps(row) + "\n")
                 sys.stdout.flush()
         return
     if model is None or cluster is None:
         from advisor.cli import fail
 
         fail("--model and --cluster are required (or give --batch FILE)")
-    values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
-                  recompute=recompute, sequence_parallel=sequence_parallel,
-                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
-                  pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
-                  account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
                             overrides=sets or (), stack=stack)
     raw_cluster = cluster
@@ -171,12 +183,15 @@ def predict_cmd(
         cluster = f"{cluster} (what-if: {', '.join(sets)})"
     if as_json:
         from advisor.models.profiles import get_stack
+        from advisor.validate import finite_json
 
         profile = (getattr(p, "calibration", None) or {}).get("profile")
-        json.dump({"model": model, "cluster": cluster, "stack": get_stack(stack).name, "profile": profile,
-                   "config": cfg.to_dict(), "prediction": p.to_dict()}, sys.stdout, indent=1)
+        json.dump(finite_json({"model": model, "cluster": cluster, "stack": get_stack(stack).name, "profile": profile,
+                               "config": cfg.to_dict(), "prediction": p.to_dict()}), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
+        from advisor import report
+
         report.print_prediction(model, cluster, cfg, p)
         if getattr(p, "intervals", None):
             from advisor.models.calibrate import format_intervals

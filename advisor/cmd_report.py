@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from advisor.cmd_recommend import CAL_HELP
-from advisor.options import Stack
+from advisor.options import Stack, calibration_default
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +20,8 @@ def report_cmd(
     html: Optional[str] = typer.Option(None, "--html", "-o", metavar="FILE",
                                        help="the HTML file to write (default: <name>.html here)"),
     study_name: Optional[str] = typer.Option(None, "--study-name", help="the study, when the storage holds several"),
-    calibration: str = typer.Option("default", "--calibration", help="DATASET: predictions from " + CAL_HELP),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help="DATASET: predictions from " + CAL_HELP,
+                                              callback=calibration_default),
     stack: Stack = None,
 ) -> None:
     """Write a self-contained HTML report with plots: a study's convergence, Pareto front and trials,

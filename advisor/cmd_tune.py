@@ -8,11 +8,12 @@ from typing import Optional
 import typer
 
 from advisor.options import (Cluster, Command, CommandEnv, ExitGrace, Gbs, Html, LogParser, Model, Precision,
-                             Seq, StepRegex)
+                             Seq, StepRegex, calibration_default)
 
 CAL_HELP = ("what the study predicts with (seeds' ranking, each trial's 'predicted', the surrogate sampler's "
             "prior): a calibration file from 'advisor fit', 'default' (the packaged one, if any) or 'none' "
-            "(analytical model only); --runner simulate stays the analytical model plus noise either way")
+            "(analytical model only); --runner simulate stays the analytical model plus noise either way "
+            "[default: advisor.api.DEFAULT_CALIBRATION, now 'default']")
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +41,7 @@ def tune_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
     sampler: str = typer.Option("tpe", "--sampler", help="tpe (Optuna's default) or surrogate (active learning: expected improvement of a GP on the measurements, the --calibration prediction as its prior)"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)"),
-    calibration: str = typer.Option("default", "--calibration", help=CAL_HELP),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     steps: int = typer.Option(10, "--steps", help="megatron: measured steps per trial"),
     warmup: int = typer.Option(3, "--warmup", help="megatron: warm-up steps per trial"),
     sigma: float = typer.Option(0.03, "--sim-sigma", help="simulate: log-normal sigma of the step-time noise"),
@@ -77,6 +78,9 @@ def tune_cmd(
             raise typer.BadParameter("--html reports a study's trials; a --dry-run runs none")
         html_report.require()
     plan = make_plan(s)  # a bad option or calibration file is one error line, before the progress bar
+    from advisor.validate import study_paths
+
+    study_paths(plan.storage, plan.dataset)  # before Ray starts (run_study checks them again)
     if dry_run:
         if as_json:
             json.dump({**plan.to_dict(), "dry_run": True}, sys.stdout, indent=1)
@@ -84,18 +88,22 @@ def tune_cmd(
         else:
             _print_plan(plan)
         return
-    try:
-        with _Progress(s.runner, enabled=not as_json) as progress:
-            res = run_study(s, progress=progress.update, plan=plan)
-    except ConnectionError as e:
-        fail(f"cannot reach Ray at {ray_address}: {e}")
+    from advisor.runners.ray_exec import make_executor
+
+    executor = make_executor(ray_address, s.kill_grace_s)  # Ray's start-up problems: one line, before the bar
+    with _Progress(s.runner, enabled=not as_json) as progress:
+        res = run_study(s, progress=progress.update, plan=plan, executor=executor)
     if as_json:
-        json.dump(res.to_dict(), sys.stdout, indent=1, default=str)
+        from advisor.validate import finite_json
+
+        json.dump(finite_json(res.to_dict()), sys.stdout, indent=1, default=str)
         sys.stdout.write("\n")
     else:
         _print_result(res)
     if html:
         html_report.save(html, html_report.study_page(plan.storage, plan.study_name))
+    if res.broken:  # every trial of the last few failed: the set-up is broken, say so and exit 1
+        fail(f"the study stopped: {res.stopped}; its records are in {plan.dataset}", code=1)
 
 
 def _sim_label(runner: str) -> str:
@@ -192,6 +200,11 @@ class _Progress:
         self.p = self.task = None
 
     def __enter__(self):
+        return self
+
+    def _start(self) -> None:
+        """The bar appears with the study's first report, so that anything refused while the
+        study opens stays one error line."""
         if self.enabled:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -201,9 +214,10 @@ class _Progress:
                               console=Console(stderr=True), transient=False)
             self.p.start()
             self.task = self.p.add_task("starting", total=None)
-        return self
 
     def update(self, e: dict) -> None:
+        if self.p is None:
+            self._start()
         if self.p is None:
             return
         b = e.get("best")

@@ -19,6 +19,16 @@ def one_of(choices: tuple[str, ...]):
     return check
 
 
+def calibration_default(value: Optional[str]) -> str:
+    """Option callback of --calibration: unset means advisor.api.DEFAULT_CALIBRATION (one default
+    for the API and the CLI; read when a command runs, so the CLI starts without the models)."""
+    if value is not None:
+        return value
+    from advisor.api import DEFAULT_CALIBRATION
+
+    return DEFAULT_CALIBRATION
+
+
 _MODEL_HELP = "catalog name (see 'advisor catalog models') or a HF config.json"
 _CLUSTER_HELP = "<gpu>x<count> (h100x64), <gpu>x<per-node>x<nodes>, a catalog cluster, or a YAML file"
 Model = Annotated[str, typer.Option("--model", "-m", help=_MODEL_HELP)]

@@ -68,6 +68,7 @@ DEFAULT_STORAGE = "advisor-studies.journal"
 HEARTBEAT_S = int(os.environ.get("ADVISOR_TUNE_HEARTBEAT_S", "20"))
 GRACE_S = int(os.environ.get("ADVISOR_TUNE_GRACE_S", "60"))
 POWER_TOLERANCE = 0.02  # NVML power readings are +-5 W / a few percent
+FAILED_IN_A_ROW = "trials in a row failed"  # TuneResult.stopped when max_failures is reached
 
 
 @dataclass
@@ -92,8 +93,8 @@ class TuneSettings:
     seed: int | None = None
     sampler: str = "tpe"  # tpe (Optuna's default) or surrogate (expected improvement on our GP)
     # predictions: None / "none" = the analytical model; "default" = the shipped calibration; a
-    # calibration file; or a loaded models.calibrate.Calibration
-    calibration: Any = None
+    # calibration file; or a loaded models.calibrate.Calibration (default: the API's and the CLI's)
+    calibration: Any = "default"  # advisor.api.DEFAULT_CALIBRATION (checked equal by the tests)
     power_cap_w: float | None = None
     runner_options: dict = field(default_factory=dict)
     kill_grace_s: float = 30.0
@@ -501,6 +502,11 @@ class TuneResult:
     # (None for a study made before --calibration); the plan's `calibration` is this driver's
     study_calibration: dict | None = None
 
+    @property
+    def broken(self) -> bool:
+        """Stopped because max_failures trials in a row crashed or timed out (a broken set-up)."""
+        return FAILED_IN_A_ROW in self.stopped
+
     def to_dict(self) -> dict[str, Any]:
         return {**self.plan.to_dict(), "study_calibration": self.study_calibration,
                 "counts": self.counts, "launched_by_this_driver": self.launched_here,
@@ -558,6 +564,12 @@ class Tuner:
             storage = open_storage(plan.storage)
         self.storage = storage
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            self._check_existing(storage)
+        except BaseException:
+            if self.lock is not None:
+                self.lock.release()
+            raise
         sampler = self._sampler()
         self.study = optuna.create_study(study_name=plan.study_name, storage=storage, sampler=sampler,
                                          directions=["maximize", "minimize"], load_if_exists=True)
@@ -571,18 +583,31 @@ class Tuner:
         self._preds: dict[str, Any] = {}
 
     # -- set-up ------------------------------------------------------------------------------
-    def _check_attrs(self) -> None:
+    def _wanted_attrs(self, have: dict) -> dict:
+        """The study attributes this plan needs; a stored, different one is a one-line error."""
         want = {"model": self.plan.model.name, "cluster": self.plan.cluster.name,
                 "seq": self.plan.workload.seq, "gbs": self.plan.workload.gbs,
                 "precision": self.plan.workload.precision, "objective": self.s.objective,
                 "runner": self.s.runner}
-        have = self.study.user_attrs
         # Two drivers may create the study at the same moment: attributes the other driver has not
         # written yet are missing, not different. Only a stored, different value is a conflict.
         diff = [f"{k}={have[k]!r}" for k, v in want.items() if k in have and have[k] != v]
         if diff:
             raise SpecError(f"study {self.plan.study_name!r} in {self.plan.storage} was made with "
                             f"{', '.join(diff)}; give another --study-name")
+        return want
+
+    def _check_existing(self, storage) -> None:
+        """Refuse a study made for another workload before create_study writes to its storage."""
+        try:
+            sid = storage.get_study_id_from_name(self.plan.study_name)
+        except KeyError:
+            return
+        self._wanted_attrs(storage.get_study_user_attrs(sid))
+
+    def _check_attrs(self) -> None:
+        have = self.study.user_attrs
+        want = self._wanted_attrs(have)
         missing = {k: v for k, v in want.items() if k not in have}
         for k, v in missing.items():
             self.study.set_user_attr(k, v)
@@ -891,10 +916,15 @@ class Tuner:
             self._recover()
             self._sync_claims_and_dataset()
             self._enqueue_seeds()
-            slots = self.executor.slots(self.plan.cluster)
+            from advisor.runners.ray_exec import cpu_only
+
+            sim_cpu = cpu_only(self.s.runner, self.s.runner_options)
+            slots = self.executor.slots(self.plan.cluster, cpu_only=sim_cpu)
             if slots < 1:
-                raise SpecError(f"the Ray cluster has no room for one trial of {self.plan.cluster.world_size} GPUs "
-                                f"({self.plan.cluster.num_nodes} node(s) x {self.plan.cluster.gpus_per_node})")
+                c = self.plan.cluster
+                raise SpecError("the Ray cluster has no CPU for a simulated trial" if sim_cpu else
+                                f"the Ray cluster has no room for one trial of {c.world_size} GPUs "
+                                f"({c.num_nodes} node(s) x {c.gpus_per_node}); --runner simulate needs no GPU")
             idle, last_stale_check = 0, time.time()
             self._report()
             while True:
@@ -904,7 +934,7 @@ class Tuner:
                 elif len(self.claims_taken()) >= self.plan.runnable:
                     stopped = "space exhausted"
                 elif self.fail_streak >= self.s.max_failures:
-                    stopped = f"{self.fail_streak} trials in a row failed (last: {self.last_error})"
+                    stopped = f"{self.fail_streak} {FAILED_IN_A_ROW} (last: {self.last_error})"
                 elif idle >= self.s.patience:
                     stopped = f"{idle} proposals in a row were measured or infeasible layouts"
                 elif measured >= self.s.trials:
@@ -965,6 +995,10 @@ def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = 
     from advisor.runners.ray_exec import make_executor
 
     plan = plan or make_plan(settings)
+    if storage is None:  # paths checked before the study opens (advisor.validate): one error line
+        from advisor.validate import study_paths
+
+        study_paths(plan.storage, plan.dataset)
     tuner = Tuner(plan, None, progress, storage)
     try:
         tuner.executor = executor or make_executor(settings.ray_address, settings.kill_grace_s)

@@ -4,9 +4,10 @@ models/data/te_calibration.joblib (+ .json beside it, readable).
     python bench/fit_profiles.py            # fit, cross-validate, write the profile
     python bench/fit_profiles.py --dry-run  # fit and print, write nothing
 
-Rows: the usable pretraining rows of data/published/published_fit.csv on Hopper and Ampere GPUs
-(H100, A100); Blackwell rows are left out of the fit and reported as an out-of-sample check (other
-chips, same physics). Each distinct configuration weighs the same. The tokens/s interval is the
+Rows: the usable pretraining rows of data/published/published_fit.csv on H100 (Megatron-Core /
+NeMo / Megatron-Bridge with Transformer Engine). Blackwell rows (other chips, same physics) and the
+A100 rows (Megatron-LM of 2021, FP16, no Transformer Engine: not this stack) are left out of the fit
+and reported as out-of-sample checks. Each distinct configuration weighs the same. The tokens/s interval is the
 80% quantile of |leave-one-source-out residual| (split conformal, as `advisor fit` builds its
 calibrated level's); memory and power have no published measurements, so their intervals are the
 `local` profile's (measured on this project's GPUs), and say so.
@@ -28,8 +29,8 @@ from advisor.models import published as P  # noqa: E402
 from advisor.models.calibrate import LEVEL, Calibration, resolve_calibration  # noqa: E402
 from advisor.models.profiles import STACKS  # noqa: E402
 
-FIT_GPUS = ("H100", "A100-80GB")
-CHECK_GPUS = ("B200", "GB200", "B300", "GB300")
+FIT_GPUS = ("H100",)
+CHECK_GPUS = ("A100-80GB", "B200", "GB200", "B300", "GB300")
 
 
 def in_fit(r: P.PublishedRun) -> bool:

@@ -8,6 +8,8 @@ Conventions (the same as the catalog's YAML files, so that both give equal specs
 """
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, Callable, Mapping
 
 from advisor.catalog.errors import CatalogError
@@ -186,6 +188,53 @@ def _gpt2(c: _Cfg) -> dict[str, Any]:
     )
 
 
+# Fields read as integers / booleans: a JSON value of another type is refused (int() would turn
+# 32.5 layers into 32 and `true` into 1 without a word).
+_INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "vocab_size", "intermediate_size", "max_position_embeddings", "num_local_experts",
+               "num_experts_per_tok", "num_experts", "decoder_sparse_step", "moe_intermediate_size",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "n_routed_experts", "first_k_dense_replace", "moe_layer_freq", "n_shared_experts", "n_embd",
+               "n_layer", "n_head", "n_inner", "n_positions", "sliding_window")
+_BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+
+
+def _check_types(cfg: Mapping[str, Any], origin: str) -> None:
+    for k in _INT_FIELDS:
+        v = cfg.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+            raise CatalogError(f"{origin}: {k} must be an integer, got {v!r}")
+    for k in _BOOL_FIELDS:
+        v = cfg.get(k)
+        if v is not None and not isinstance(v, bool):
+            raise CatalogError(f"{origin}: {k} must be true or false, got {v!r}")
+    for k in ("mlp_only_layers",):
+        v = cfg.get(k)
+        if v is not None and (not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v)):
+            raise CatalogError(f"{origin}: {k} must be a list of layer indices, got {v!r}")
+
+
+class SlidingWindowWarning(UserWarning):
+    """An HF config's sliding-window attention, which the model does not describe."""
+
+
+def _warn_sliding_window(cfg: Mapping[str, Any], origin: str) -> None:
+    """Sliding-window attention is not modelled: attention is predicted as full causal attention
+    over the whole sequence (FLOPs, time), i.e. slower than such a model runs at sequences longer
+    than the window. Said once, as a warning, when the config turns the window on."""
+    w = cfg.get("sliding_window")
+    if w is None or cfg.get("use_sliding_window") is False:
+        return
+    ctx = cfg.get("max_position_embeddings")
+    if isinstance(ctx, int) and w >= ctx:
+        return  # a window as long as the context is full attention
+    warnings.warn(SlidingWindowWarning(
+        f"{origin}: sliding_window={w} is not modelled; attention is predicted as full causal attention "
+        f"over the whole sequence (pessimistic for sequences longer than {w} tokens)"), stacklevel=3)
+
+
 _BUILDERS: dict[str, Callable[[_Cfg], dict[str, Any]]] = {
     "llama": _llama,
     "mistral": _mistral,
@@ -215,6 +264,8 @@ def model_from_hf_config(cfg: dict, name: str, *, origin: str = "config.json") -
             f"{origin}: unsupported model_type {model_type!r} "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    _check_types(cfg, origin)
+    _warn_sliding_window(cfg, origin)
     c = _Cfg(cfg, model_type, origin)
     try:
         fields = _BUILDERS[model_type](c)

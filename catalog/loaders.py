@@ -100,8 +100,8 @@ def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
         v = d.get(k)
         if v is None and k == "max_operating_temp_c":
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise CatalogError(f"{what}: {k} must be a non-negative number, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise CatalogError(f"{what}: {k} must be a non-negative number (finite), got {v!r}")
         d[k] = float(v)
     if d.get("vendor") not in ("nvidia", "amd"):
         raise CatalogError(f"{what}: vendor must be nvidia or amd, got {d.get('vendor')!r}")
@@ -251,8 +251,9 @@ def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | Non
         ints[k] = v
     for k in ("intra_node_bw_gbs", "inter_node_bw_gbs", "power_cap_w"):
         v = data.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-            raise CatalogError(f"{what}: {k} must be a positive number, got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v <= 0):
+            raise CatalogError(f"{what}: {k} must be a positive number (finite), got {v!r}")
     name = str(data.get("name") or what)
     cap = power_cap_w if power_cap_w is not None else data.get("power_cap_w")
     return _make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], data.get("intra_node_bw_gbs"),

@@ -175,9 +175,11 @@ def _cluster(rec: dict) -> ClusterSpec:
 
 
 def _throttle(rec: dict) -> float:
-    fr = _get(rec, "telemetry.throttle_fraction", dict, required=False)
+    fr = _get(rec, "telemetry.throttle_fraction", (dict, int, float), required=False)
     if fr is None:
         return math.nan
+    if not isinstance(fr, dict):  # a bare fraction: what the simulated runner wrote before it wrote the schema's form
+        fr = {"any_throttle": fr}
     vals = {}
     for k, v in fr.items():
         if v is None:

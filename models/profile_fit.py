@@ -28,6 +28,12 @@ from advisor.search_spaces.layout import violations
 TE_SETTINGS = {
     # Megatron-Bridge / NeMo performance recipes: ddp.grad_reduce_in_fp32 = False (bf16 reduction)
     "dp_grad_reduce_bytes": 2.0,
+    # Fused attention in training, forward and backward at one rate, before fitting: FlashAttention-3
+    # (Shah et al. 2024, Fig. 5-7) reaches ~600 TFLOP/s forward and ~450 backward for head dim 128,
+    # causal, 8K-16K tokens on H100 SXM, i.e. ~480 averaged over the 1 : 2.5 FLOPs of the two
+    # passes; at the sustained clock under the 700 W cap (0.82 of the boost clock: our H200 burn,
+    # 1470-1515 vs 1830 MHz) that is ~395 TFLOP/s = 0.40 of the 989 TFLOP/s peak.
+    "attention_efficiency": 0.40,
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
 }

@@ -298,6 +298,10 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
                           overlap_param_gather=dp * cp > 1)
     except SpecError as e:
         return unusable(f"layout: {e}", tps=tps, model=model, cluster=cluster)
+    if pp > 1 and model.num_layers % pp:  # the row does not say how: the split Megatron's recipes use
+        cfg, how = _uneven_split(model, cfg)
+        if how:
+            notes.append(f"uneven pipeline split not given: {how}")
     note = (r.get("notes") or "").lower()
     if model.is_moe and ("force-balanced" in note or "token-drop" in note):
         # NVIDIA's MoE tables: dropless with forced-balanced routing, or capacity-capped (dropping)
@@ -305,6 +309,20 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
         notes.append("MoE routing balanced (forced or token-dropping), as the source says")
     return PublishedRun(tokens_per_s_per_gpu=tps, model=model, cluster=cluster, cfg=cfg, fp8_recipe=recipe,
                         assumptions=tuple(notes), family=model.family, moe=model.is_moe, fsdp=fsdp, **base)
+
+
+def _uneven_split(model: ModelSpec, cfg: TrainConfig) -> tuple[TrainConfig, str]:
+    """The first of the search space's uneven splits (embedding / loss accounted as a layer, as
+    NVIDIA's 405B and Qwen3-235B recipes do; then first / last trimmed; then an explicit layout)
+    that allows the row's virtual pipeline size."""
+    from advisor.search_spaces.space import SpaceOptions, split_choices
+
+    for fields, vps in split_choices(model.num_layers, cfg.pp, SpaceOptions(max_vp=max(cfg.vp, 8))):
+        if cfg.vp in vps:
+            if "pipeline_layout" in fields:
+                return cfg.replace(**fields), f"pipeline layout {fields['pipeline_layout']}"
+            return cfg.replace(**fields), ", ".join(f"{k}={v}" for k, v in fields.items())
+    return cfg, ""
 
 
 def load(path: str | Path = FIT_FILE, arch_path: str | Path = ARCH_FILE) -> list[PublishedRun]:

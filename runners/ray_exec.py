@@ -24,10 +24,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 from advisor.runners.simulate import new_record
 
 RUNNERS = ("simulate", "megatron", "command")
+
+
+def cpu_only(runner: str, options: Mapping[str, Any] | None = None) -> bool:
+    """Simulated trials ask Ray for one CPU and no GPU (a CPU-only machine runs them with the
+    default Ray), unless options["hold_gpus"] (ADVISOR_SIM_HOLD_GPUS=1) makes them hold the GPUs
+    a real trial would, to rehearse GPU placement on a Ray cluster of fake GPUs."""
+    return runner == "simulate" and not (options or {}).get("hold_gpus")
 
 
 def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
@@ -148,7 +155,7 @@ class InlineExecutor:
     def __init__(self) -> None:
         self._done: list[Job] = []
 
-    def slots(self, cluster: ClusterSpec) -> int:
+    def slots(self, cluster: ClusterSpec, cpu_only: bool = False) -> int:
         return 1
 
     def submit(self, job: Job) -> Job:
@@ -201,16 +208,18 @@ class RayExecutor:
         import ray
 
         self.ray = ray
-        if not ray.is_initialized():
-            ray.init(address=address, logging_level="ERROR", log_to_driver=False,
-                     include_dashboard=False if address is None else None)
+        start_ray(address)
         self.kill_grace_s = kill_grace_s
         self.jobs: list[Job] = []
         self._run_rank, self._rendezvous = _remote_fns()
 
-    def slots(self, cluster: ClusterSpec) -> int:
-        """How many trials of `cluster`'s size fit on the Ray cluster at once."""
-        gpus = [n["Resources"].get("GPU", 0) for n in self.ray.nodes() if n.get("Alive")]
+    def slots(self, cluster: ClusterSpec, cpu_only: bool = False) -> int:
+        """How many trials of `cluster`'s size fit on the Ray cluster at once (`cpu_only`: one
+        CPU each)."""
+        alive = [n["Resources"] for n in self.ray.nodes() if n.get("Alive")]
+        if cpu_only:
+            return int(sum(r.get("CPU", 0) for r in alive))
+        gpus = [r.get("GPU", 0) for r in alive]
         if cluster.num_nodes == 1:
             return int(sum(g // cluster.world_size for g in gpus))
         return sum(1 for g in gpus if g >= cluster.gpus_per_node) // cluster.num_nodes
@@ -221,7 +230,9 @@ class RayExecutor:
 
         c = job.cluster
         args = (job.runner, job.model, c, job.cfgs, job.timeout_s, dict(job.options))
-        if c.num_nodes == 1:
+        if cpu_only(job.runner, job.options):  # one task on one CPU, whatever the cluster's size
+            job.refs = [self._run_rank.options(num_gpus=0, num_cpus=1).remote(*args, 0, 1, None, job.ids)]
+        elif c.num_nodes == 1:
             job.refs = [self._run_rank.options(num_gpus=c.world_size, num_cpus=1).remote(*args, 0, 1, None, job.ids)]
         else:
             job.pg = placement_group([{"GPU": c.gpus_per_node, "CPU": 1}] * c.num_nodes, strategy="STRICT_SPREAD")
@@ -321,6 +332,101 @@ def _describe(e: Exception | None) -> str:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     last = lines[-1].strip() if lines else ""
     return f"{type(e).__name__}: {last}"[:500] if last else type(e).__name__
+
+
+class RayStartError(SpecError):
+    """Ray did not start or could not be reached; the message says how to fix it."""
+
+
+def _ray_token_available() -> bool:
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or os.path.isfile(path)
+
+
+def start_ray(address: str | None) -> None:
+    """ray.init (a new local Ray when `address` is None), or one RayStartError line saying what
+    to do. Connecting to a cluster (`ray start`): Ray >= 2.52 clusters ask for a token, which a
+    driver sends only with RAY_AUTH_MODE=token; when that is unset and a token is at hand
+    (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, where `ray start` puts it), it is
+    set, as Ray's own CLI does. Ray's C++ client logs its connection retries on stderr: they are
+    kept from the terminal and read for the cause."""
+    import sys
+    import tempfile
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    remote = address is not None
+    if remote:
+        _check_reachable(address)
+    if remote and "RAY_AUTH_MODE" not in os.environ and _ray_token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray read its config at import: have it read the mode again (what ray's CLI does)
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except Exception:  # noqa: BLE001 - an older Ray without token authentication
+            pass
+    kw = dict(address=address, logging_level="ERROR", log_to_driver=False,
+              include_dashboard=False if address is None else None)
+    if not remote:
+        try:
+            ray.init(**kw)
+            return
+        except Exception as e:  # noqa: BLE001 - one line for the user
+            raise RayStartError(_ray_start_message(address, e, "")) from None
+    err, text = None, ""
+    with tempfile.TemporaryFile() as cap:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(cap.fileno(), 2)
+        try:
+            ray.init(**kw)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        if err is not None:
+            cap.seek(0)
+            text = cap.read().decode(errors="replace")
+    if err is not None:
+        raise RayStartError(_ray_start_message(address, err, text)) from None
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """A host:port (or ray://host:port) address must accept a TCP connection: Ray itself retries
+    an unreachable address for many minutes."""
+    import socket
+
+    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", a bare host: Ray resolves it
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise RayStartError(_ray_start_message(address, ConnectionError(why), "")) from None
+
+
+def _ray_start_message(address: str | None, e: Exception, log: str) -> str:
+    where = f"Ray at {address}" if address else "a local Ray"
+    said = " ".join(str(e).split())[:200]
+    if "InvalidAuthToken" in log or "Unauthenticated" in log or type(e).__name__ == "AuthenticationError":
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+            return (f"{where} refused this driver's token: copy the head node's ~/.ray/auth_token here "
+                    f"(or set RAY_AUTH_TOKEN to it)")
+        return (f"{where} asks for a token (Ray token authentication): copy the head node's "
+                f"~/.ray/auth_token here (or set RAY_AUTH_TOKEN) and export RAY_AUTH_MODE=token")
+    if isinstance(e, ConnectionError):
+        return (f"cannot reach {where} ({said}): check the address ('ray status' on the head node), "
+                f"or leave out --ray-address for a local Ray, or give --ray-address inline to run trials without Ray")
+    return (f"{where} did not start ({type(e).__name__}: {said}); --ray-address inline runs trials "
+            f"without Ray")
 
 
 def make_executor(address: str | None, kill_grace_s: float = 30.0):

@@ -98,15 +98,19 @@ def run_trial(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, *, timeo
                          "mfu": p.mfu * p.step_time_s / median}
     rec["telemetry"] = {"mean_power_w": mean_w, "peak_power_w": peak_w,
                         "energy_per_token_j": mean_w * n * median / cfg.tokens_per_step,
-                        "throttle_fraction": min(1.0, p.throttle_risk * 0.1)}
+                        # the measurement schema's form: fractions of samples per reason
+                        "throttle_fraction": {"any_throttle": min(1.0, p.throttle_risk * 0.1)}}
     return rec
 
 
 def options_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Test knobs from the environment: ADVISOR_SIM_INJECT="tp2-pp2=crash,tp4-pp1=hang",
-    ADVISOR_SIM_DELAY_S=0.5, ADVISOR_SIM_SIGMA=0.03, ADVISOR_SIM_SEED=0."""
+    ADVISOR_SIM_DELAY_S=0.5, ADVISOR_SIM_SIGMA=0.03, ADVISOR_SIM_SEED=0, ADVISOR_SIM_HOLD_GPUS=1
+    (on Ray, hold the GPUs a real trial would instead of one CPU: see ray_exec.cpu_only)."""
     env = os.environ if env is None else env
     out: dict[str, Any] = {}
+    if env.get("ADVISOR_SIM_HOLD_GPUS", "").strip() not in ("", "0"):
+        out["hold_gpus"] = True
     if env.get("ADVISOR_SIM_INJECT"):
         out["inject"] = dict(part.split("=", 1) for part in env["ADVISOR_SIM_INJECT"].split(",") if "=" in part)
     for var, key, cast in (("ADVISOR_SIM_DELAY_S", "delay_s", float), ("ADVISOR_SIM_SIGMA", "sigma", float),

@@ -139,7 +139,8 @@ def test_report_bad_input_is_one_line(tmp_path, capsys):
                               "--html", str(tmp_path / "x.html")], capsys)
     assert code == 2 and err.startswith("error: ") and "--batch" in err
     code, out, err = run_cli(["recommend", "-m", "llama3-8b", "-c", "h100x8", "--html", str(tmp_path)], capsys)
-    assert code == 2 and err.startswith("error: cannot write the HTML report")
+    # refused by advisor.validate before the recommendation is computed
+    assert code == 2 and err.startswith(f"error: --html {tmp_path}: is a folder") and err.count("\n") == 1
 
 
 NO_MPL = """

@@ -47,11 +47,11 @@ def test_megatron_flop_formula_matches_the_rows_that_give_both_numbers(runs):
 
 
 def test_shipped_te_profile_keeps_its_fit_set_error():
-    """The te profile on the H100 / A100 dense rows it was fitted on: in sample and, as recorded in
+    """The te profile on the H100 dense rows it was fitted on: in sample and, as recorded in
     the file when it was fitted, out of sample (leave one source out)."""
     cal = resolve_calibration("te")
     assert cal is not None and cal.profile == "te"
-    rows, _ = F.fit_rows(P.load(), "te", lambda r: r.gpu_type in ("H100", "A100-80GB") and not r.moe)
+    rows, _ = F.fit_rows(P.load(), "te", lambda r: r.gpu_type == "H100" and not r.moe)
     assert len(rows) >= 40
     s = F.summary(F.log_errors(rows, cal.constants), [x.weight for x in rows])
     assert s["mape"] < 8.0 and abs(s["bias"]) < 5.0

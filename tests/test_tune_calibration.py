@@ -97,7 +97,7 @@ def test_seeds_follow_the_calibrated_ranking(tmp_path):
     """A calibration that changes the ranking changes the seeds and their order; the study
     measures them first and records the calibration."""
     cal = _calibration(**SLOW_NVLINK)
-    plain = make_plan(_settings(tmp_path))
+    plain = make_plan(_settings(tmp_path, calibration=None))  # the analytical model
     calibrated = make_plan(_settings(tmp_path, calibration=cal))
     a = [layout_key(c) for c in plain.enqueue]
     b = [layout_key(c) for c in calibrated.enqueue]

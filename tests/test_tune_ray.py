@@ -34,11 +34,19 @@ def _cmd(cluster, tmp_path, name, *extra, topo="h100x4", trials=6):
             "--storage", str(tmp_path / "s.journal"), "--dataset", str(tmp_path / f"{name}.jsonl"), *extra]
 
 
-def _env(**kw):
-    return {**os.environ, **{k: str(v) for k, v in kw.items()}}
+def _env(hold_gpus=1, **kw):
+    """The driver's environment. Simulated trials ask Ray for one CPU unless ADVISOR_SIM_HOLD_GPUS=1:
+    the tests of GPU placement (fake GPUs) make them hold the GPUs a real trial would."""
+    env = {**os.environ, **{k: str(v) for k, v in kw.items()}}
+    if hold_gpus:
+        env["ADVISOR_SIM_HOLD_GPUS"] = "1"
+    else:
+        env.pop("ADVISOR_SIM_HOLD_GPUS", None)
+    return env
 
 
 def _run(cmd, env=None, timeout=120):
+    env = _env() if env is None else env
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -156,3 +164,64 @@ def test_multi_node_command_trial_runs_one_launcher_per_node_and_merges_their_re
         assert [p["node_rank"] for p in pl] == [0, 1] and pl[0]["node_id"] != pl[1]["node_id"]
         master = f"--master {pl[0]['master'][0]}:{pl[0]['master'][1]}"
         assert master in x["command"]["line"]
+
+
+def test_simulated_trials_ask_ray_for_cpus_only(tmp_path):
+    """A CPU-only Ray cluster runs simulated trials (one CPU each, two at a time on 2 CPUs)."""
+    c = Cluster(initialize_head=True, connect=False,
+                head_node_args={"num_cpus": 2, "num_gpus": 0, "include_dashboard": False})
+    try:
+        c.wait_for_nodes()
+        cmd = _cmd(c, tmp_path, "cpu", "--json", topo="h100x8x2", trials=4)
+        d = json.loads(_run(cmd, env=_env(hold_gpus=0)).stdout)
+        assert d["measured"] == 4
+        recs = _records(tmp_path / "cpu.jsonl")
+        assert len(recs) == 4 and all(x["status"] in ("ok", "oom") for x in recs)
+        assert all(x["placement"][0]["gpu_ids"] == [] for x in recs)
+        # the same cluster has no room for a trial that holds 16 GPUs, and says what to do
+        r = subprocess.run(_cmd(c, tmp_path, "gpus", topo="h100x8x2", trials=1), capture_output=True, text=True,
+                           env=_env(hold_gpus=1), timeout=120)
+        assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: the Ray cluster has no room")
+    finally:
+        c.shutdown()
+
+
+def test_default_local_ray_runs_simulated_trials_on_a_cpu_only_machine(tmp_path):
+    """No --ray-address: a new local Ray, which on a machine without GPUs has CPUs only."""
+    cmd = [sys.executable, "-m", "advisor", "tune", "-m", "llama3-8b", "-c", "h100x8", "--layers", "2",
+           "--runner", "simulate", "--trials", "3", "--seed", "0", "--storage", str(tmp_path / "s.journal"),
+           "--dataset", str(tmp_path / "d.jsonl"), "--json"]
+    env = _env(hold_gpus=0)
+    env.pop("RAY_ADDRESS", None)
+    d = json.loads(_run(cmd, env=env, timeout=300).stdout)
+    assert d["measured"] == 3 and len(_records(tmp_path / "d.jsonl")) == 3
+
+
+def test_unreachable_ray_address_is_one_line_at_once(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "advisor", "tune", "-m", "llama3-8b", "-c", "h100x8", "--runner", "simulate",
+        "--ray-address", f"127.0.0.1:{port}", "--storage", str(tmp_path / "s.journal"),
+        "--dataset", str(tmp_path / "d.jsonl")]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and time.time() - t0 < 30
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach Ray at 127.0.0.1:{port}"), r.stderr
+    assert "--ray-address inline" in lines[0]
+    assert not (tmp_path / "d.jsonl").exists()
+
+
+def test_ray_token_authentication_failure_is_one_line_with_the_fix(monkeypatch):
+    from advisor.runners.ray_exec import _ray_start_message
+
+    log = "gcs_client.cc:210: Failed to get cluster ID from GCS server: Unauthenticated: RPC error: InvalidAuthToken"
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    msg = _ray_start_message("10.0.0.1:6379", ConnectionError("Failed to connect"), log)
+    assert "export RAY_AUTH_MODE=token" in msg and "~/.ray/auth_token" in msg and "\n" not in msg
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert "refused this driver's token" in _ray_start_message("10.0.0.1:6379", ConnectionError("x"), log)
