@@ -16,6 +16,7 @@ from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token
 from advisor.models.memory import plan_params
 from advisor.search_spaces.layout import pipeline_plan, rank_kinds
+from advisor.models.moe import moe_layer_time
 
 
 def _sat(d: float, half: float) -> float:
@@ -96,6 +97,11 @@ class StageTime:
     forward_s: float = 0.0  # compute part of the forward pass (for DP overlap windows)
     backward_s: float = 0.0
     gemm_utilization: float = 0.0  # achieved / best GEMM rate, time-weighted (drives power)
+    # MoE sub-steps, forward + backward (already inside the categories above; models/moe.py)
+    moe_router_s: float = 0.0
+    moe_permute_s: float = 0.0
+    moe_dispatch_s: float = 0.0
+    moe_expert_gemm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -111,8 +117,9 @@ class StageTime:
         return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.pp_p2p_s
 
 
+_MOE = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
 _ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-             "fp8_fwd_s", "fp8_bwd_s")
+             "fp8_fwd_s", "fp8_bwd_s") + _MOE
 
 
 @dataclass
@@ -159,6 +166,7 @@ class StepTime:
             "step_overhead_s": self.overhead_s,
             "slowest_stage": slow.stage,
             "stage_time_per_microbatch_s": [s.total_s for s in self.stages],
+            **{k: getattr(slow, k) * m for k in _MOE},
         }
 
     def to_dict(self) -> dict:
@@ -216,25 +224,29 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         g += gemm(T, h, (a + 2 * model.kv_heads) * hd / t) + gemm(T, a * hd / t, h)
     ffn_for_elementwise = 0.0
     if model.is_moe_layer(layer):
-        moe = model.moe
-        k = moe.top_k
-        local_experts = moe.num_experts / cfg.ep
-        tokens_per_expert = T * k * cfg.ep * cfg.etp / moe.num_experts
-        f = moe.ffn_hidden_size / cfg.etp
-        g += gemm(T, h, moe.num_experts, linear=False)  # router
-        g += gemm(tokens_per_expert, h, (2 if gated else 1) * f, local_experts)
-        g += gemm(tokens_per_expert, f, h, local_experts)
-        if moe.shared_ffn_hidden_size:
-            fs = moe.shared_ffn_hidden_size / t
-            g += gemm(T, h, (2 if gated else 1) * fs) + gemm(T, fs, h)
-            ffn_for_elementwise += fs
-        ffn_for_elementwise += T * k * f / max(T, 1)
-        routed_bytes = T * k * h * e
-        st.memory_bound_s += 4 * routed_bytes / (hbm * c.hbm_efficiency)  # permute / unpermute
-        st.ep_comm_s += 2 * collective_time("all_to_all", routed_bytes, cfg.ep, ep_link.bw_gbs, ep_link.latency)
-        if cfg.etp > 1:
-            st.ep_comm_s += 2 * collective_time("all_gather", routed_bytes * cfg.etp, cfg.etp,
-                                                etp_link.bw_gbs, etp_link.latency)
+        # models/moe.py: router, permute, dispatch, experts, shared experts (forward + backward);
+        # entered here in forward-equivalent seconds (stage_times triples GEMM and memory-bound
+        # time and doubles communication for the backward), per-term times kept as they are
+        def rate(m_, k_, n_, linear=True):
+            if fp8 and linear:
+                return gemm_time(m_, k_, n_, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
+                                 in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
+            return gemm_time(m_, k_, n_, bf16_peak, hbm, c, c.gemm_efficiency_max)
+        mt = moe_layer_time(model, cfg, cluster, c, rate, ep_link, etp_link, collective_time)
+        g += mt.gemm / 3
+        util_acc[0] += mt.gemm_flops_util / 3
+        util_acc[1] += mt.gemm / 3
+        if fp8:  # the experts' FP8 casts, as `gemm` counts them for the other linear layers
+            cast[0] += mt.fp8_cast_elems[0] * c.fp8_cast_fwd_bytes
+            cast[1] += mt.fp8_cast_elems[1] * c.fp8_cast_bwd_bytes
+            cast[2] += mt.fp8_gemm_calls
+        st.memory_bound_s += mt.memory_bound / 3
+        st.ep_comm_s += mt.comm / 2
+        st.overhead_s += mt.overhead
+        st.moe_router_s += mt.router
+        st.moe_permute_s += mt.permute
+        st.moe_dispatch_s += mt.dispatch
+        st.moe_expert_gemm_s += mt.expert
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
@@ -334,8 +346,9 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             st.gemm_s += 3 * tt
             st.forward_s += tt
             st.backward_s += 2 * tt
-            util[0] += 3 * tt * u
-            util[1] += 3 * tt
+            # weighted like the layers' GEMMs (forward seconds, a third of their gemm_s)
+            util[0] += tt * u
+            util[1] += tt
             st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * 6 / (hbm * c.hbm_efficiency)
             st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
         # PP send/recv: activations to the next stage, gradients to the previous one, once per
@@ -371,6 +384,8 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
             st.attention_s *= compute_slowdown
             st.memory_bound_s *= compute_slowdown
             st.recompute_s *= compute_slowdown
+            for name in ("moe_router_s", "moe_permute_s", "moe_expert_gemm_s"):
+                setattr(st, name, getattr(st, name) * compute_slowdown)
             st.forward_s *= compute_slowdown
             st.backward_s *= compute_slowdown
     m = cfg.num_microbatches
