@@ -165,9 +165,11 @@ def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predict
             parts.append(f"{model.num_layers} layers split {split}")
     if cfg.cp > 1:
         parts.append(f"CP={cfg.cp} splits the {cfg.seq}-token sequence")
-    if cfg.ep > 1:
-        parts.append(f"EP={cfg.ep} spreads {model.num_experts} experts")
     bd = p.breakdown
+    if model.is_moe:  # why this EP: experts per GPU, where the all-to-all runs, its share, imbalance
+        from advisor.models.moe import ep_reason
+
+        parts.append(ep_reason(model, cfg, cluster, bd, p.step_time_s, DEFAULT))
     if cfg.dp > 1:
         hidden = bd["dp_comm_total_s"] - bd["dp_comm_exposed_s"]
         share = hidden / bd["dp_comm_total_s"] * 100 if bd["dp_comm_total_s"] else 100

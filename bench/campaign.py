@@ -124,13 +124,117 @@ def h200x4_full() -> list[dict]:
     ]
 
 
+# ---- mixture of experts (docs/moe.md): three proxy shapes at full width, few layers, the
+# vocabulary cut to 32000 so that the MoE layers dominate the step. Each MoE job also times its
+# router / permute / dispatch / experts sub-steps (runners/moe_probe.py).
+_MOE_SRC = " (proxy: layers cut, vocabulary 32000 instead of {v})"
+MIXTRAL_PROXY = {"name": "mixtral-8x7b-proxy", "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336,
+                 "num_attention_heads": 32, "num_query_groups": 8, "vocab_size": 32000,
+                 "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 14336}, "family": "mixtral",
+                 "source": "mistralai/Mixtral-8x7B-v0.1 config.json" + _MOE_SRC.format(v=32000)}
+QWEN3_PROXY = {"name": "qwen3-30b-a3b-proxy", "num_layers": 48, "hidden_size": 2048, "ffn_hidden_size": 6144,
+               "num_attention_heads": 32, "num_query_groups": 4, "kv_channels": 128, "vocab_size": 32000,
+               "moe": {"num_experts": 128, "top_k": 8, "ffn_hidden_size": 768}, "family": "qwen3",
+               "source": "Qwen/Qwen3-30B-A3B config.json" + _MOE_SRC.format(v=151936)}
+DEEPSEEK_PROXY = {"name": "deepseek-v2-lite-proxy", "num_layers": 27, "hidden_size": 2048, "ffn_hidden_size": 10944,
+                  "num_attention_heads": 16, "kv_channels": 128, "vocab_size": 32000,
+                  "moe": {"num_experts": 64, "top_k": 6, "ffn_hidden_size": 1408, "num_shared_experts": 2,
+                          "shared_ffn_hidden_size": 2816, "first_dense_layers": 1, "dense_ffn_hidden_size": 10944},
+                  "mla": {"q_lora_rank": 0, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                          "v_head_dim": 128},
+                  "family": "deepseek",
+                  "source": "deepseek-ai/DeepSeek-V2-Lite config.json (MLA, 2 shared experts, first layer dense)"
+                            + _MOE_SRC.format(v=102400)}
+MOE_RUN = {"seq": 4096, "dp": 1, "distributed_optimizer": False, "overlap_grad_reduce": False,
+           "warmup": 2, "steps": 4}
+
+
+def _moe_shape(model: dict, layers: int, **kw) -> dict:
+    return {"model": model, "layers": layers, **MOE_RUN, **kw}
+
+
+def _moe_variants(base: dict, grouped: bool) -> list[dict]:
+    """Micro-batch, sequence, router and dispatcher variants of one shape on one GPU."""
+    g = {"moe_grouped_gemm": grouped}
+    return [dict(base, mbs=1, gbs=4, **g), dict(base, mbs=2, gbs=8, **g), dict(base, mbs=4, gbs=8, **g),
+            dict(base, seq=2048, mbs=2, gbs=8, **g), dict(base, mbs=2, gbs=8, moe_router="forced", **g),
+            dict(base, mbs=2, gbs=8, moe_dispatcher="allgather", **g)]
+
+
+def h100x1_moe_a() -> list[dict]:
+    """Mixtral- and Qwen3-MoE-like proxies, megatron-core's SequentialMLP (one GEMM per expert)."""
+    return (_moe_variants(_moe_shape(MIXTRAL_PROXY, 2), False)
+            + _moe_variants(_moe_shape(QWEN3_PROXY, 3), False))
+
+
+def h100x1_moe_b() -> list[dict]:
+    """The same with grouped-GEMM experts (torch._grouped_mm)."""
+    return (_moe_variants(_moe_shape(MIXTRAL_PROXY, 2), True)[:4]
+            + _moe_variants(_moe_shape(QWEN3_PROXY, 3), True)[:5])
+
+
+def h100x1_moe_c() -> list[dict]:
+    """DeepSeek-like proxy: multi-latent attention, 2 shared experts, first layer dense."""
+    d = _moe_shape(DEEPSEEK_PROXY, 4)
+    return _moe_variants(d, False)[:5] + _moe_variants(d, True)[:4]
+
+
+# A fourth shape between Mixtral and Qwen3: Mixtral's width with 32 fine-grained experts, top-4
+# (each a quarter of Mixtral's FFN): the same active FLOPs as Mixtral, 4x the experts.
+FINE_PROXY = {"name": "mixtral-fine32-proxy", "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336,
+              "num_attention_heads": 32, "num_query_groups": 8, "vocab_size": 32000,
+              "moe": {"num_experts": 32, "top_k": 4, "ffn_hidden_size": 3584}, "family": "mixtral",
+              "source": "Mixtral-8x7B's attention and width with its experts split in four (fine-grained, "
+                        "as Dai et al. 2024 DeepSeekMoE §3.1); vocabulary 32000"}
+
+
+def h100x1_moe_d() -> list[dict]:
+    """Second call: grouped-GEMM experts for real (the first call's 'grouped' jobs ran
+    SequentialMLP: the spec patch missed megatron-core 0.19.2's partial(MoELayer) spec), the jobs
+    the first call did not reach, and a fourth shape. Jobs that may run out of memory go last."""
+    M, Q, D, F = (_moe_shape(MIXTRAL_PROXY, 2), _moe_shape(QWEN3_PROXY, 3), _moe_shape(DEEPSEEK_PROXY, 4),
+                  _moe_shape(FINE_PROXY, 2))
+    g = {"moe_grouped_gemm": True}
+    s = {"moe_grouped_gemm": False}
+    return [
+        dict(Q, mbs=1, gbs=4, **g), dict(Q, mbs=2, gbs=8, **g), dict(Q, mbs=4, gbs=8, **g),
+        dict(Q, seq=2048, mbs=2, gbs=8, **g), dict(Q, mbs=2, gbs=8, moe_router="forced", **g),
+        dict(D, mbs=1, gbs=4, **g), dict(D, mbs=2, gbs=8, **g), dict(D, mbs=4, gbs=8, **g),
+        dict(D, mbs=2, gbs=8, moe_router="forced", **g), dict(D, mbs=2, gbs=8, moe_dispatcher="allgather", **g),
+        dict(M, mbs=1, gbs=4, **g), dict(M, mbs=1, gbs=4, moe_router="forced", **g),
+        dict(F, mbs=1, gbs=4, **g), dict(F, mbs=2, gbs=8, **g), dict(F, mbs=1, gbs=4, **s),
+        dict(F, mbs=2, gbs=8, moe_router="forced", **g),
+        dict(Q, mbs=2, gbs=8, moe_dispatcher="allgather", **s), dict(D, seq=2048, mbs=2, gbs=8, **s),
+        dict(M, seq=2048, mbs=2, gbs=8, **s), dict(M, mbs=1, gbs=4, moe_dispatcher="allgather", **s),
+        dict(M, mbs=2, gbs=8, **g), dict(F, mbs=4, gbs=8, **g),
+    ]
+
+
+def moe_ep(world: int) -> list[dict]:
+    """Expert parallelism over `world` GPUs of one node (EP = world and world / 2): the all-to-all
+    and allgather dispatchers on NVLink, each proxy with enough layers to keep the GPUs busy.
+    Needs a multi-GPU kind (nvidia-h200-x2 / -x4); not run while only 1-GPU kinds are lent."""
+    rows = []
+    for model, layers in ((MIXTRAL_PROXY, 4), (QWEN3_PROXY, 6), (DEEPSEEK_PROXY, 5)):
+        base = {"model": model, "layers": layers, "seq": 4096, "dp": world, "warmup": 2, "steps": 4}
+        for ep in sorted({world, max(1, world // 2)}):
+            for disp in ("alltoall", "allgather"):
+                rows.append(dict(base, ep=ep, mbs=1, gbs=4 * world, moe_dispatcher=disp))
+            rows.append(dict(base, ep=ep, mbs=2, gbs=8 * world))
+            rows.append(dict(base, ep=ep, mbs=2, gbs=8 * world, moe_grouped_gemm=False))
+    return rows
+
+
 BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1,
-           "h200x4-full": h200x4_full}
+           "h200x4-full": h200x4_full, "h100x1-moe-a": h100x1_moe_a, "h100x1-moe-b": h100x1_moe_b,
+           "h100x1-moe-c": h100x1_moe_c, "h100x1-moe-d": h100x1_moe_d, "h200x2-moe-ep": lambda: moe_ep(2), "h200x4-moe-ep": lambda: moe_ep(4)}
 
 
-def write() -> None:
+def write(names: list[str] | None = None) -> None:
     CONFIGS.mkdir(exist_ok=True)
     for name, fn in BATCHES.items():
+        if names and name not in names:
+            continue
         rows = fn()
         with open(CONFIGS / f"{name}.jsonl", "w") as f:
             for i, r in enumerate(rows):
@@ -197,7 +301,8 @@ def table(path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("write")
+    w = sub.add_parser("write")
+    w.add_argument("names", nargs="*", help="only these batches (default: all)")
     r = sub.add_parser("run")
     r.add_argument("name", choices=sorted(BATCHES))
     r.add_argument("--out", type=Path, required=True)
@@ -208,7 +313,7 @@ def main(argv=None) -> int:
     t.add_argument("path", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "write":
-        write()
+        write(a.names)
     elif a.cmd == "run":
         return run(a.name, a.out, a.max_seconds, a.timeout, a.skip)
     else:

@@ -16,6 +16,11 @@ Recompute = Literal["none", "selective", "full"]
 
 PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+# Mixture of experts: Megatron's token dispatchers (--moe-token-dispatcher-type) and routers
+# ("aux_loss": a trained router kept near balance by the auxiliary loss; "forced": random logits,
+# --moe-router-force-load-balancing, what NVIDIA's published MoE benchmarks run).
+MOE_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
+MOE_ROUTERS: tuple[str, ...] = ("aux_loss", "forced")
 
 
 class SpecError(ValueError):
@@ -279,8 +284,19 @@ class TrainConfig:
     account_for_embedding: bool = False
     account_for_loss: bool = False
     pipeline_layout: str | None = None
+    # Mixture of experts (ignored for dense models): token dispatcher, grouped GEMM for the local
+    # experts (False: one GEMM per expert, megatron-core's SequentialMLP), router balancing.
+    moe_dispatcher: str = "alltoall"
+    moe_grouped_gemm: bool = True
+    moe_router: str = "aux_loss"
 
     def __post_init__(self) -> None:
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise SpecError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
+        if self.moe_router not in MOE_ROUTERS:
+            raise SpecError(f"moe_router must be one of {', '.join(MOE_ROUTERS)}, got {self.moe_router!r}")
+        if not isinstance(self.moe_grouped_gemm, bool):
+            raise SpecError(f"moe_grouped_gemm must be true or false, got {self.moe_grouped_gemm!r}")
         for n in ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq"):
             v = getattr(self, n)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -339,4 +355,11 @@ class TrainConfig:
             f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.precision}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
+            + self.moe_key()
         )
+
+    def moe_key(self) -> str:
+        """The MoE knobs that differ from the defaults, e.g. '-allgather-seqmlp-forced' ('' if none)."""
+        return ((f"-{self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" else "")
+                + ("-seqmlp" if not self.moe_grouped_gemm else "")
+                + (f"-{self.moe_router}" if self.moe_router != "aux_loss" else ""))

@@ -143,6 +143,14 @@ def _number(d: Any, path: str, required: bool = True, lo: float = 0.0, hi: float
     return v
 
 
+def _legacy_moe_config(config: dict, model: ModelSpec) -> dict:
+    """MoE records written before TrainConfig had MoE knobs ran megatron-core's SequentialMLP (one
+    GEMM per expert) with the alltoall dispatcher and the aux-loss router: say so."""
+    if model.is_moe and "moe_grouped_gemm" not in config:
+        return {**config, "moe_grouped_gemm": False}
+    return config
+
+
 def _cluster(rec: dict) -> ClusterSpec:
     from advisor.catalog import load_cluster
 
@@ -238,7 +246,7 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
     if layers is not None and layers != model.num_layers:
         raise _Bad(f"layers = {layers} but the model has {model.num_layers}")
     try:
-        cfg = TrainConfig.from_dict(_get(rec, "config", dict))
+        cfg = TrainConfig.from_dict(_legacy_moe_config(_get(rec, "config", dict), model))
     except (SpecError, TypeError, ValueError) as e:
         raise _Bad(f"config: {e}") from None
     cluster = _cluster(rec)

@@ -68,6 +68,21 @@ class LayerParams:
 
 
 def layer_params(m: ModelSpec, layer: int) -> LayerParams:
+    """Memoised by the model object's identity (recommend asks for the same layers of one model
+    for every layout it ranks); the memo keeps the model alive, so an id is never reused."""
+    key = (id(m), layer)
+    hit = _PARAMS_MEMO.get(key)
+    if hit is None or hit[0] is not m:
+        if len(_PARAMS_MEMO) > 8192:
+            _PARAMS_MEMO.clear()
+        hit = _PARAMS_MEMO[key] = (m, _layer_params(m, layer))
+    return hit[1]
+
+
+_PARAMS_MEMO: dict[tuple, tuple] = {}
+
+
+def _layer_params(m: ModelSpec, layer: int) -> LayerParams:
     attn = _attn_weight_params(m)
     norms = 2 * _norm_params(m)
     if m.is_moe_layer(layer):

@@ -13,6 +13,7 @@ from functools import lru_cache
 from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params
+from advisor.models.moe import moe_activation_elements
 from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
                                           pipeline_plan, rank_kinds, stage_layers)
 
@@ -28,11 +29,12 @@ class StageMemory:
     activations_gib: float
     logits_gib: float
     overhead_gib: float
+    step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations (peak = the larger)
 
     @property
     def total_gib(self) -> float:
         return (self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
-                + self.logits_gib + self.overhead_gib)
+                + self.logits_gib + self.overhead_gib + self.step_transient_gib)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -117,17 +119,9 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
         gemm_in += s * b * a * hd / t  # attention output
     gated = model.activation == "swiglu"
     if model.is_moe_layer(layer):
-        moe = model.moe
-        k = moe.top_k
-        routed = s * b * k  # tokens this rank's experts process on average (balanced routing)
-        elems += routed * h  # expert output before combine
-        gemm_in += routed * h  # permuted input to the experts
-        elems += (2 if gated else 1) * routed * moe.ffn_hidden_size / cfg.etp
-        gemm_in += routed * moe.ffn_hidden_size / cfg.etp
-        if moe.shared_ffn_hidden_size:
-            elems += (2 if gated else 1) * s * b * moe.shared_ffn_hidden_size / t
-            gemm_in += s * b * moe.shared_ffn_hidden_size / t
-        elems += s * b * moe.num_experts * 2  # router logits in fp32
+        moe_elems, moe_gemm_in = moe_activation_elements(model, cfg, c)  # models/moe.py
+        elems += moe_elems
+        gemm_in += moe_gemm_in
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
@@ -143,22 +137,26 @@ def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
     """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`
     (contiguous layers per stage; virtual chunks then taken as equal)."""
     f = 1.0 + c.fragmentation
+    # the peak is the larger of the activations (in the backward) and the optimizer step's transient
+    # copy of its gradient shard (in the step): step_transient_gib is what the step adds beyond them
     return [StageMemory(stage=stage, layers=n, params=int(params), weights_gib=weights / GIB, grads_gib=grads / GIB,
                         optimizer_gib=opt / GIB, activations_gib=acts * f / GIB, logits_gib=logits * f / GIB,
-                        overhead_gib=c.runtime_overhead_gib)
-            for stage, n, params, weights, grads, opt, acts, logits in _stage_bytes(model, cfg, c, layer_counts)]
+                        overhead_gib=c.runtime_overhead_gib, step_transient_gib=max(0.0, transient - acts * f) / GIB)
+            for stage, n, params, weights, grads, opt, acts, logits, transient
+            in _stage_bytes(model, cfg, c, layer_counts)]
 
 
 def peak_memory_gib(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
     """The fullest stage's memory per GPU (the total of stage_memory, without building it)."""
     f = 1.0 + c.fragmentation
-    peak = max(weights + grads + opt + (acts + logits) * f for _, _, _, weights, grads, opt, acts, logits
-               in _stage_bytes(model, cfg, c, None))
+    peak = max(weights + grads + opt + max(acts * f, transient) + logits * f
+               for _, _, _, weights, grads, opt, acts, logits, transient in _stage_bytes(model, cfg, c, None))
     return peak / GIB + c.runtime_overhead_gib
 
 
 def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts: list[int] | None):
-    """Per stage: (stage, layers, params, weight, gradient, optimizer, activation, logits bytes)."""
+    """Per stage: (stage, layers, params, weight, gradient, optimizer, activation, logits bytes, the
+    optimizer step's transient bytes)."""
     plan = pipeline_plan(model, cfg)
     per_kind: dict[tuple[int, bool], float] = {}
 
@@ -189,10 +187,10 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
         dense, experts, linear = params_of[stage]
         kinds = kinds_of[stage]
         params = dense + experts
-        if cfg.distributed_optimizer:
-            opt = c.bytes_optimizer * (dense / d + experts / edp)
-        else:
-            opt = c.bytes_optimizer * params
+        shard = dense / d + experts / edp if cfg.distributed_optimizer else params  # the optimizer's
+        opt = c.bytes_optimizer * shard
+        # the optimizer step's transient: a copy of the gradient shard it updates
+        transient = c.bytes_optimizer_transient * shard
         if layer_counts is None:  # each virtual chunk with its own layers and in-flight microbatches
             acts = bytes_of(in_flight[stage])
         else:
@@ -205,4 +203,4 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
             logits = (cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp
                       * (c.bytes_activation + c.bytes_logits_fp32))
         yield (stage, len(layers), params, params * c.bytes_weight + linear * fp8_copy, params * c.bytes_grad, opt,
-               acts, logits)
+               acts, logits, transient)

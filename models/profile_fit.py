@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from advisor.models.constants import DEFAULT, Constants
+from advisor.models.moe import MOE_TE_SETTINGS
 from advisor.models.predict import Prediction, predict
 from advisor.models.profiles import apply_layout_defaults
 from advisor.models.published import PublishedRun
@@ -33,6 +34,8 @@ TE_SETTINGS = {
     # passes; at the sustained clock under the 700 W cap (0.82 of the boost clock: our H200 burn,
     # 1470-1515 vs 1830 MHz) that is ~395 TFLOP/s = 0.40 of the 989 TFLOP/s peak.
     "attention_efficiency": 0.40,
+    # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
+    **MOE_TE_SETTINGS,
 }
 
 # Constants fitted on the published runs, with their bounds (physical ranges).

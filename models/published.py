@@ -37,7 +37,7 @@ CATALOG = {
     "llama3_8b": "llama3-8b", "llama3_70b": "llama3-70b", "llama3.1_405b": "llama3.1-405b",
     "gpt3_175b": "gpt3-175b", "nemotron4_15b": "nemotron4-15b", "nemotron4_340b": "nemotron4-340b",
     "mixtral_8x7b": "mixtral-8x7b", "mixtral_8x22b": "mixtral-8x22b", "qwen3_30b_a3b": "qwen3-30b-a3b",
-    "qwen3_235b_a22b": "qwen3-235b-a22b", "deepseek_v3": "deepseek-v3",
+    "qwen3_235b_a22b": "qwen3-235b-a22b", "deepseek_v3": "deepseek-v3", "gpt_oss_120b": "gpt-oss-120b",
 }
 GPUS = {"H100": "h100", "A100-80GB": "a100-80g", "B200": "b200", "GB200": "gb200", "B300": "b300",
         "GB300": "gb300"}
@@ -302,6 +302,11 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
         cfg, how = _uneven_split(model, cfg)
         if how:
             notes.append(f"uneven pipeline split not given: {how}")
+    note = (r.get("notes") or "").lower()
+    if model.is_moe and ("force-balanced" in note or "token-drop" in note):
+        # NVIDIA's MoE tables: dropless with forced-balanced routing, or capacity-capped (dropping)
+        cfg = cfg.replace(moe_router="forced")
+        notes.append("MoE routing balanced (forced or token-dropping), as the source says")
     return PublishedRun(tokens_per_s_per_gpu=tps, model=model, cluster=cluster, cfg=cfg, fp8_recipe=recipe,
                         assumptions=tuple(notes), family=model.family, moe=model.is_moe, fsdp=fsdp, **base)
 

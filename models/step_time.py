@@ -19,6 +19,7 @@ from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token
 from advisor.models.memory import plan_params
 from advisor.search_spaces.layout import pipeline_plan, rank_kinds
+from advisor.models.moe import moe_layer_time
 
 
 def _sat(d: float, half: float) -> float:
@@ -99,6 +100,11 @@ class StageTime:
     forward_s: float = 0.0  # compute part of the forward pass (for DP overlap windows)
     backward_s: float = 0.0
     gemm_utilization: float = 0.0  # achieved / best GEMM rate, time-weighted (drives power)
+    # MoE sub-steps, forward + backward (already inside the categories above; models/moe.py)
+    moe_router_s: float = 0.0
+    moe_permute_s: float = 0.0
+    moe_dispatch_s: float = 0.0
+    moe_expert_gemm_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -114,8 +120,9 @@ class StageTime:
         return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.pp_p2p_s
 
 
+_MOE = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
 _ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-             "fp8_fwd_s", "fp8_bwd_s")
+             "fp8_fwd_s", "fp8_bwd_s") + _MOE
 
 
 @dataclass
@@ -162,6 +169,7 @@ class StepTime:
             "step_overhead_s": self.overhead_s,
             "slowest_stage": slow.stage,
             "stage_time_per_microbatch_s": [s.total_s for s in self.stages],
+            **{k: getattr(slow, k) * m for k in _MOE},
         }
 
     def to_dict(self) -> dict:
@@ -219,25 +227,29 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         g += gemm(T, h, (a + 2 * model.kv_heads) * hd / t) + gemm(T, a * hd / t, h)
     ffn_for_elementwise = 0.0
     if model.is_moe_layer(layer):
-        moe = model.moe
-        k = moe.top_k
-        local_experts = moe.num_experts / cfg.ep
-        tokens_per_expert = T * k * cfg.ep * cfg.etp / moe.num_experts
-        f = moe.ffn_hidden_size / cfg.etp
-        g += gemm(T, h, moe.num_experts, linear=False)  # router
-        g += gemm(tokens_per_expert, h, (2 if gated else 1) * f, local_experts)
-        g += gemm(tokens_per_expert, f, h, local_experts)
-        if moe.shared_ffn_hidden_size:
-            fs = moe.shared_ffn_hidden_size / t
-            g += gemm(T, h, (2 if gated else 1) * fs) + gemm(T, fs, h)
-            ffn_for_elementwise += fs
-        ffn_for_elementwise += T * k * f / max(T, 1)
-        routed_bytes = T * k * h * e
-        st.memory_bound_s += 4 * routed_bytes / (hbm * c.hbm_efficiency)  # permute / unpermute
-        st.ep_comm_s += 2 * collective_time("all_to_all", routed_bytes, cfg.ep, ep_link.bw_gbs, ep_link.latency)
-        if cfg.etp > 1:
-            st.ep_comm_s += 2 * collective_time("all_gather", routed_bytes * cfg.etp, cfg.etp,
-                                                etp_link.bw_gbs, etp_link.latency)
+        # models/moe.py: router, permute, dispatch, experts, shared experts (forward + backward);
+        # entered here in forward-equivalent seconds (stage_times triples GEMM and memory-bound
+        # time and doubles communication for the backward), per-term times kept as they are
+        def rate(m_, k_, n_, linear=True):
+            if fp8 and linear:
+                return gemm_time(m_, k_, n_, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
+                                 in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
+            return gemm_time(m_, k_, n_, bf16_peak, hbm, c, c.gemm_efficiency_max)
+        mt = moe_layer_time(model, cfg, cluster, c, rate, ep_link, etp_link, collective_time)
+        g += mt.gemm / 3
+        util_acc[0] += mt.gemm_flops_util / 3
+        util_acc[1] += mt.gemm / 3
+        if fp8:  # the experts' FP8 casts, as `gemm` counts them for the other linear layers
+            cast[0] += mt.fp8_cast_elems[0] * c.fp8_cast_fwd_bytes
+            cast[1] += mt.fp8_cast_elems[1] * c.fp8_cast_bwd_bytes
+            cast[2] += mt.fp8_gemm_calls
+        st.memory_bound_s += mt.memory_bound / 3
+        st.ep_comm_s += mt.comm / 2
+        st.overhead_s += mt.overhead
+        st.moe_router_s += mt.router
+        st.moe_permute_s += mt.permute
+        st.moe_dispatch_s += mt.dispatch
+        st.moe_expert_gemm_s += mt.expert
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
@@ -337,8 +349,9 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             st.gemm_s += 3 * tt
             st.forward_s += tt
             st.backward_s += 2 * tt
-            util[0] += 3 * tt * u
-            util[1] += 3 * tt
+            # weighted like the layers' GEMMs (forward seconds, a third of their gemm_s)
+            util[0] += tt * u
+            util[1] += tt
             st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * 6 / (hbm * c.hbm_efficiency)
             st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
         # PP send/recv: activations to the next stage, gradients to the previous one, once per
@@ -390,6 +403,10 @@ def at_clocks(stages: Sequence[StageTime], sm_clock: float | Sequence[float] = 1
         new = copy.copy(st)
         new.gemm_s, new.attention_s, new.recompute_s = st.gemm_s * fc, st.attention_s * fc, st.recompute_s * fc
         new.memory_bound_s, new.forward_s, new.backward_s = st.memory_bound_s * fm, st.forward_s * mix, st.backward_s * mix
+        # the breakdown's parts of those categories (fp8 casts and MoE permutes are memory-bound,
+        # the router and expert GEMMs compute; the MoE dispatch is communication)
+        new.fp8_fwd_s, new.fp8_bwd_s, new.moe_permute_s = st.fp8_fwd_s * fm, st.fp8_bwd_s * fm, st.moe_permute_s * fm
+        new.moe_router_s, new.moe_expert_gemm_s = st.moe_router_s * fc, st.moe_expert_gemm_s * fc
         out.append(new)
     return out
 

@@ -50,7 +50,7 @@ STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed", "skipped")  # 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 # How the worker runs what megatron-core leaves open (records before these existed: K/V repeated
 # for GQA, batched p2p for the interleaved schedule); see megatron_worker.py.
-RUNNER_ENV = ("attention", "interleaved_p2p")
+RUNNER_ENV = ("attention", "interleaved_p2p", "grouped_mm")
 # What the launcher keeps of the workers' hello events for the records' `env`.
 HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV
 # Kept set in the workers too (KINDS.md: NVLink multicast off on shared hosts).
@@ -261,6 +261,7 @@ def job_for(entry: Entry, index: int) -> dict[str, Any]:
         "max_steps": entry.max_steps,
         "tc": MA.transformer_config_kwargs(m, c), "model_kw": MA.model_kwargs(m, c),
         "ddp": MA.ddp_kwargs(c), "opt": MA.optimizer_kwargs(c),
+        **MA.moe_job_keys(m, c),
     }
 
 
@@ -372,6 +373,9 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
         if oom:
             rec["memory"]["at_failure"] = {str(r): {k: v for k, v in o.items() if k.endswith("_gib")}
                                           for r, o in oom.items()}
+    probe = ((ranks.get(0) or {}).get("done") or {}).get("moe_probe")
+    if probe:  # MoE sub-step times of rank 0 (runners/moe_probe.py), from steps after the measured ones
+        rec["moe_probe"] = probe
     # steps, throughput
     if bounds and len(bounds) >= 2:
         times = [b - a for a, b in zip(bounds, bounds[1:])]

@@ -51,8 +51,6 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
         return "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"
     if cfg.tp_comm_overlap:
         return "tp_comm_overlap needs Transformer Engine userbuffers"
-    if model.mla is not None:
-        return "multi-latent attention is not supported by this runner (MLATransformerConfig path untested without TE)"
     if model.is_moe and cfg.tp > 1:
         return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
                 "which needs Transformer Engine")
@@ -133,16 +131,28 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig) -> dict[str, A
         kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
     elif cfg.recompute == "full":
         kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if model.mla is not None:
+        # megatron.core's MLATransformerConfig (the worker builds that class when it sees
+        # multi_latent_attention); plain RoPE on the rope part, as in pretraining at 4K.
+        a = model.mla
+        kw.update(multi_latent_attention=True, q_lora_rank=a.q_lora_rank or None,
+                  kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_nope_head_dim,
+                  qk_pos_emb_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, rope_type="rope")
+        kw["kv_channels"] = a.v_head_dim
     if model.is_moe:
         m = model.moe
         kw.update(
             num_moe_experts=m.num_experts,
             moe_router_topk=m.top_k,
             moe_ffn_hidden_size=m.ffn_hidden_size,
-            moe_grouped_gemm=False,  # grouped GEMM needs TE or the grouped_gemm package
-            moe_token_dispatcher_type="alltoall",
+            # The local spec has no grouped GEMM (TE's GroupedLinear or the grouped_gemm package):
+            # with cfg.moe_grouped_gemm the worker swaps in its torch._grouped_mm experts
+            # (job["moe_experts"], runners/moe_probe.py); megatron-core itself sees False.
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type=cfg.moe_dispatcher,
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=1e-2,
+            moe_router_force_load_balancing=cfg.moe_router == "forced",
         )
         if m.shared_ffn_hidden_size:
             kw["moe_shared_expert_intermediate_size"] = m.shared_ffn_hidden_size
@@ -304,9 +314,13 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
     a += _mla_args(model)
     if model.is_moe:
         a += _moe_arch_args(model)
-        a += ["--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+        if cfg.moe_grouped_gemm:
+            a.append("--moe-grouped-gemm")
+        a += ["--moe-token-dispatcher-type", cfg.moe_dispatcher,
               "--expert-model-parallel-size", str(cfg.ep),
               "--expert-tensor-parallel-size", str(cfg.etp)]
+        if cfg.moe_router == "forced":
+            a.append("--moe-router-force-load-balancing")
     return a
 
 
@@ -366,14 +380,30 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
         m = model.moe
         a += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.top_k),
               "--moe-ffn-hidden-size", str(m.ffn_hidden_size),
-              "--moe-token-dispatcher-type", "alltoall",
+              "--moe-token-dispatcher-type", cfg.moe_dispatcher,
               "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
               "--expert-model-parallel-size", str(cfg.ep),
               "--expert-tensor-parallel-size", str(cfg.etp)]
+        if cfg.moe_router == "forced":
+            a.append("--moe-router-force-load-balancing")
         if m.shared_ffn_hidden_size:
             a += ["--moe-shared-expert-intermediate-size", str(m.shared_ffn_hidden_size)]
         a += _moe_layer_freq(model)
     return a
+
+
+# The MoE sub-step timing the worker runs after a MoE job's measured steps (runners/moe_probe.py).
+MOE_PROFILE_STEPS = 2
+
+
+def moe_job_keys(model: ModelSpec, cfg: TrainConfig) -> dict[str, Any]:
+    """What a MoE job tells the worker besides the TransformerConfig: which experts module
+    ("grouped": torch._grouped_mm, "sequential": megatron-core's SequentialMLP) and how many
+    steps to time the MoE sub-steps for."""
+    if not model.is_moe:
+        return {}
+    return {"moe_experts": "grouped" if cfg.moe_grouped_gemm else "sequential",
+            "moe_profile_steps": MOE_PROFILE_STEPS}
 
 
 def _mla_args(model: ModelSpec) -> list[str]:
@@ -404,7 +434,10 @@ def layout_args(cfg: TrainConfig) -> list[str]:
     cfg = effective_config(cfg)
     a = _parallel_size_args(cfg) + ["--seq-length", str(cfg.seq)]
     if cfg.ep > 1 or cfg.etp > 1:
-        a += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
+        a += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp),
+              "--moe-token-dispatcher-type", cfg.moe_dispatcher]
+        if cfg.moe_router == "forced":
+            a.append("--moe-router-force-load-balancing")
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")

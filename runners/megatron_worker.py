@@ -41,6 +41,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from moe_probe import (MoEPhaseTimer, patch_grouped_experts, probe_grouped_mm,  # beside this file
+                       summarize as summarize_moe)
 from parent_watch import die_with_parent  # beside this file (sys.path[0] when run as a script)
 
 GIB = 2 ** 30
@@ -54,13 +56,17 @@ GQA = os.environ.get("ADVISOR_SDPA_GQA", "native")
 # PP = 4, VP = 2 and the microbatches were exactly 4 (data/measurements/h200x4-hang-probe.jsonl).
 INTERLEAVED_P2P = "batched" if os.environ.get("ADVISOR_OVERLAP_P2P") == "0" else "overlap"
 EXIT_OOM, EXIT_CRASH = 3, 4
+# How this torch runs grouped-GEMM experts (moe_probe.probe_grouped_mm), set in main().
+GROUPED_MM = "not probed"
 
 
 class SDPAttention(MegatronModule):
     """Core attention through torch's scaled_dot_product_attention (flash / memory-efficient
     kernels: memory linear in the sequence, unlike the local spec's unfused DotProductAttention).
     Causal; GQA natively (SDPA's enable_gqa) or, with ADVISOR_SDPA_GQA=repeat, by repeating K/V
-    heads up to the query heads of this TP partition."""
+    heads up to the query heads of this TP partition. Multi-latent attention (query / key head
+    dim 192, value 128): V is zero-padded to the query head dim for the flash kernel and the
+    output cut back (what flash-attention based MLA implementations do)."""
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
@@ -77,8 +83,13 @@ class SDPAttention(MegatronModule):
         if gqa and GQA != "native":
             rep = q.size(1) // k.size(1)
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        dv = v.size(-1)
+        if dv != q.size(-1):
+            v = F.pad(v, (0, q.size(-1) - dv))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
                                            enable_gqa=gqa and GQA == "native")
+        if dv != o.size(-1):
+            o = o[..., :dv]
         s, b = o.size(2), o.size(0)
         return o.permute(2, 0, 1, 3).reshape(s, b, -1)
 
@@ -131,11 +142,16 @@ def _patch_attention(layer_spec):
 
 
 def layer_spec(job, config, vp_stage):
-    if job["tc"].get("num_moe_experts"):
+    if job["tc"].get("num_moe_experts") or job["tc"].get("multi_latent_attention"):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                           normalization=config.normalization, vp_stage=vp_stage)
         for ls in spec.layer_specs:
             _patch_attention(ls)
+        if job.get("moe_experts") == "grouped":
+            if not GROUPED_MM.startswith("torch_grouped_mm"):
+                raise RuntimeError(f"grouped GEMM experts asked for, but {GROUPED_MM}")
+            if not patch_grouped_experts(spec) and job["tc"].get("num_moe_experts"):
+                raise RuntimeError("grouped GEMM experts asked for, but no MoE layer spec was found to patch")
         return spec
     spec = get_gpt_layer_local_spec(normalization=config.normalization)
     _patch_attention(spec)
@@ -156,7 +172,11 @@ def build(job):
         context_parallel_size=job["cp"], expert_model_parallel_size=job["ep"],
         expert_tensor_parallel_size=job["etp"], create_gloo_process_groups=False)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(**tc)
+    if tc.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        config = MLATransformerConfig(**tc)
+    else:
+        config = TransformerConfig(**tc)
     chunks = []
     vp = job["vp"]
     for i in range(vp):
@@ -261,9 +281,29 @@ def run_job(job, ev, rank, state):
                              device="cuda", dtype=torch.int64)
             dist.broadcast(n, src=0)
             n_total = job["warmup"] + min(int(n.item()), job.get("max_steps") or 10 ** 6)
-    ev("done", cfg=i, bounds=bounds,
-       peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-       peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+    peaks = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+             "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+    extra = {}
+    if job.get("moe_profile_steps") and job["tc"].get("num_moe_experts"):
+        extra["moe_probe"] = profile_moe(job, config, model, optimizer, iters)
+    ev("done", cfg=i, bounds=bounds, **peaks, **extra)
+
+
+def profile_moe(job, config, model, optimizer, iters):
+    """After the measured steps (which ran without it): time the MoE sub-steps for a few more."""
+    timer = MoEPhaseTimer(model)
+    steps, times = [], []
+    for _ in range(job["moe_profile_steps"]):
+        torch.cuda.synchronize()
+        t = time.time()
+        timer.start()
+        train_step(job, config, model, optimizer, iters)
+        steps.append(timer.stop())
+        times.append(time.time() - t)
+    out = summarize_moe(steps, times)
+    out["moe_layers"] = len(timer.layers)
+    out["experts_module"] = type(timer.layers[0].experts).__name__ if timer.layers else None
+    return out
 
 
 def destroy_groups():
@@ -286,6 +326,19 @@ def destroy_groups():
 def free_storage(t):
     if isinstance(t, torch.Tensor) and t.is_cuda:
         t.untyped_storage().resize_(0)
+
+
+def drop_cached_tensors(model):
+    """Drop the activations modules keep between calls (MoE token dispatchers and routers cache
+    probs, routing maps and permutation indices as plain attributes): after an OOM in the middle
+    of a step they hold that step's autograd graph, and the next job ran out of memory on a GPU
+    still ~69 GiB full (data/measurements/h100x1-moe.jsonl, jobs after h100x1-moe-a-02)."""
+    for mod in model.modules():
+        for owner in [mod] + [v for v in vars(mod).values()
+                              if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor, type))]:
+            for k, v in list(vars(owner).items()):  # registered parameters / buffers are not in vars()
+                if isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter):
+                    setattr(owner, k, None)
 
 
 def release(state):
@@ -319,9 +372,15 @@ def release(state):
         for p in m.parameters():
             free_storage(p)
             free_storage(getattr(p, "main_grad", None))
+        drop_cached_tensors(m)
     try:
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         RotaryEmbedding.forward.cache_clear()
+    except Exception:
+        pass
+    try:  # the MoE metrics tracker keeps per-layer tensors sized by this job's layer count
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, set_moe_metrics_tracker
+        set_moe_metrics_tracker(MoEMetricsTracker())
     except Exception:
         pass
 
@@ -357,11 +416,16 @@ def main(argv=None):
     # is: the record then says which call the rank was stuck in.
     stacks = open(os.path.join(a.run_dir, f"rank{rank}.stacks"), "a", encoding="utf-8")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    ev("hello", rank=rank, local_rank=local_rank, world=world, **device_identity(local_rank),
-       **versions(), attention=f"sdpa-{GQA}-kv", interleaved_p2p=INTERLEAVED_P2P)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     with open(os.path.join(a.run_dir, "jobs.jsonl"), encoding="utf-8") as f:
         jobs = [json.loads(line) for line in f if line.strip()]
+    global GROUPED_MM
+    moe = {}
+    if any(j.get("moe_experts") for j in jobs):
+        GROUPED_MM = probe_grouped_mm()
+        moe["grouped_mm"] = GROUPED_MM
+    ev("hello", rank=rank, local_rank=local_rank, world=world, **device_identity(local_rank),
+       **versions(), attention=f"sdpa-{GQA}-kv", interleaved_p2p=INTERLEAVED_P2P, **moe)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     for job in jobs:
         if job["index"] < a.start:
             continue

@@ -26,7 +26,7 @@ HF = Path(__file__).parent / "data" / "hf_configs"
 
 REQUIRED_MODELS = [
     "llama3-8b", "llama3-70b", "llama3.1-405b", "gpt3-175b", "mixtral-8x7b", "mixtral-8x22b",
-    "nemotron4-15b", "nemotron4-340b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3",
+    "nemotron4-15b", "nemotron4-340b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "gpt-oss-120b",
 ]
 REQUIRED_GPUS = ["a100-80g", "h100", "h200", "b200", "mi250x", "mi300x"]
 GPU_NUMBERS = [f.name for f in dataclasses.fields(GPUSpec)

@@ -87,12 +87,28 @@ def test_megatron_lm_args_runner():
     assert g[g.index("--position-embedding-type") + 1] == "learned_absolute"
 
 
+def test_mla_and_moe_knobs_reach_the_worker():
+    """MLA runs (MLATransformerConfig kwargs); dispatcher, router and grouped GEMM reach the job."""
+    ds = load_model("deepseek-v3").with_layers(4)
+    cfg = TrainConfig(moe_dispatcher="allgather", moe_router="forced", moe_grouped_gemm=False)
+    assert MA.refusal_reason(ds, cfg) is None
+    kw = MA.transformer_config_kwargs(ds, cfg)
+    assert kw["multi_latent_attention"] and kw["q_lora_rank"] == 1536 and kw["kv_lora_rank"] == 512
+    assert kw["moe_token_dispatcher_type"] == "allgather" and kw["moe_router_force_load_balancing"]
+    assert MA.moe_job_keys(ds, cfg)["moe_experts"] == "sequential"
+    assert MA.moe_job_keys(ds, TrainConfig())["moe_experts"] == "grouped"
+    assert MA.moe_job_keys(LLAMA, TrainConfig()) == {}
+    te = MA.megatron_lm_args(ds, cfg)
+    assert "--moe-grouped-gemm" not in te and "--moe-router-force-load-balancing" in te
+    assert te[te.index("--moe-token-dispatcher-type") + 1] == "allgather"
+    assert "--moe-grouped-gemm" in MA.megatron_lm_args(ds, TrainConfig())
+
+
 @pytest.mark.parametrize("model,cfg,world,needle", [
     (LLAMA, TrainConfig(precision="fp8"), None, "fp8 needs Transformer Engine"),
     (LLAMA, TrainConfig(tp=2, sequence_parallel=True), None, "sequence_parallel"),
     (LLAMA, TrainConfig(cp=2), None, "context parallelism"),
     (LLAMA, TrainConfig(tp_comm_overlap=True), None, "tp_comm_overlap"),
-    (load_model("deepseek-v3").with_layers(4), TrainConfig(), None, "multi-latent attention"),
     (LLAMA, TrainConfig(tp=2, dp=1), 4, "world size 4"),
     (LLAMA, TrainConfig(dp=4, mbs=2, gbs=12), None, "gbs=12"),
     (GPT, TrainConfig(tp=3), None, "attention heads"),
