@@ -121,9 +121,10 @@ def _step_end_phases(st: StepTime, c: Constants) -> list[Phase]:
 
 
 def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
-    """Sampled peak (20-50 Hz NVML instant power) of a GPU whose busiest phase draws phase_peak_w
-    at the clock it holds: under a cap the limiter's clock oscillation adds peak_overshoot of it,
-    otherwise the ripple (both measured on the H100 sweep, constants)."""
+    """Sampled peak (20-50 Hz NVML instant power) of a GPU whose busiest stretch (a microbatch's
+    compute, averaged over its kernels, or a step-end phase) draws phase_peak_w at the clock it
+    holds: under a cap the limiter's clock oscillation adds peak_overshoot of it, otherwise the
+    ripple (constants)."""
     return phase_peak_w * ((1.0 + c.peak_overshoot) if throttled else c.power_ripple)
 
 
@@ -144,7 +145,10 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
     p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
     e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
-    phase_peak = max((dvfs.phase_power(p, x, gpu, c, power_scale) for p in busy + end), default=p_wait)
+    # a 20-50 Hz sample averages the kernels of a microbatch (each of them ms long): the busiest
+    # stretch it sees is the microbatch's compute at the clock held, or a step-end phase
+    phase_peak = max([dvfs.Load.of(busy, (), c).power(x, gpu, c, power_scale)]
+                     + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
     return StagePower(
         stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
         demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,

@@ -257,7 +257,7 @@ def test_stage_heat_ranks_measured_pipeline_stages():
     """The GPUs measured each stage's mean power (32 trials with PP > 1 on 4xH200): the model
     names the hottest stage of every one. With the shipped calibration's constants (its GEMM
     efficiency: the TE-free runner's GEMMs draw less than the analytical defaults' saturating ones)
-    it is within 2.4% per stage on the campaign and 6.1% over all trials; the analytical defaults
+    it is within 2.7% per stage on the campaign and 5.6% over all trials; the analytical defaults
     over-predict the waiting stages (7.9%). The PP4 trials with 4-8 microbatches at mbs >= 4 (hang
     probe, GQA A/B) are the worst (middle stages measured below the prediction)."""
     import glob
