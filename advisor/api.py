@@ -10,11 +10,12 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model
+from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
 from advisor.models import DEFAULT, Constants, Prediction, predict
 from advisor.models.memory import peak_memory_gib
+from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.search_spaces.layout import IllegalLayout, violations
 from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
 
@@ -68,11 +69,7 @@ def resolve(model: str | ModelSpec, cluster: str | ClusterSpec, power_cap_w: flo
             ) -> tuple[ModelSpec, ClusterSpec]:
     m = model if isinstance(model, ModelSpec) else load_model(model)
     if isinstance(cluster, ClusterSpec):
-        c = cluster
-        if power_cap_w is not None:
-            from dataclasses import replace
-
-            c = replace(c, power_cap_w=power_cap_w)
+        c = cluster if power_cap_w is None else with_power_cap(cluster, power_cap_w)
     else:
         c = load_cluster(cluster, power_cap_w=power_cap_w)
     return m, c
@@ -86,9 +83,13 @@ class Recommendation:
     megatron_args: str
     reason: str
     score: float
+    power_cap_w: float = 0.0          # the per-GPU cap this layout is recommended at
+    power_caps: dict = field(default_factory=dict)   # models.power.CapSweep.to_dict() (energy / balanced)
+    stage_caps: dict = field(default_factory=dict)   # models.power.StageCaps.to_dict() (PP > 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
+                "power_cap_w": self.power_cap_w, "power_caps": self.power_caps, "stage_caps": self.stage_caps,
                 "megatron_args": self.megatron_args, "reason": self.reason}
 
 
@@ -114,13 +115,15 @@ class RecommendResult:
     rank_scores: list[float] = field(default_factory=list, repr=False)
     rank_basis: tuple[float, float] = (1.0, 1.0)  # the best tokens/s and J/token the scores used
     compared: list["Comparison"] = field(default_factory=list)
+    power_caps: list[float] = field(default_factory=list)  # the caps tried (energy / balanced)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model.name,
             "cluster": self.cluster.to_dict(),
             "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs,
-                         "precision": self.workload.precision, "objective": self.objective},
+                         "precision": self.workload.precision, "objective": self.objective,
+                         "power_caps_w": self.power_caps},
             "candidates_evaluated": self.candidates_evaluated,
             "feasible": self.feasible,
             "elapsed_s": self.elapsed_s,
@@ -261,13 +264,17 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
               objective: str = "throughput", power_cap_w: float | None = None,
               constants: Constants = DEFAULT, options: SpaceOptions | None = None,
               calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
-              stack: str | None = None) -> RecommendResult:
+              stack: str | None = None, power_caps: str | Sequence[float] | None = None) -> RecommendResult:
     """Rank every legal layout that fits in memory by the objective (a layout with more
     recompute than the cheapest mode that fits it is counted as fitting, not ranked). `stack`: the
     software stack ("te": Megatron-Core with Transformer Engine, the default; "local": this
     project's runner; see advisor.models.profiles); `calibration`: "default" (the stack's shipped
     profile), a Calibration, a file or None (the analytical model with `constants`); `overrides`: what-if
-    KEY=VALUE strings (gpu=h200, nodes=16, power_cap=500, mbs=4, ...)."""
+    KEY=VALUE strings (gpu=h200, nodes=16, power_cap=500, mbs=4, ...). With the energy or
+    balanced objective the per-GPU power cap is chosen with the layout, from `power_caps`
+    ("LO:HI:STEP" watts, a list, or default the GPU's settable range in 25 W steps): energy takes
+    each layout's cap with the least J/token, balanced the least J/token within 5% of its
+    fastest step. Every recommendation with PP > 1 also gets per-stage caps (stage_caps)."""
     from advisor.models.profiles import get_stack
 
     st = get_stack(stack)
@@ -331,19 +338,63 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    grid: list[float] = []
+    chosen: dict[str, tuple[float, CapSweep | None]] = {}
+    if objective != "throughput":  # choose each head layout's cap, then rank again
+        grid = cap_grid(c.gpu, power_caps)
+        pick = "min_energy" if objective == "energy" else "min_energy_within"
+        cfgs = [cfg for cfg, _ in ranked[:max(2 * top, 10)]]
+        caps = sorted(set(grid) | {float(c.power_cap_w)})
+        at_cap = {cap: _predict_many(m, with_power_cap(c, cap), cfgs, rank_constants, cal) for cap in caps}
+        head = []
+        for i, cfg in enumerate(cfgs):
+            pts = {cap: CapPoint(cap, p[i].step_time_s, p[i].energy_j_per_token, p[i].mean_power_w,
+                                 p[i].sm_clock_mhz, p[i].clock_ratio) for cap, p in at_cap.items()}
+            sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
+            cap = getattr(sweep, pick).power_cap_w
+            chosen[cfg.key()] = (cap, sweep)
+            head.append((cfg, at_cap[cap][i]))
+        best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
+        best_e = min(p.energy_j_per_token for _, p in head)
+        ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
     out = []
     first = ranked[0][1]
     for i, (cfg, p) in enumerate(ranked[:top]):
+        cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
+        at = with_power_cap(c, cap)
+        sc = stage_caps(m, at, cfg, cal.power_constants if cal is not None else rank_constants) if cfg.pp > 1 else None
         out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
-                                  reason=explain(m, c, cfg, p, first if i else None),
-                                  score=_score(p, objective, best_tps, best_e)))
+                                  reason=explain(m, at, cfg, p, first if i else None),
+                                  score=_score(p, objective, best_tps, best_e), power_cap_w=cap,
+                                  power_caps=sweep.to_dict() if sweep else {},
+                                  stage_caps=sc.to_dict() if sc else {}))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,
                            stack=st.name, profile=cal.profile if cal is not None else None,
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
-                           candidates=preds, calibrated_with=cal,
+                           candidates=preds, calibrated_with=cal, power_caps=grid,
                            warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
+
+
+def _predict_at(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal) -> Prediction:
+    """The prediction advisor prints for (layout, cluster with its cap): calibrated when a
+    calibration is in use."""
+    return cal.predict(m, c, cfg, check_legal=False) if cal is not None else predict(m, c, cfg, constants, check_legal=False)
+
+
+def _predict_many(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], constants: Constants, cal) -> list[Prediction]:
+    if cal is not None:
+        return cal.predict_many(m, c, cfgs, check_legal=False)
+    return [predict(m, c, cfg, constants, check_legal=False) for cfg in cfgs]
+
+
+def _cap_evaluator(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal):
+    """evaluate(cap) -> CapPoint with the same predictions advisor prints (one source)."""
+    def evaluate(cap: float) -> CapPoint:
+        p = _predict_at(m, with_power_cap(c, cap), cfg, constants, cal)
+        return CapPoint(cap, p.step_time_s, p.energy_j_per_token, p.mean_power_w, p.sm_clock_mhz, p.clock_ratio)
+    return evaluate
 
 
 # ------------------------------------------------------------------------------------------------
@@ -394,13 +445,13 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
         rank = 1 + sum(1 for x in res.rank_scores if x > own)
     # per-step seconds in each category, scaled to the same tokens per step (same workload)
     diffs = {k: top.breakdown.get(k, 0.0) - p.breakdown.get(k, 0.0) for k, _ in _TERMS}
-    slow = top.compute_slowdown - p.compute_slowdown
+    slow = top.power_slowdown - p.power_slowdown
     parts = [f"{label} {diffs[k]:+.2f} s" for k, label in sorted(_TERMS, key=lambda kl: -abs(diffs[kl[0]]))
              if abs(diffs[k]) >= 0.005 * max(top.step_time_s, 1e-9)][:4]
     why = (f"#1 takes {top.step_time_s - p.step_time_s:+.2f} s per step vs this layout "
            f"({top.step_time_s:.2f} vs {p.step_time_s:.2f} s)"
            + (": " + ", ".join(parts) if parts else "")
-           + (f"; power-cap slowdown {top.compute_slowdown:.2f}x vs {p.compute_slowdown:.2f}x" if abs(slow) > 0.005 else "")
+           + (f"; power-cap slowdown {top.power_slowdown:.2f}x vs {p.power_slowdown:.2f}x" if abs(slow) > 0.005 else "")
            + ("" if p.feasible else f"; does not fit: {p.reason}"))
     return Comparison(config=cfg, prediction=p, ratio_to_top=ratio, rank=rank, of=len(res.rank_scores),
                       differences_s=diffs, why=why)
@@ -459,8 +510,12 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
 def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],
                    power_cap_w: float | None = None, constants: Constants = DEFAULT,
                    calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
-                   stack: str | None = None) -> tuple[TrainConfig, Prediction]:
-    """One layout's prediction. `stack` / `calibration` as for `recommend`."""
+                   stack: str | None = None, power_caps: str | Sequence[float] | None = None,
+                   energy_caps: bool = False) -> tuple[TrainConfig, Prediction]:
+    """One layout's prediction. `stack` / `calibration` as for `recommend`. `energy_caps`: also
+    sweep the per-GPU cap over `power_caps` (cap_grid) and give, in prediction.power_caps, the cap
+    with the least J/token, the least within 5% of the fastest step, and per-stage caps for the
+    stages off the critical path (PP > 1)."""
     m, c = resolve(model, cluster, power_cap_w)
     if overrides:
         from advisor.models.calibrate import apply_overrides
@@ -471,9 +526,12 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
-    if cal is not None:
-        return cfg, cal.predict(m, c, cfg, check_legal=False)
-    return cfg, predict(m, c, cfg, constants, check_legal=False)
+    p = _predict_at(m, c, cfg, constants, cal)
+    if energy_caps:
+        sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), cap_grid(c.gpu, power_caps), c.power_cap_w)
+        sc = stage_caps(m, c, cfg, cal.power_constants if cal is not None else constants) if cfg.pp > 1 else None
+        p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
+    return cfg, p
 
 
 def _calibration(spec: Any, stack: str | None = None):

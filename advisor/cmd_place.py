@@ -133,11 +133,15 @@ def launch_cmd(
     margin: Optional[str] = typer.Option(None, "--margin"),
     node_rank: Optional[str] = typer.Option(None, "--node-rank", help="default: NODE_RANK, GROUP_RANK or SLURM_NODEID, else 0"),
     trust_profile: bool = typer.Option(False, "--trust-profile", help="skip checking the profile against this node's GPUs (NVML)"),
+    apply_power_caps: bool = typer.Option(False, "--apply-power-caps", help="set the per-stage power caps of the plan on this node's GPUs with nvidia-smi -pl (a dry run that lists the commands unless --no-dry-run)"),
+    dry_run: bool = typer.Option(True, "--dry-run/--no-dry-run", help="with --apply-power-caps: only list the nvidia-smi commands (default)"),
 ) -> None:
     """Run COMMAND with CUDA_DEVICE_ORDER=PCI_BUS_ID and this node's planned CUDA_VISIBLE_DEVICES.
 
     Example: advisor launch -p node.json -m llama3-70b -c h200x16 --tp 4 --pp 4 -- torchrun ...
     If anything goes wrong with the placement, COMMAND runs unchanged after one warning line.
+    --apply-power-caps: the stages off the critical path get the lower caps of the plan
+    (advisor place --json: stage_caps), by nvidia-smi -pl per GPU; listed only, unless --no-dry-run.
     """
     from advisor.placement.launch import exec_placed
 
@@ -157,7 +161,12 @@ def launch_cmd(
         cfg = layout_from_flags(m, c, _layout_values(recompute=recompute, **ints))
         profs = node_profiles(profile, c.num_nodes)
         p = plan(m, c, cfg, profs, margin_pct=float(margin) if margin else 0.5)
-        return placement_env(p, profs, node=node_rank, verify=not trust_profile)
+        env, note = placement_env(p, profs, node=node_rank, verify=not trust_profile)
+        if apply_power_caps:
+            from advisor.placement.launch import apply_power_caps as apply, power_cap_commands
+
+            note += "; " + apply(power_cap_commands(p, profs, node=node_rank), dry_run=dry_run)
+        return env, note
 
     exec_placed(cmd, compute)
 

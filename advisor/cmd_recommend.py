@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster, Gbs,
-                             Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PPFirstLayers,
-                             PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
+                             Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PowerCaps,
+                             PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
                              calibration_default)
 
 
@@ -30,8 +30,9 @@ def recommend_cmd(
     gbs: Gbs = None,
     precision: Precision = "bf16",
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
-    objective: str = typer.Option("throughput", "--objective", help="throughput, energy or balanced"),
+    objective: str = typer.Option("throughput", "--objective", help="throughput, energy (the cap with the least J/token) or balanced (the least J/token within 5% of the fastest step); energy and balanced choose the power cap with the layout"),
     power_cap: PowerCap = None,
+    power_caps: PowerCaps = None,
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
@@ -53,7 +54,8 @@ def recommend_cmd(
 
     layouts = [parse_layout(x) for x in compare or ()]
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
-                    power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack)
+                    power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack,
+                    power_caps=power_caps)
     res.compared = [compare_layout(res, v, calibration) for v in layouts]
     if as_json:
         from advisor.validate import finite_json
@@ -135,6 +137,7 @@ def predict_cmd(
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     power_cap: PowerCap = None,
+    power_caps: PowerCaps = None,
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     stack: Stack = None,
     sets: Optional[List[str]] = typer.Option(None, "--set", help=SET_HELP),
@@ -177,7 +180,7 @@ def predict_cmd(
 
         fail("--model and --cluster are required (or give --batch FILE)")
     cfg, p = predict_layout(model, cluster, values, power_cap_w=power_cap, calibration=calibration,
-                            overrides=sets or (), stack=stack)
+                            overrides=sets or (), stack=stack, power_caps=power_caps, energy_caps=True)
     raw_cluster = cluster
     if sets:  # say what the what-if changed
         cluster = f"{cluster} (what-if: {', '.join(sets)})"

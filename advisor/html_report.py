@@ -483,16 +483,21 @@ def fig_convergence(rows: list[dict], objective_label: str):
 # ------------------------------------------------------------------------------------------------
 
 def _stage_items(m, c, configs: list[tuple[str, Any, Any]], consts) -> list[dict]:
-    """memory per stage (the prediction's) and power per stage (placement's stage heat under the
-    cluster's cap) of each (label, cfg, prediction)."""
+    """memory and power per stage of each (label, cfg, prediction): the prediction's own
+    (prediction.power["stages"], the same models.power evaluation as its mean power); placement's
+    stage heat for a prediction that has none."""
     from advisor.placement import stage_heat
 
     out = []
     for label, cfg, p in configs:
-        heats = stage_heat(m, c, cfg, consts)
-        out.append({"label": label, "memory": list(p.memory_per_stage_gib),
-                    "power_mean": [h.mean_power_w for h in heats], "power_peak": [h.peak_power_w for h in heats],
-                    "demand": [h.demand_mean_w for h in heats], "mean_w": p.mean_power_w})
+        st = (getattr(p, "power", None) or {}).get("stages")
+        if st:
+            mean, peak, demand = ([s[k] for s in st] for k in ("mean_power_w", "peak_power_w", "demand_w"))
+        else:
+            heats = stage_heat(m, c, cfg, consts)
+            mean, peak, demand = ([getattr(h, k) for h in heats] for k in ("mean_power_w", "peak_power_w", "demand_mean_w"))
+        out.append({"label": label, "memory": list(p.memory_per_stage_gib), "power_mean": mean, "power_peak": peak,
+                    "demand": demand, "mean_w": p.mean_power_w})
     return out
 
 

@@ -39,6 +39,8 @@ Seq = Annotated[Optional[int], typer.Option("--seq", help="sequence length (defa
 Gbs = Annotated[Optional[int], typer.Option("--gbs", help="global batch in sequences (default 128, more on big clusters)")]
 Precision = Annotated[str, typer.Option("--precision", help="bf16 or fp8", callback=one_of(PRECISIONS))]
 PowerCap = Annotated[Optional[float], typer.Option("--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)")]
+PowerCaps = Annotated[Optional[str], typer.Option(
+    "--power-caps", help="caps to choose from, LO:HI:STEP in W, e.g. 300:700:25 (default: the GPU's settable range, 25 W steps)")]
 TP = Annotated[int, typer.Option("--tp", help="tensor parallel size")]
 PP = Annotated[int, typer.Option("--pp", help="pipeline parallel size")]
 PPFirstLayers = Annotated[Optional[int], typer.Option(

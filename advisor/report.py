@@ -39,8 +39,9 @@ def _layout(cfg: TrainConfig) -> str:
 
 # the ranked table's columns (header, justification) and cells: the terminal and the HTML report
 RECOMMEND_COLUMNS = (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
-                     ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("peak W", "right"),
-                     ("mean W", "right"), ("throttle", "left"), ("J/tok", "right"))
+                     ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("cap W", "right"),
+                     ("MHz", "right"), ("peak W", "right"), ("mean W", "right"), ("throttle", "left"),
+                     ("J/tok", "right"))
 # step-time components of Prediction.breakdown, in seconds per step; they add up to the step time
 STEP_KEYS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
              "pp_p2p_s", "layer_overhead_s", "pipeline_bubble_s", "dp_comm_exposed_s", "optimizer_s",
@@ -51,7 +52,33 @@ def recommendation_cells(r) -> list[str]:
     p = r.prediction
     return [str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
             f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
-            f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label, f"{p.energy_j_per_token:.3f}"]
+            f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
+            f"{p.energy_j_per_token:.3f}"]
+
+
+def _mhz(p: Prediction) -> str:
+    """The SM clock the cap holds on the critical stage (a fraction of the maximum when the
+    catalog has no maximum clock for the GPU)."""
+    return f"{p.sm_clock_mhz:,.0f}" if p.sm_clock_mhz else f"{p.clock_ratio:.0%}"
+
+
+def _cap_point(d: dict) -> str:
+    return (f"{d['power_cap_w']:.0f} W: {d['energy_j_per_token']:.3f} J/token ({-d['energy_saved_pct']:+.1f}%), "
+            f"step {d['step_time_change_pct']:+.1f}%")
+
+
+def cap_line(sweep: dict, objective: str = "energy") -> str:
+    """The chosen cap against the cluster's cap, from a models.power.CapSweep.to_dict()."""
+    key = "min_energy" if objective == "energy" else "min_energy_within_5pct"
+    ref = sweep["at_cluster_cap"]
+    return (f"{_cap_point(sweep[key])} vs {ref['power_cap_w']:.0f} W ({ref['energy_j_per_token']:.3f} J/token)"
+            f"; tried {len(sweep['curve'])} caps {sweep['curve'][0]['power_cap_w']:.0f}-{sweep['curve'][-1]['power_cap_w']:.0f} W")
+
+
+def stage_caps_line(sc: dict) -> str:
+    """Per-stage caps, from a models.power.StageCaps.to_dict()."""
+    return (f"{', '.join(f'{v:.0f}' for v in sc['caps_w'])} W for stages 0..{len(sc['caps_w']) - 1}: "
+            f"{-sc['energy_saved_pct']:+.1f}% energy, step {sc['step_time_change_pct']:+.2f}% (stages off the critical path)")
 
 
 def print_recommendations(res, console: Console | None = None) -> None:
@@ -72,6 +99,10 @@ def print_recommendations(res, console: Console | None = None) -> None:
         t.add_row(*recommendation_cells(r))
     console.print(t)
     best = res.recommendations[0]
+    if best.power_caps:
+        console.print(f"[bold]#1 power cap:[/] {cap_line(best.power_caps, res.objective)}")
+    if best.stage_caps:
+        console.print(f"[bold]#1 per-stage caps:[/] {stage_caps_line(best.stage_caps)}")
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
     console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)
@@ -100,11 +131,19 @@ def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
         ("memory (fullest stage)", f"{p.memory_gib_per_gpu:.1f} GiB"),
         ("memory per stage", ", ".join(f"{m:.1f}" for m in p.memory_per_stage_gib) + " GiB"),
         ("peak / mean power", f"{p.peak_power_w:.0f} / {p.mean_power_w:.0f} W"),
+        ("SM clock (critical stage)", f"{_mhz(p)} MHz" if p.sm_clock_mhz else f"{_mhz(p)} of the maximum"),
         ("throttle risk", f"{p.throttle_label} ({p.throttle_risk:.2f}): {p.throttle_reason}"),
         ("steady temperature", f"{p.steady_temp_c:.0f} °C"),
         ("energy", f"{p.energy_j_per_token:.3f} J/token"),
         ("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%"),
     ]
+    caps = getattr(p, "power_caps", None) or {}
+    if caps.get("sweep"):
+        sw = caps["sweep"]
+        rows.append(("least J/token", _cap_point(sw["min_energy"])))
+        rows.append(("least J/token, step within 5%", _cap_point(sw["min_energy_within_5pct"])))
+    if caps.get("stage_caps"):
+        rows.append(("per-stage caps", stage_caps_line(caps["stage_caps"])))
     bd = p.breakdown
     for k in STEP_KEYS:
         if k in ("layer_overhead_s", "step_overhead_s"):

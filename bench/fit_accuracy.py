@@ -53,7 +53,7 @@ def simulated_file() -> str:
 
     true = DEFAULT.replace(gemm_efficiency_max=0.68, gemm_half_dim=160.0, hbm_efficiency=0.55,
                            layer_overhead_s=150e-6, step_overhead_s=0.06, fragmentation=0.2,
-                           runtime_overhead_gib=1.2, power_memory_bound=0.45)
+                           runtime_overhead_gib=1.2, comm_power=0.6)
     recs = D.simulate_records(D.simulated_cases(per_model=30), true, noise=0.03, seed=1)
     for r in recs:
         cfg = r["config"]

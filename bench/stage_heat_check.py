@@ -1,6 +1,6 @@
 """Does `placement.stage_heat` rank pipeline stages by heat the way the GPUs measured them?
 
-    python bench/stage_heat_check.py data/measurements/*.jsonl [--rows]
+    python bench/stage_heat_check.py data/measurements/*.jsonl [--rows] [--calibration default|none|FILE]
 
 For every measured trial with a pipeline (PP > 1) and per-stage telemetry (`telemetry.per_stage`:
 the mean power of each stage's GPUs over the measured steps), compares the predicted mean power
@@ -24,7 +24,12 @@ from advisor.models.dataset import parse_record
 from advisor.placement.stage_heat import stage_heat
 
 
-def rows_from(paths: list[str]) -> tuple[list[dict], int]:
+def rows_from(paths: list[str], constants=None) -> tuple[list[dict], int]:
+    """Rows of the trials with PP > 1; `constants`: the model's (default: the analytical
+    defaults; a calibration's constants to check the model as that calibration runs it)."""
+    from advisor.models.constants import DEFAULT
+
+    constants = constants or DEFAULT
     rows, skipped = [], 0
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -45,7 +50,7 @@ def rows_from(paths: list[str]) -> tuple[list[dict], int]:
                 if any(not isinstance(m, (int, float)) or m <= 0 for m in meas):
                     skipped += 1
                     continue
-                pred = [h.mean_power_w for h in stage_heat(r.model, r.cluster, r.cfg)]
+                pred = [h.mean_power_w for h in stage_heat(r.model, r.cluster, r.cfg, constants)]
                 if len(pred) != len(meas):
                     skipped += 1
                     continue
@@ -76,8 +81,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--rows", action="store_true", help="one line per trial")
+    ap.add_argument("--calibration", default="none", help="use this calibration's constants (default|FILE)")
     a = ap.parse_args(argv)
-    rows, skipped = rows_from(a.paths)
+    from advisor.models.calibrate import resolve_calibration
+
+    cal = resolve_calibration(a.calibration)
+    rows, skipped = rows_from(a.paths, cal.constants if cal is not None else None)
     if not rows:
         print("no ok trial with PP > 1 and per-stage telemetry in these files", file=sys.stderr)
         return 1

@@ -20,7 +20,7 @@ import yaml
 
 from advisor.catalog.errors import CatalogError
 from advisor.catalog.hf import model_from_hf_config
-from advisor.catalog.specs import ClusterSpec, GPUSpec, MLASpec, ModelSpec, MoESpec
+from advisor.catalog.specs import ClusterSpec, GPUSpec, MLASpec, ModelSpec, MoESpec, SpecError
 
 _MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} | {"aliases"}
 _MOE_KEYS = {f.name for f in dataclasses.fields(MoESpec)}
@@ -90,7 +90,9 @@ def _model_from_yaml(data: dict[str, Any], what: str) -> ModelSpec:
 
 
 _GPU_FLOATS = ("memory_gib", "hbm_bandwidth_gbs", "bf16_tflops", "fp8_tflops", "tdp_w", "idle_w",
-               "slowdown_temp_c", "intra_node_bw_gbs", "network_bw_gbps", "max_operating_temp_c")
+               "slowdown_temp_c", "intra_node_bw_gbs", "network_bw_gbps", "max_operating_temp_c",
+               "min_power_limit_w", "max_power_limit_w", "max_sm_clock_mhz")
+_GPU_OPTIONAL = ("max_operating_temp_c", "max_sm_clock_mhz")
 
 
 def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
@@ -98,7 +100,7 @@ def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
     d = dict(data)
     for k in _GPU_FLOATS:
         v = d.get(k)
-        if v is None and k == "max_operating_temp_c":
+        if v is None and k in _GPU_OPTIONAL:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise CatalogError(f"{what}: {k} must be a non-negative number (finite), got {v!r}")
@@ -108,6 +110,8 @@ def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
     gpn = d.get("gpus_per_node")
     if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
         raise CatalogError(f"{what}: gpus_per_node must be a positive integer, got {gpn!r}")
+    if not 0 < d["min_power_limit_w"] <= d["max_power_limit_w"] <= d["tdp_w"]:
+        raise CatalogError(f"{what}: need 0 < min_power_limit_w <= max_power_limit_w <= tdp_w")
     d["sources"] = dict(d.get("sources") or {})
     return GPUSpec.from_dict(d)
 
@@ -208,13 +212,15 @@ _COUNT = re.compile(r"^(?P<gpu>[a-z0-9][a-z0-9._-]*?)x(?P<a>\d+)(?:x(?P<b>\d+))?
 
 
 def _power_cap(gpu: GPUSpec, cap: float | None, what: str) -> float:
-    """A per-GPU power cap (default: the TDP): a positive finite number of watts, at most the TDP."""
+    """A per-GPU power cap (default: the TDP): a finite number of watts inside the GPU's settable
+    power limit (min_power_limit_w .. max_power_limit_w)."""
     cap = gpu.tdp_w if cap is None else float(cap)
     if not math.isfinite(cap) or cap <= 0:
         raise CatalogError(f"{what}: power cap must be a positive finite number of watts, got {cap:g}")
-    if cap > gpu.tdp_w:
-        raise CatalogError(f"{what}: power cap {cap:g} W is above the {gpu.name} maximum power limit "
-                           f"(TDP) of {gpu.tdp_w:g} W")
+    try:
+        gpu.check_power_cap(cap)
+    except SpecError as e:
+        raise CatalogError(f"{what}: {e}") from None
     return cap
 
 

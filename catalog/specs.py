@@ -178,12 +178,25 @@ class GPUSpec:
     intra_node_bw_gbs: float  # NVLink / xGMI, one direction, per GPU
     gpus_per_node: int
     network_bw_gbps: float  # scale-out NIC bandwidth per GPU in Gb/s
+    min_power_limit_w: float  # the lowest power limit the driver accepts (nvidia-smi -pl)
+    max_power_limit_w: float  # the highest
     max_operating_temp_c: float | None = None
+    max_sm_clock_mhz: float | None = None  # boost clock; None where no source gives it
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def network_bw_gbs(self) -> float:
         return self.network_bw_gbps / 8.0
+
+    def check_power_cap(self, cap: float) -> None:
+        """A cap the driver would refuse (outside min_power_limit_w .. max_power_limit_w) is a
+        SpecError naming the settable range."""
+        lo, hi = self.min_power_limit_w, self.max_power_limit_w
+        rng = f"settable {lo:g}-{hi:g} W" if lo < hi else f"only {hi:g} W is settable"
+        if cap > hi:
+            raise SpecError(f"power cap {cap:g} W is above the {self.name} maximum power limit of {hi:g} W ({rng})")
+        if cap < lo:
+            raise SpecError(f"power cap {cap:g} W is below the {self.name} minimum power limit of {lo:g} W ({rng})")
 
     def peak_tflops(self, precision: str) -> float:
         if precision == "fp8":

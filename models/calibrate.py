@@ -35,9 +35,10 @@ import numpy as np
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.dataset import TARGETS, Dataset, Record
-from advisor.models.features import FEATURE_NAMES, features, throttle_fraction_proxy
+from advisor.models.features import FEATURE_NAMES, features
 from advisor.models.flops import training_flops_per_token
-from advisor.models.predict import Prediction, predict
+from advisor.models.power import power_at_step
+from advisor.models.predict import Prediction, power_fields, predict
 from advisor.models.surrogate import MIN_ROWS, ResidualGP
 
 FORMAT = "advisor.calibration"
@@ -48,6 +49,13 @@ READS = (1, 2)
 LEVEL = 0.8  # central coverage of the intervals
 MODES = ("analytical", "calibrated", "surrogate")
 ADDITIVE = ("throttle_fraction",)
+# Power targets come from the DVFS model (models.power.estimate_power) with the constants of the
+# level chosen for mean power, never from a surrogate: every power, clock, throttle and energy
+# number of a prediction then comes from one evaluation and they cannot disagree.
+POWER_TARGETS = ("mean_power_w", "peak_power_w", "throttle_fraction")
+# fitted on mean and peak power by the power model given each record's measured step (second stage
+# of fit_constants), with the step-time constants of the first stage
+POWER_CONSTANTS = ("comm_power", "wait_power", "peak_overshoot")
 SURROGATE_MARGIN = 0.97  # the surrogate level must cut the calibrated CV error by 3% to be used  # fractions in [0, 1]: additive residual, error = MAE
 DEFAULT_FILE = Path(__file__).parent / "data" / "default_calibration.joblib"
 
@@ -63,11 +71,9 @@ FIT_BOUNDS: dict[str, tuple[float, float]] = {
     "network_efficiency": (0.1, 1.0),
     "runtime_overhead_gib": (0.05, 16.0),
     "fragmentation": (0.001, 1.5),
-    "power_memory_bound": (0.05, 1.2),
-    "power_communication": (0.02, 1.0),
-    "power_bubble": (0.01, 0.8),
-    "capped_gemm_speed": (0.5, 1.0),
-    "power_overshoot": (1.0, 1.6),
+    "comm_power": (0.02, 0.8),
+    "wait_power": (0.005, 1.0),
+    "peak_overshoot": (0.05, 1.0),
 }
 # least-squares residual groups: target -> weight
 FIT_TARGETS = {"tokens_per_s_per_gpu": 1.0, "memory_gib_per_gpu": 1.0, "mean_power_w": 1.0, "peak_power_w": 0.5}
@@ -84,7 +90,7 @@ class CalibrationError(SpecError):
 def target_values(p: Prediction, cluster: ClusterSpec) -> dict[str, float]:
     return {"tokens_per_s_per_gpu": p.tokens_per_s_per_gpu, "memory_gib_per_gpu": p.memory_gib_per_gpu,
             "mean_power_w": p.mean_power_w, "peak_power_w": p.peak_power_w,
-            "throttle_fraction": throttle_fraction_proxy(p, cluster.power_cap_w)}
+            "throttle_fraction": p.throttle_fraction}
 
 
 def residual(target: str, measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
@@ -121,39 +127,65 @@ def _features(records: Sequence[Record], preds: Sequence[Prediction]) -> np.ndar
 def fit_constants(records: Sequence[Record], base: Constants = DEFAULT,
                   names: Sequence[str] = tuple(FIT_BOUNDS), prior_weight: float = 0.003,
                   max_nfev: int = 100) -> tuple[Constants, dict]:
-    """Bounded least squares on log(predicted / measured) of step time (= tokens/s), memory and
-    mean and peak power (FIT_TARGETS gives the weights), in the log of each constant relative to `base`. Soft-L1 loss (robust to a few bad
+    """Bounded least squares in the log of each constant relative to `base`, in two stages:
+    (1) the step-time and memory constants on log(predicted / measured) tokens/s and memory;
+    (2) with those fixed, the power constants (POWER_CONSTANTS) on log(predicted / measured) mean
+    and peak power, the power predicted by the DVFS model given each record's measured step
+    (models.power.power_at_step: the power model is fitted on what it has to explain, not on the
+    step model's error). FIT_TARGETS gives the weights. Soft-L1 loss (robust to a few bad
     trials); `prior_weight` pulls each log-constant towards 0 so unobservable ones stay put."""
     from scipy.optimize import least_squares
 
     names = list(names)
-    v0 = np.array([getattr(base, n) for n in names], float)
-    lo = np.log(np.array([FIT_BOUNDS[n][0] for n in names]) / v0)
-    hi = np.log(np.array([FIT_BOUNDS[n][1] for n in names]) / v0)
     meas = {t: np.array([r.y[t] for r in records]) for t in FIT_TARGETS}
     masks = {t: np.isfinite(v) & (v > 0) for t, v in meas.items()}
+    steps = np.array([r.cfg.tokens_per_step / (r.y["tokens_per_s_per_gpu"] * r.cluster.world_size) for r in records])
 
-    def consts(x):
-        return base.replace(**{n: float(v) for n, v in zip(names, v0 * np.exp(x))})
+    def power_values(c: Constants) -> dict[str, np.ndarray]:
+        out = {t: np.full(len(records), np.nan) for t in ("mean_power_w", "peak_power_w")}
+        for i, r in enumerate(records):
+            if masks["mean_power_w"][i] or masks["peak_power_w"][i]:
+                e = power_at_step(r.model, r.cluster, r.cfg, float(steps[i]), c)
+                out["mean_power_w"][i], out["peak_power_w"][i] = e.mean_power_w, e.peak_power_w
+        return out
 
-    def resid(x):
-        vals = _values(records, _predict_rows(records, consts(x)))
-        parts = []
-        for t, w in FIT_TARGETS.items():
-            m = masks[t]
-            if m.any():
-                parts.append(w * np.log(vals[t][m] / meas[t][m]) / math.sqrt(m.sum()))
-        parts.append(prior_weight * x)
-        return np.concatenate(parts)
+    stages = [([n for n in names if n not in POWER_CONSTANTS], ("tokens_per_s_per_gpu", "memory_gib_per_gpu")),
+              ([n for n in names if n in POWER_CONSTANTS], ("mean_power_w", "peak_power_w"))]
+    c, info = base, {"cost_before": 0.0, "cost_after": 0.0, "nfev": 0, "status": [], "message": [], "at_bound": []}
+    for stage_names, targets in stages:
+        if not stage_names or not any(masks[t].any() for t in targets):
+            continue
+        v0 = np.array([getattr(c, n) for n in stage_names], float)
+        lo = np.log(np.array([FIT_BOUNDS[n][0] for n in stage_names]) / v0)
+        hi = np.log(np.array([FIT_BOUNDS[n][1] for n in stage_names]) / v0)
 
-    x0 = np.zeros(len(names))
-    r0 = resid(x0)
-    res = least_squares(resid, x0, bounds=(lo, hi), loss="soft_l1", f_scale=0.05, diff_step=1e-3,
-                        ftol=1e-6, xtol=1e-6, gtol=1e-8, max_nfev=max_nfev)
-    info = {"cost_before": float(0.5 * np.sum(r0 ** 2)), "cost_after": float(0.5 * np.sum(res.fun ** 2)),
-            "nfev": int(res.nfev), "status": int(res.status), "message": str(res.message),
-            "at_bound": [n for n, x, a, b in zip(names, res.x, lo, hi) if min(x - a, b - x) < 1e-3]}
-    return consts(res.x), info
+        def consts(x, c0=c, ns=stage_names, v=v0):
+            return c0.replace(**{n: float(val) for n, val in zip(ns, v * np.exp(x))})
+
+        def resid(x, targets=targets, consts=consts):
+            cx = consts(x)
+            vals = (_values(records, _predict_rows(records, cx)) if "tokens_per_s_per_gpu" in targets
+                    else power_values(cx))
+            parts = []
+            for t in targets:
+                m = masks[t]
+                if m.any():
+                    parts.append(FIT_TARGETS[t] * np.log(vals[t][m] / meas[t][m]) / math.sqrt(m.sum()))
+            parts.append(prior_weight * x)
+            return np.concatenate(parts)
+
+        x0 = np.zeros(len(stage_names))
+        r0 = resid(x0)
+        res = least_squares(resid, np.clip(x0, lo + 1e-12, hi - 1e-12), bounds=(lo, hi), loss="soft_l1",
+                            f_scale=0.05, diff_step=1e-3, ftol=1e-6, xtol=1e-6, gtol=1e-8, max_nfev=max_nfev)
+        c = consts(res.x)
+        info["cost_before"] += float(0.5 * np.sum(r0 ** 2))
+        info["cost_after"] += float(0.5 * np.sum(res.fun ** 2))
+        info["nfev"] += int(res.nfev)
+        info["status"].append(int(res.status))
+        info["message"].append(str(res.message))
+        info["at_bound"] += [n for n, x, a, b in zip(stage_names, res.x, lo, hi) if min(x - a, b - x) < 1e-3]
+    return c, info
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,12 +320,17 @@ def fit(ds: Dataset, folds: int = 5, seed: int = 0, surrogates: bool = True, log
         if splits and row["analytical"]["n"]:
             errs = {m: row[m]["error"] for m in MODES
                     if row[m]["n"] == row["analytical"]["n"] and math.isfinite(row[m]["error"])}
+            if t in POWER_TARGETS:
+                errs.pop("surrogate", None)
             if "surrogate" in errs and "calibrated" in errs and errs["surrogate"] > SURROGATE_MARGIN * errs["calibrated"]:
                 errs.pop("surrogate")  # the simpler level unless the surrogate clearly helps
             chosen = min(errs, key=lambda m: (errs[m], MODES.index(m)))
             why = "lowest CV error" if chosen != "analytical" else "nothing beat the analytical model on CV"
         if chosen == "analytical" and splits:
             why = "fallback: " + why if row["analytical"]["n"] else "no measurements of this target"
+        if t in POWER_TARGETS and t != "mean_power_w":
+            chosen = targets["mean_power_w"]["mode"]
+            why = "the level of mean power: one DVFS evaluation gives every power number"
         row["chosen"], row["why"] = chosen, why
         targets[t] = {"mode": chosen, "kind": "additive" if t in ADDITIVE else "log_ratio",
                       "interval": _interval(t, chosen, y[t], oof[t])}
@@ -434,7 +471,6 @@ class CalibratedPrediction(Prediction):
     """A Prediction after calibration, with the measured-style throttle fraction and intervals
     ({target: [lo, hi]} at `intervals_level`)."""
 
-    throttle_fraction: float = 0.0
     intervals: dict = field(default_factory=dict)
     intervals_level: float = LEVEL
     calibration: dict = field(default_factory=dict)  # file and the level used per target
@@ -503,29 +539,52 @@ class Calibration:
             out.append(self._compose(model, cluster, cfg, p, {t: tuple(float(a[i]) for a in e) for t, e in est.items()}))
         return out
 
+    @property
+    def power_constants(self) -> Constants:
+        """The constants of the level chosen for mean power (every power number comes from them)."""
+        return DEFAULT if self.targets["mean_power_w"]["mode"] == "analytical" else self.constants
+
+    def power_of(self, model, cluster, cfg, step_s: float, analytical: Prediction | None = None):
+        """The models.power evaluation behind a calibrated prediction's power numbers: at the
+        analytical level the analytical model's own (its step, default constants); otherwise
+        power_at_step at the calibrated step time with the calibrated constants."""
+        if self.targets["mean_power_w"]["mode"] == "analytical":
+            from advisor.models.power import estimate_power
+
+            return estimate_power(model, cluster, cfg, DEFAULT)
+        return power_at_step(model, cluster, cfg, step_s, self.constants)
+
     def _compose(self, model, cluster, cfg, p: Prediction, est: dict) -> CalibratedPrediction:
+        """`p`: the analytical prediction with the calibrated constants. Every power field comes
+        from one models.power evaluation (power_of); energy per token is its mean power x GPUs
+        over the tokens/s printed."""
         n = cluster.world_size
         tokens = cfg.tokens_per_step
         tps, tps_lo, tps_hi = est["tokens_per_s_per_gpu"]
         mem, mem_lo, mem_hi = est["memory_gib_per_gpu"]
         step = tokens / (tps * n)
         tflops = tps * training_flops_per_token(model, cfg.seq) / 1e12
-        mean_w = est["mean_power_w"][0]
-        peak_w = max(est["peak_power_w"][0], mean_w)
         scale = mem / p.memory_gib_per_gpu if p.memory_gib_per_gpu else 1.0
         cap = cluster.gpu.memory_gib * self.constants.memory_usable_fraction
         feasible = mem <= cap
         reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB usable per GPU")
         d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}
+        pw = self.power_of(model, cluster, cfg, step)
+        d.update(power_fields(pw))
         d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
                  tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,
                  memory_per_stage_gib=[s * scale for s in p.memory_per_stage_gib],
-                 mean_power_w=mean_w, peak_power_w=peak_w,
-                 energy_j_per_token=mean_w * n * step / tokens)
+                 energy_j_per_token=pw.mean_power_w * n * step / tokens)
         iv = {t: [e[1], e[2]] for t, e in est.items()}
+        printed = target_values(Prediction(**d), cluster)
+        for t in POWER_TARGETS:  # around the values printed (their residuals are of this level)
+            spec = self.targets[t]["interval"]
+            if "lo" not in spec:  # a surrogate's band (files from before power came from one model)
+                continue
+            lo, hi = apply_residual(t, printed[t], spec["lo"]), apply_residual(t, printed[t], spec["hi"])
+            iv[t] = [float(min(lo, hi)), float(max(lo, hi))]
         iv["step_time_s"] = [tokens / (tps_hi * n), tokens / (tps_lo * n)]
-        return CalibratedPrediction(**d, throttle_fraction=est["throttle_fraction"][0], intervals=iv,
-                                    intervals_level=LEVEL,
+        return CalibratedPrediction(**d, intervals=iv, intervals_level=LEVEL,
                                     calibration={"file": self.source, "profile": self.profile,
                                                  "levels": {t: v["mode"] for t, v in self.targets.items()}})
 

@@ -116,36 +116,76 @@ class Constants:
     # interleaved schedule; the 1F1B schedule waits on it). Start: 0 (fitted per stack).
     pp_overlap_fraction: float = 0.0
 
-    # ---- power and thermals -------------------------------------------------------------------
-    # Sustained-GEMM slowdown under a TDP power cap: measured 651 TFLOP/s sustained over 300 s on
-    # 4 x H200 at the 700 W cap vs ~790 for short bursts = 0.824 (../shared/gpu/FACTS.md burn).
-    capped_gemm_speed: float = 0.824
-    # Relative dynamic power of each phase against a saturating GEMM (fitted; start values from
-    # the H200 probes: memory-bound kernels ~55%, NCCL ~35%, waiting in a bubble ~15%).
-    power_memory_bound: float = 0.55
-    power_communication: float = 0.35
-    power_bubble: float = 0.15
-    # Instantaneous peaks above the cap when capped: measured max 746-758 W at a 700 W cap
-    # (H200 burn) = 1.07-1.08.
-    power_overshoot: float = 1.075
-    # Instantaneous ripple above the steady value when not capped.
-    power_ripple: float = 1.03
+    # ---- power and clocks: DVFS (models/dvfs.py) -----------------------------------------------
+    # Fitted by bench/dvfs_fit.py on the H100 load sweep (data/dvfs/h100x1-sweep.*: square GEMMs,
+    # GEMM duty cycles, memory-bound kernels and GEMM/copy mixes at the 700 W default cap, NVML at
+    # 50 Hz and the energy counter per load); transformer-shaped GEMMs and one elementwise chain
+    # of the same sweep are held out (docs/measurement.md, "DVFS"). Powers are fractions of
+    # (TDP - idle_w) of the GPU, so that they carry to other GPUs (an assumption for all but
+    # H100 / H200, which share the GH100 die). The ranges are those of bench/dvfs_fit.py's bounds.
+    # Voltage relative to its value at the maximum clock falls by vf_slope per unit of clock ratio
+    # (linear V-f curve; fitted, range 0.05-1.5; CMOS: V ~ 0.7-1.1 V over a GPU's clock range).
+    vf_slope: float = 0.331
+    # ... down to this floor (the V-f table's lowest voltage; not observable in our sweep, whose
+    # clocks stay >= 0.65 of the maximum; set to 0.65 = ~0.7 V / ~1.07 V, typical of 4-5 nm GPUs).
+    vf_min_voltage: float = 0.65
+    # Lowest clock the power limiter may choose, relative to the maximum: H100 SXM5 supported
+    # clocks 345-1980 MHz (measured, data/dvfs/h100x1-nvidia-smi-supported-clocks.txt).
+    min_clock_ratio: float = 345.0 / 1980.0
+    # Share of a GEMM's (and attention's) time at the maximum clock that scales with the SM clock;
+    # the rest does not (fitted, range 0.1-1: measured 8192^3 bf16 GEMMs run 686 TFLOP/s at
+    # 1,410 MHz and 803 at 1,950: throughput ~ clock^0.5).
+    gemm_clock_share: float = 0.415
+    # Share of a memory-bound kernel's time that scales with the SM clock (the rest with the HBM
+    # clock, which the power cap leaves alone on H100 / H200: 2,619 / 3,201 MHz throughout).
+    memory_sm_clock_share: float = 0.145
+    # Clock tree and awake baseline at the maximum clock (fitted; measured 121 W with a CUDA
+    # context and nothing running at 1,980 MHz vs 72 W deep idle on H100).
+    clock_power: float = 0.0646
+    # Switching power of a saturating GEMM at the maximum clock and voltage (fitted; a GEMM at full
+    # clock draws ~950-1,000 W on H100, measured in 10-25 ms bursts under the 700 W cap).
+    gemm_power: float = 1.363
+    # GEMM power falls as utilisation^exponent (fitted, range 0.3-1: small GEMMs move more bytes
+    # per FLOP; measured 256^3 .. 1024^3 GEMMs draw 168-673 W uncapped).
+    gemm_power_exponent: float = 0.699
+    # fp8 GEMMs: switching power per unit of utilisation relative to bf16 (fitted on one sweep point:
+    # 8192^3 fp8 at the cap held 1,290 MHz at 1,240 TFLOP/s).
+    fp8_gemm_power: float = 0.997
+    # Flash attention's switching power at the maximum clock (fitted on one sweep point: causal
+    # SDPA at the cap held 1,710 MHz).
+    attention_power: float = 1.101
+    # Memory-bound kernels at the GPU's peak HBM bandwidth: SM-side switching power and HBM power,
+    # both in proportion to the bandwidth reached (fitted; measured copy / add / an elementwise
+    # chain at 2.4-3.1 TB/s of 3.35: 461-536 W uncapped on H100).
+    memory_sm_power: float = 0.0
+    memory_hbm_power: float = 0.744
+    # NCCL collectives and p2p (SMs polling and copying, NVLink) and waiting in a pipeline bubble or
+    # for a peer (fitted on our training runs by `advisor fit`; start values: the earlier
+    # duty-cycle model's 0.35 and 0.15 of a GEMM's power, times gemm_power).
+    comm_power: float = 0.433
+    wait_power: float = 0.0584
+    # Window over which the power limiter averages (fitted on the GEMM duty cycles: bursts of
+    # 10-250 ms are averaged with the gaps between them, 1 s bursts are capped on their own).
+    limiter_window_s: float = 0.0325
+    # Sampled peaks (20-50 Hz) under a cap: the busiest phase's power at the clock held, plus this
+    # fraction (the limiter's clock oscillation): measured peak / mean of the 14 capped steady loads
+    # of the H100 sweep 1.13-1.34, mean 1.22 (data/dvfs/h100x1-sweep.jsonl); `advisor fit` refits it.
+    peak_overshoot: float = 0.157
+    # Instantaneous ripple above the steady value when not capped (measured 1.01-1.02 on the
+    # uncapped sweep loads).
+    power_ripple: float = 1.02
     # Steady temperature T = idle_temp + c_per_w * (P - P_idle): measured 0.041-0.051 C/W with an
     # idle temperature of 36-39 C on 4 x H200 (FACTS.md burn table).
     idle_temp_c: float = 38.0
     c_per_w: float = 0.046
     # Margin below the slowdown temperature where thermal throttling risk starts, C.
     thermal_margin_c: float = 15.0
-    # Largest compute slowdown the power cap may impose in the model: a guard against a degenerate
-    # step (almost no busy time) blowing up the stretch; for scale, a sustained GEMM at the TDP cap
-    # runs at capped_gemm_speed = 0.824 of its rate, a 1.21x slowdown.
-    max_power_slowdown: float = 3.0
 
     # ---- throttle risk score (a 0-1 presentation scale, not physics; not fitted) ---------------
     # The score puts each cause in its own third of the scale, in the order of harm: sustained
     # power throttling in [0.67, 1] (high), brief spikes over the cap in [0.34, 0.66] (medium),
     # approaching the cap in [0, 0.33] (low); labels: high >= 0.66, medium >= 0.33.
-    # Sustained: 0.67 plus 3.3 per unit of slowdown, so 10% slower compute reaches 1.0.
+    # Sustained: 0.67 plus 3.3 per unit of slowdown, so 10% slower steps reach 1.0.
     throttle_risk_sustained_base: float = 0.67
     throttle_risk_per_slowdown: float = 3.3
     # Spikes: 0.34 plus up to 0.32 as the GEMM-phase demand exceeds the cap, the full 0.32 at 20%

@@ -349,7 +349,6 @@ def simulate_records(cases: Iterable[tuple[ModelSpec, ClusterSpec, TrainConfig]]
     """Measurement records as the analytical model under `constants` predicts them, with
     multiplicative log-normal noise of relative size `noise`. Marked env.simulated = true; never
     for shipping."""
-    from advisor.models.features import throttle_fraction_proxy
     from advisor.models.predict import predict
 
     rng = np.random.default_rng(seed)
@@ -377,7 +376,7 @@ def simulate_records(cases: Iterable[tuple[ModelSpec, ClusterSpec, TrainConfig]]
             "memory": {"max_gib": mem, "max_reserved_gib": mem},
             "telemetry": {"mean_power_w": mean, "peak_power_w": peak,
                           "throttle_fraction": {"any_throttle": float(np.clip(
-                              throttle_fraction_proxy(p, cluster.power_cap_w) + rng.normal(0.0, noise), 0.0, 1.0))}},
+                              p.throttle_fraction + rng.normal(0.0, noise), 0.0, 1.0))}},
         })
     return out
 

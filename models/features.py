@@ -39,18 +39,6 @@ FEATURE_NAMES = (
 )
 
 
-def throttle_fraction_proxy(p: Prediction, power_cap_w: float) -> float:
-    """What the analytical model implies for the fraction of time NVML reports a power / thermal
-    clock-event reason: all of it when the mean demand exceeds the cap (the limiter then holds
-    the clocks down continuously), the GEMM phases when only their peaks do, otherwise none."""
-    f = p.breakdown["phase_fractions"]
-    if p.compute_slowdown > 1.0:
-        return 1.0
-    if p.breakdown["power_demand_peak_w"] > power_cap_w:
-        return float(f["gemm"])
-    return 0.0
-
-
 def features(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Prediction) -> np.ndarray:
     """The FEATURE_NAMES vector of one layout, from its analytical prediction `p`."""
     e = 2.0  # bf16 bytes

@@ -1,110 +1,409 @@
-"""Power per GPU (mean and instantaneous peak), power-cap slowdown, steady temperature and
-throttle risk, from the duty cycle of a step. Pure functions.
+"""Power, clocks, throttling and energy of one layout under per-GPU power caps. Pure functions.
 
-Model. A GPU draws idle power plus dynamic power proportional to how hard its busiest units
-work. A saturating GEMM demands D watts of dynamic power, where D is set so that at the GPU's TDP
-cap a sustained GEMM runs at `capped_gemm_speed` of its uncapped rate (measured on H200). A GEMM
-phase running at utilisation u (achieved / best GEMM rate, which grows with the micro-batch: this
-is the paper's "larger microbatches -> power spikes") demands u·D; memory-bound kernels,
-communication and bubbles demand fixed fractions of D. The power limiter acts on the average over
-a window much longer than a microbatch, so the *mean* demand decides sustained throttling
-(clocks drop until the mean meets the cap), while the *phase* demand decides instantaneous peaks.
+`estimate_power` is the one place where the advisor gets a power, a clock, a throttle fraction or
+an energy: mean and peak power, the SM clock each pipeline stage holds, the step time at those
+clocks, throttle risk and energy per token all come out of one evaluation, so no two printed
+numbers can disagree.
+
+How (physics in advisor.models.dvfs): each pipeline stage's GPUs run its phases per step (GEMM,
+attention, memory-bound kernels, communication) and wait the rest of the step (pipeline fill and
+drain, faster stages waiting for the slowest, launch gaps). The power limiter of each GPU averages
+over ~30 ms, so the phases of a microbatch are averaged together, and waits take part in
+proportion to how short they are. Each stage's clock is the one at which that average meets its
+cap; GEMM / attention time stretches with it (partly: dvfs.compute_stretch), memory-bound kernels
+a little, communication not at all. The stages' clocks and the pipeline's waits depend on each
+other, so they are iterated to a fixed point (a few rounds).
+
+`cap_sweep` evaluates a layout over a range of caps (with the analytical model, or a calibration's
+predictions: the caller's `evaluate`): the cap with the least energy per token, and the least
+within 5% of the fastest step. `stage_caps` lowers the caps of stages off the critical
+path until they would slow the step (Perseus' "energy bloat", SOSP'24).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
-from advisor.catalog.specs import ClusterSpec
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.models import dvfs
 from advisor.models.constants import DEFAULT, Constants
-from advisor.models.step_time import StepTime
+from advisor.models.dvfs import Phase
+from advisor.models.step_time import StageTime, StepTime, stage_times, step_time
 
 
 @dataclass(frozen=True)
-class PowerEstimate:
-    mean_power_w: float
-    peak_power_w: float
-    demand_mean_w: float  # what the step would draw without a cap
-    demand_peak_w: float
+class StagePower:
+    """One pipeline stage's GPUs (each of them; all GPUs of a stage run alike)."""
+
+    stage: int
     power_cap_w: float
-    compute_slowdown: float  # >= 1: how much the cap stretches compute (1 = no throttling)
-    steady_temp_c: float
-    throttle_risk: float  # 0..1
-    throttle_label: str  # low / medium / high
-    throttle_reason: str
+    clock_ratio: float            # SM clock held / maximum
+    sm_clock_mhz: float | None    # None where the catalog has no maximum clock for the GPU
+    demand_w: float               # what the limiter would see at the maximum clock
+    busy_power_w: float           # what it sees at the clock held
+    mean_power_w: float           # over the whole step, waits included
+    peak_power_w: float           # sampled peak (20-50 Hz), see peak()
+    throttled: bool               # the cap holds the clock below the maximum
+    busy_s: float                 # seconds per step computing or communicating
+    energy_j: float               # per GPU per step
+    spiking: bool = False         # a phase draws more than the cap at the maximum clock (brief dips)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {f: getattr(self, f) for f in _STAGE_FIELDS}
 
 
-def gemm_dynamic_power_w(cluster: ClusterSpec, c: Constants = DEFAULT) -> float:
-    """Dynamic power a saturating GEMM demands on this GPU (watts above idle)."""
-    gpu = cluster.gpu
-    return (gpu.tdp_w - gpu.idle_w) / c.capped_gemm_speed
+_STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StagePower))
 
 
-def phase_fractions(st: StepTime) -> dict[str, float]:
-    """Time fractions of the step on the slowest stage: gemm, memory-bound, comm, idle."""
-    slow = max(st.stages, key=lambda s: s.total_s)
+@dataclass
+class PowerEstimate:
+    mean_power_w: float           # per GPU, over all GPUs and the whole step
+    peak_power_w: float           # the highest sampled peak of any GPU
+    demand_mean_w: float          # the busiest stage's average at the maximum clock (no cap)
+    demand_peak_w: float          # the busiest phase of any stage at the maximum clock
+    power_cap_w: float            # the cluster's cap (stages may have their own: stages[k])
+    sm_clock_mhz: float | None    # held by the critical (slowest) stage
+    clock_ratio: float
+    slowdown: float               # step time at the clocks held / at the maximum clocks (>= 1)
+    throttle_fraction: float      # share of GPUs the limiter acts on (held down, or dips in a phase over the cap):
+                                  # what NVML's power-cap clock-event reason reports
+    energy_j_per_step: float      # all GPUs
+    energy_j_per_token: float
+    steady_temp_c: float
+    throttle_risk: float          # 0..1
+    throttle_label: str           # low / medium / high
+    throttle_reason: str
+    stages: list[StagePower] = field(default_factory=list)
+    step: StepTime | None = field(default=None, repr=False)  # the step at the clocks held
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("step", "stages")}
+        d["stages"] = [s.to_dict() for s in self.stages]
+        return d
+
+
+# ------------------------------------------------------------------------------------------------
+# one stage
+# ------------------------------------------------------------------------------------------------
+
+def busy_phases(full: StageTime, m: int, c: Constants, fp8: bool = False) -> list[Phase]:
+    """A stage's work per step at the maximum clocks, as DVFS phases."""
+    out = [Phase("gemm", (full.gemm_s + full.recompute_s) * m, utilization=full.gemm_utilization, fp8=fp8),
+           Phase("attention", full.attention_s * m),
+           Phase("memory", full.memory_bound_s * m, utilization=c.hbm_efficiency),
+           Phase("comm", full.comm_s * m)]
+    return [p for p in out if p.seconds > 0]
+
+
+def _waits(st: StepTime, k: int, m: int, c: Constants, extra_wait_s: float = 0.0
+           ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Stage k's idle time in the step `st` (at its clocks), as (seconds, limiter weight): waits
+    inside collectives (for the slowest stage each microbatch, pipeline fill and drain, the step's
+    end) and gaps with no kernel (launch / framework gaps, and `extra_wait_s`: time the analytical
+    step does not explain)."""
+    own = st.stages[k].total_s
+    slow = max(s.total_s for s in st.stages)
+    fill = max(0.0, st.pipeline_s - m * slow)
+    w = dvfs.limiter_weight
+    waits = [(m * (slow - own), w(slow - own, c)), (fill, w(fill / 2, c)), (st.overhead_s, w(st.overhead_s, c))]
+    gaps = [(m * st.stages[k].overhead_s, 1.0)]
+    if extra_wait_s:
+        gaps.append((extra_wait_s, w(extra_wait_s / m, c)))
+    return [x for x in waits if x[0] > 0], [x for x in gaps if x[0] > 0]
+
+
+def _step_end_phases(st: StepTime, c: Constants) -> list[Phase]:
+    """DP communication left exposed and the optimizer: at the end of every stage's step."""
+    out = [Phase("comm", st.dp_exposed_s), Phase("memory", st.optimizer_s, utilization=c.hbm_efficiency)]
+    return [p for p in out if p.seconds > 0]
+
+
+def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
+    """Sampled peak (20-50 Hz NVML instant power) of a GPU whose busiest stretch (a microbatch's
+    compute, averaged over its kernels, or a step-end phase) draws phase_peak_w at the clock it
+    holds: under a cap the limiter's clock oscillation adds peak_overshoot of it, otherwise the
+    ripple (constants)."""
+    return phase_peak_w * ((1.0 + c.peak_overshoot) if throttled else c.power_ripple)
+
+
+def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: Constants = DEFAULT,
+                power_scale: float = 1.0, extra_wait_s: float = 0.0, clock: float | None = None) -> StagePower:
+    """Stage k's GPUs in the step `st` (at its clocks): the clock its cap holds (or `clock` when
+    given), and its power and energy. `busy`: busy_phases() of the stage."""
     m = st.num_microbatches
-    total = st.step_time_s
-    gemm = (slow.gemm_s + slow.attention_s + slow.recompute_s) * m
-    mem = slow.memory_bound_s * m + st.optimizer_s
-    comm = (slow.comm_s) * m + st.dp_exposed_s
-    idle = max(0.0, total - gemm - mem - comm)
-    return {"gemm": gemm / total, "memory_bound": mem / total, "communication": comm / total,
-            "idle": idle / total}
+    end = _step_end_phases(st, c)
+    waits, gaps = _waits(st, k, m, c, extra_wait_s)
+    load = dvfs.Load.of(busy + end, waits, c, gaps)
+    sol = dvfs.solve_load(load, gpu, cap_w, c, power_scale)
+    x = sol.x if clock is None else clock
+    work = dvfs.Load.of(busy + end, (), c)
+    busy_s = work.seconds(x)
+    gap_s = sum(length for length, _ in gaps)
+    step_s = max(st.step_time_s, busy_s + gap_s)  # a stage slowed below the step's pace sets the step
+    idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
+    p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
+    e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
+    # a 20-50 Hz sample averages the kernels of a microbatch (each of them ms long): the busiest
+    # stretch it sees is the microbatch's compute at the clock held, or a step-end phase
+    phase_peak = max([dvfs.Load.of(busy, (), c).power(x, gpu, c, power_scale)]
+                     + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
+    return StagePower(
+        stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
+        demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,
+        peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e,
+        spiking=max((dvfs.phase_power(p, 1.0, gpu, c, power_scale) for p in busy + end), default=0.0) > cap_w)
 
 
-def estimate_power(st: StepTime, cluster: ClusterSpec, c: Constants = DEFAULT) -> PowerEstimate:
-    """Power of the unthrottled step `st` (compute_slowdown=1) and the slowdown the cap imposes."""
+# ------------------------------------------------------------------------------------------------
+# the one function
+# ------------------------------------------------------------------------------------------------
+
+def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT,
+                   caps: float | Sequence[float] | None = None, stages: Sequence[StageTime] | None = None,
+                   power_scale: float | Sequence[float] = 1.0, extra_wait_s: float = 0.0) -> PowerEstimate:
+    """Power, clocks, step time, throttling and energy of `cfg` under per-GPU power caps: one cap
+    for every GPU (default: the cluster's) or one per pipeline stage. `stages`: stage_times() of
+    the layout when the caller has them; `power_scale`: switching-power multiplier per stage
+    (hotter or leakier slots; placement); `extra_wait_s`: seconds per step the analytical step
+    time does not explain (a calibration's longer step: launch gaps and framework time, spread
+    over the microbatches), spent at wait power."""
     gpu = cluster.gpu
-    cap = cluster.power_cap_w
-    idle = gpu.idle_w
-    D = gemm_dynamic_power_w(cluster, c)
-    u = max((s.gemm_utilization for s in st.stages), default=0.0)
-    f = phase_fractions(st)
-    dyn_mean = D * (f["gemm"] * u + f["memory_bound"] * c.power_memory_bound
-                    + f["communication"] * c.power_communication + f["idle"] * c.power_bubble)
-    demand_mean = idle + dyn_mean
-    demand_peak = idle + D * max(u, c.power_memory_bound)
-    budget = cap - idle
-    if dyn_mean > budget:
-        # Clocks drop until the mean meets the cap. Busy phases (GEMM, memory-bound) stretch by s
-        # at constant dynamic energy per unit of work; communication and bubbles keep their time
-        # and power: D·(e_busy + e_rest) / (t_busy·s + t_rest) = cap - idle.
-        t_busy = f["gemm"] + f["memory_bound"]
-        e_busy = f["gemm"] * u + f["memory_bound"] * c.power_memory_bound
-        t_rest = f["communication"] + f["idle"]
-        e_rest = f["communication"] * c.power_communication + f["idle"] * c.power_bubble
-        slowdown = ((e_busy + e_rest) * D / budget - t_rest) / t_busy if t_busy > 0 else 1.0
-        slowdown = max(1.0, min(slowdown, c.max_power_slowdown))
-        mean = cap
-        peak = min(cap * c.power_overshoot, demand_peak)
-    else:
-        slowdown = 1.0
-        mean = demand_mean
-        peak = min(demand_peak * c.power_ripple, max(cap * c.power_overshoot, demand_mean))
-    temp = c.idle_temp_c + c.c_per_w * (mean - idle)
-    # risk: sustained power throttling > transient spikes over the cap > thermal headroom
-    r_power = 0.0
-    reason = "none"
-    if slowdown > 1.0:
+    full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
+    pp = len(full)
+    cap = [float(cluster.power_cap_w)] * pp if caps is None else (
+        [float(caps)] * pp if isinstance(caps, (int, float)) else [float(x) for x in caps])
+    if len(cap) != pp:
+        raise SpecError(f"{len(cap)} power caps for {pp} pipeline stages")
+    for v in cap:
+        gpu.check_power_cap(v)
+    scale = [float(power_scale)] * pp if isinstance(power_scale, (int, float)) else list(power_scale)
+    m = cfg.num_microbatches
+    fp8 = cfg.precision == "fp8"
+    busy = [busy_phases(s, m, c, fp8) for s in full]
+    base = step_time(model, cluster, cfg, c, stages=full)
+    extra = max(0.0, float(extra_wait_s))
+
+    def at(clocks: list[float]) -> StepTime:
+        s = step_time(model, cluster, cfg, c, sm_clock=clocks, stages=full) if any(v < 1.0 for v in clocks) else base
+        return dataclasses.replace(s, step_time_s=s.step_time_s + extra) if extra else s
+
+    x = [1.0] * pp
+    st = at(x)
+    per_stage: list[StagePower] = []
+    for _ in range(12):
+        per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra) for k in range(pp)]
+        new = [s.clock_ratio for s in per_stage]
+        done = max(abs(a - b) for a, b in zip(new, x)) < 2e-4  # 0.4 MHz on a 1,980 MHz GPU
+        x = new
+        st = at(x)
+        if done:
+            break
+    per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra, clock=x[k]) for k in range(pp)]
+    end = _step_end_phases(st, c)
+    gpus_per_stage = cluster.world_size / pp
+    energy = sum(s.energy_j for s in per_stage) * gpus_per_stage
+    mean = energy / gpus_per_stage / pp / st.step_time_s
+    crit = max(range(pp), key=lambda k: st.stages[k].total_s)
+    hot = max(per_stage, key=lambda s: s.mean_power_w)
+    demand_peak = max(dvfs.phase_power(p, 1.0, gpu, c, scale[k]) for k in range(pp) for p in busy[k] + end)
+    busiest = max(per_stage, key=lambda s: s.demand_w)
+    slowdown = (st.step_time_s - extra) / base.step_time_s
+    temp = c.idle_temp_c + c.c_per_w * (hot.mean_power_w - gpu.idle_w)
+    risk, label, reason = _risk(per_stage, busiest, crit, slowdown, demand_peak, temp, gpu, c)
+    return PowerEstimate(
+        mean_power_w=mean, peak_power_w=max(s.peak_power_w for s in per_stage), demand_mean_w=busiest.demand_w,
+        demand_peak_w=demand_peak, power_cap_w=float(cluster.power_cap_w), sm_clock_mhz=per_stage[crit].sm_clock_mhz,
+        clock_ratio=x[crit], slowdown=slowdown,
+        throttle_fraction=sum(s.throttled or s.spiking for s in per_stage) / pp,
+        energy_j_per_step=energy, energy_j_per_token=energy / cfg.tokens_per_step, steady_temp_c=temp,
+        throttle_risk=risk, throttle_label=label, throttle_reason=reason, stages=per_stage, step=st)
+
+
+def power_at_step(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, step_s: float,
+                  c: Constants = DEFAULT, stages: Sequence[StageTime] | None = None) -> PowerEstimate:
+    """estimate_power for a step known to take `step_s` (measured, or a calibration's): the time
+    the analytical step does not explain is spent in short waits (extra_wait_s), found so that the
+    step at the clocks the cap then holds is `step_s` (3 rounds; a step shorter than the model's
+    keeps the model's)."""
+    full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
+    e = estimate_power(model, cluster, cfg, c, stages=full)
+    extra = 0.0
+    for _ in range(3):
+        gap = step_s - e.step.step_time_s
+        if extra + gap <= 0 or abs(gap) < 1e-4 * step_s:
+            break
+        extra += gap
+        e = estimate_power(model, cluster, cfg, c, stages=full, extra_wait_s=extra)
+    return e
+
+
+def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: float, demand_peak: float,
+          temp: float, gpu, c: Constants) -> tuple[float, str, str]:
+    """Throttle risk score (a presentation scale, constants.py) and the one-line reason, worded
+    from the same numbers the prediction prints."""
+    cap = busiest.power_cap_w
+    where = f"stage {busiest.stage}" if len(stages) > 1 else "the GPUs"
+    if slowdown > 1.0 + 1e-6 or busiest.throttled:
         r_power = min(1.0, c.throttle_risk_sustained_base + (slowdown - 1.0) * c.throttle_risk_per_slowdown)
-        reason = f"power cap: sustained demand {demand_mean:.0f} W > {cap:.0f} W, ~{(1 - 1 / slowdown) * 100:.0f}% slower compute"
+        s = stages[crit]
+        clk = f"{s.sm_clock_mhz:,.0f} MHz" if s.sm_clock_mhz else f"{s.clock_ratio:.0%} of the maximum clock"
+        reason = (f"power cap: {where} would draw {busiest.demand_w:.0f} W at full clock > {cap:.0f} W; "
+                  f"clock held at {clk}, step {(slowdown - 1) * 100:.1f}% slower than at full clock")
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
-        reason = f"power spikes: GEMM phases demand {demand_peak:.0f} W > {cap:.0f} W cap (brief clock dips)"
+        reason = (f"power spikes: the busiest phase draws {demand_peak:.0f} W at full clock > {cap:.0f} W cap "
+                  f"(brief clock dips; the ~30 ms average stays under it)")
     else:
         r_power = c.throttle_risk_low_span * max(
             0.0, (demand_peak - c.throttle_low_start * cap) / (c.throttle_low_range * cap))
+        reason = "none"
     limit = gpu.slowdown_temp_c
     r_thermal = max(0.0, min(1.0, (temp - (limit - c.thermal_margin_c)) / c.thermal_margin_c))
     if r_thermal > r_power:
         reason = f"thermal: predicted {temp:.0f} °C vs {limit:.0f} °C slowdown"
     risk = max(r_power, r_thermal)
     label = "high" if risk >= c.throttle_label_high else "medium" if risk >= c.throttle_label_medium else "low"
-    return PowerEstimate(mean_power_w=mean, peak_power_w=peak, demand_mean_w=demand_mean,
-                         demand_peak_w=demand_peak, power_cap_w=cap, compute_slowdown=slowdown,
-                         steady_temp_c=temp, throttle_risk=risk, throttle_label=label,
-                         throttle_reason=reason)
+    return risk, label, reason
+
+
+# ------------------------------------------------------------------------------------------------
+# caps: sweep, energy-optimal, per stage
+# ------------------------------------------------------------------------------------------------
+
+TIME_SLACK = 0.05  # "within 5% of the fastest step"
+
+
+def cap_grid(gpu, spec: str | Sequence[float] | None = None, step_w: float = 25.0) -> list[float]:
+    """Caps to try: "LO:HI:STEP" (watts, inclusive), a list, or the GPU's settable range in 25 W
+    steps. Every cap must be settable on the GPU (one-line error otherwise)."""
+    if spec is None:
+        lo, hi = gpu.min_power_limit_w, gpu.max_power_limit_w
+    elif isinstance(spec, str):
+        try:
+            parts = [float(v) for v in spec.split(":")]
+        except ValueError:
+            raise SpecError(f"--power-caps {spec!r}: expected LO:HI:STEP in watts, e.g. 300:700:25") from None
+        if len(parts) != 3 or not all(math.isfinite(v) for v in parts) or parts[2] <= 0 or parts[0] > parts[1]:
+            raise SpecError(f"--power-caps {spec!r}: expected LO:HI:STEP with LO <= HI and STEP > 0, e.g. 300:700:25")
+        lo, hi, step_w = parts
+    else:
+        out = sorted({float(v) for v in spec})
+        for v in out:
+            gpu.check_power_cap(v)
+        return out
+    n = int(math.floor((hi - lo) / step_w + 1e-9))
+    out = [lo + i * step_w for i in range(n + 1)]
+    if out[-1] < hi - 1e-9:
+        out.append(hi)
+    for v in (out[0], out[-1]):
+        gpu.check_power_cap(v)
+    return out
+
+
+@dataclass
+class CapPoint:
+    power_cap_w: float
+    step_time_s: float
+    energy_j_per_token: float
+    mean_power_w: float
+    sm_clock_mhz: float | None
+    clock_ratio: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CapSweep:
+    points: list[CapPoint]
+    fastest: CapPoint                 # the shortest step (ties: the lowest cap)
+    min_energy: CapPoint              # the least J/token
+    min_energy_within: CapPoint       # the least J/token with a step within TIME_SLACK of the fastest
+    at_default: CapPoint              # at the cluster's cap
+
+    def to_dict(self) -> dict:
+        def one(p: CapPoint) -> dict:
+            d = p.to_dict()
+            d["energy_saved_pct"] = (1 - p.energy_j_per_token / self.at_default.energy_j_per_token) * 100
+            d["step_time_change_pct"] = (p.step_time_s / self.at_default.step_time_s - 1) * 100
+            return d
+        return {"time_slack": TIME_SLACK, "at_cluster_cap": one(self.at_default), "fastest": one(self.fastest),
+                "min_energy": one(self.min_energy), "min_energy_within_5pct": one(self.min_energy_within),
+                "curve": [p.to_dict() for p in self.points]}
+
+
+def point(cap_w: float, step_time_s: float, energy_j_per_token: float, mean_power_w: float,
+          sm_clock_mhz: float | None, clock_ratio: float) -> CapPoint:
+    return CapPoint(cap_w, step_time_s, energy_j_per_token, mean_power_w, sm_clock_mhz, clock_ratio)
+
+
+def analytical_point(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants, cap_w: float,
+                     stages: Sequence[StageTime] | None = None) -> CapPoint:
+    e = estimate_power(model, cluster, cfg, c, caps=cap_w, stages=stages)
+    return CapPoint(cap_w, e.step.step_time_s, e.energy_j_per_token, e.mean_power_w, e.sm_clock_mhz, e.clock_ratio)
+
+
+def cap_sweep(evaluate: Callable[[float], CapPoint], grid: Sequence[float], cluster_cap_w: float) -> CapSweep:
+    """`evaluate(cap)` at every cap of `grid` (cap_grid; one cap for all GPUs): the fastest cap,
+    the cap with the least J/token and the least within TIME_SLACK of the fastest step."""
+    pts = [evaluate(v) for v in grid]
+    default = next((p for p in pts if p.power_cap_w == cluster_cap_w), None) or evaluate(cluster_cap_w)
+    return sweep_of(pts, default)
+
+
+def sweep_of(pts: Sequence[CapPoint], default: CapPoint) -> CapSweep:
+    """The CapSweep of evaluated points (`default`: the point at the cluster's cap)."""
+    fastest = min(pts, key=lambda p: (round(p.step_time_s, 9), p.power_cap_w))
+    best = min(pts, key=lambda p: (p.energy_j_per_token, -p.power_cap_w))
+    ok = [p for p in pts if p.step_time_s <= fastest.step_time_s * (1 + TIME_SLACK)]
+    within = min(ok, key=lambda p: (p.energy_j_per_token, -p.power_cap_w))
+    return CapSweep(pts, fastest, best, within, default)
+
+
+@dataclass
+class StageCaps:
+    caps_w: list[float]               # per pipeline stage
+    energy_j_per_token: float
+    energy_saved_pct: float           # vs every stage at the cluster's cap
+    step_time_change_pct: float
+    stages: list[StagePower]
+
+    def to_dict(self) -> dict:
+        return {"caps_w": self.caps_w, "energy_j_per_token": self.energy_j_per_token,
+                "energy_saved_pct": self.energy_saved_pct, "step_time_change_pct": self.step_time_change_pct,
+                "stages": [{"stage": s.stage, "power_cap_w": s.power_cap_w, "sm_clock_mhz": s.sm_clock_mhz,
+                            "mean_power_w": s.mean_power_w, "throttled": s.throttled} for s in self.stages]}
+
+
+def stage_caps(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT,
+               stages: Sequence[StageTime] | None = None, step_w: float = 25.0,
+               max_slowdown: float = 0.001) -> StageCaps:
+    """Per-stage caps for the stages off the critical path: each one's cap is lowered in `step_w`
+    steps (down to the GPU's minimum) while the step stays within `max_slowdown` of the step with
+    every GPU at the cluster's cap (Perseus' energy bloat: a faster stage only waits for the
+    slowest, so it can run at a lower clock for free). With one stage there is nothing to do."""
+    gpu = cluster.gpu
+    full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
+    pp = len(full)
+    top = float(cluster.power_cap_w)
+    ref = estimate_power(model, cluster, cfg, c, caps=top, stages=full)
+    limit = ref.step.step_time_s * (1 + max_slowdown)
+    caps = [top] * pp
+    cur = ref
+    if pp > 1:
+        crit = max(range(pp), key=lambda k: ref.step.stages[k].total_s)
+        order = sorted((k for k in range(pp) if k != crit), key=lambda k: ref.step.stages[k].total_s)
+        for k in order:  # the stage with the most slack first
+            while caps[k] - step_w >= gpu.min_power_limit_w - 1e-9:
+                trial = list(caps)
+                trial[k] = caps[k] - step_w
+                e = estimate_power(model, cluster, cfg, c, caps=trial, stages=full)
+                if e.step.step_time_s > limit or e.energy_j_per_token >= cur.energy_j_per_token:
+                    break
+                caps, cur = trial, e
+    saved = (1 - cur.energy_j_per_token / ref.energy_j_per_token) * 100
+    return StageCaps(caps, cur.energy_j_per_token, saved,
+                     (cur.step.step_time_s / ref.step.step_time_s - 1) * 100, cur.stages)

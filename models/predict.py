@@ -7,8 +7,8 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import training_flops_per_token
 from advisor.models.memory import StageMemory, stage_memory
-from advisor.models.power import estimate_power, phase_fractions
-from advisor.models.step_time import step_time
+from advisor.models.power import PowerEstimate, estimate_power
+from advisor.models.step_time import StepTime, stage_times, step_time
 from advisor.search_spaces.layout import violations
 
 
@@ -27,12 +27,17 @@ class Prediction:
     throttle_risk: float
     throttle_label: str
     throttle_reason: str
-    compute_slowdown: float
+    power_slowdown: float  # step time at the clocks the cap holds / at the maximum clocks (>= 1)
+    sm_clock_mhz: float | None  # held by the critical (slowest) pipeline stage; None: GPU clock unknown
+    clock_ratio: float  # the same as a fraction of the maximum clock
+    throttle_fraction: float  # share of the GPUs whose clock the cap holds down
     steady_temp_c: float
     energy_j_per_token: float
     bubble_fraction: float  # share of the pipeline time a stage idles (fill, drain, uneven stages)
     breakdown: dict = field(default_factory=dict)
     memory_breakdown: dict = field(default_factory=dict)  # of the stage with the most memory
+    power: dict = field(default_factory=dict)  # per-stage caps, clocks and powers (models.power)
+    power_caps: dict = field(default_factory=dict)  # energy-optimal caps, when asked (models.power.cap_sweep)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,16 +65,16 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
     reason = "" if feasible else (
         f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {usable:.1f} GiB usable "
         f"({c.memory_usable_fraction:.0%} of {capacity:.1f} GiB per GPU)")
-    base = step_time(model, cluster, cfg, c)
-    power = estimate_power(base, cluster, c)
-    st = step_time(model, cluster, cfg, c, compute_slowdown=power.compute_slowdown) if power.compute_slowdown > 1 else base
+    full = stage_times(model, cluster, cfg, c)
+    base = step_time(model, cluster, cfg, c, stages=full)
+    power = estimate_power(model, cluster, cfg, c, stages=full)
+    st = power.step
     tokens = cfg.tokens_per_step
     n = cluster.world_size
     tps = tokens / st.step_time_s / n
     flops = training_flops_per_token(model, cfg.seq)
     tflops = tps * flops / 1e12
     mfu = tflops / cluster.gpu.bf16_tflops
-    energy = power.mean_power_w * n * st.step_time_s / tokens
     bd = st.breakdown()
     bd["phase_fractions"] = phase_fractions(base)
     bd["power_demand_mean_w"] = power.demand_mean_w
@@ -84,15 +89,31 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
         tflops_per_gpu=tflops,
         memory_gib_per_gpu=worst.total_gib,
         memory_per_stage_gib=[s.total_gib for s in mem],
-        peak_power_w=power.peak_power_w,
-        mean_power_w=power.mean_power_w,
-        throttle_risk=power.throttle_risk,
-        throttle_label=power.throttle_label,
-        throttle_reason=power.throttle_reason,
-        compute_slowdown=power.compute_slowdown,
-        steady_temp_c=power.steady_temp_c,
-        energy_j_per_token=energy,
         bubble_fraction=st.bubble_fraction,
         breakdown=bd,
         memory_breakdown=worst.to_dict(),
+        **power_fields(power),
     )
+
+
+def power_fields(p: PowerEstimate) -> dict:
+    """The Prediction fields that come from models.power (one evaluation: they cannot disagree)."""
+    return dict(peak_power_w=p.peak_power_w, mean_power_w=p.mean_power_w, throttle_risk=p.throttle_risk,
+                throttle_label=p.throttle_label, throttle_reason=p.throttle_reason, power_slowdown=p.slowdown,
+                sm_clock_mhz=p.sm_clock_mhz, clock_ratio=p.clock_ratio, throttle_fraction=p.throttle_fraction,
+                steady_temp_c=p.steady_temp_c, energy_j_per_token=p.energy_j_per_token,
+                power={"power_cap_w": p.power_cap_w, "energy_j_per_step": p.energy_j_per_step,
+                       "step_time_s": p.step.step_time_s, "stages": [s.to_dict() for s in p.stages]})
+
+
+def phase_fractions(st: StepTime) -> dict[str, float]:
+    """Time fractions of the step on the slowest stage: gemm, memory-bound, comm, idle (features)."""
+    slow = max(st.stages, key=lambda s: s.total_s)
+    m = st.num_microbatches
+    total = st.step_time_s
+    gemm = (slow.gemm_s + slow.attention_s + slow.recompute_s) * m
+    mem = slow.memory_bound_s * m + st.optimizer_s
+    comm = slow.comm_s * m + st.dp_exposed_s
+    idle = max(0.0, total - gemm - mem - comm)
+    return {"gemm": gemm / total, "memory_bound": mem / total, "communication": comm / total,
+            "idle": idle / total}

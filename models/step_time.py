@@ -9,7 +9,10 @@ with backward / forward, and the optimizer step.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from typing import Sequence
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
@@ -373,21 +376,51 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
     return out
 
 
+def _per_stage(v: float | Sequence[float], n: int, what: str) -> list[float]:
+    vals = [float(v)] * n if isinstance(v, (int, float)) else [float(x) for x in v]
+    if len(vals) != n or not all(0.0 < x <= 1.0 for x in vals):
+        raise ValueError(f"{what}: need {n} clock ratios in (0, 1], got {v!r}")
+    return vals
+
+
+def at_clocks(stages: Sequence[StageTime], sm_clock: float | Sequence[float] = 1.0,
+              mem_clock: float | Sequence[float] = 1.0, c: Constants = DEFAULT) -> list[StageTime]:
+    """Copies of `stages` (times at the maximum clocks) with stage k at SM clock ratio sm_clock[k]
+    and memory clock ratio mem_clock[k] (advisor.models.dvfs: GEMM / attention / recompute stretch
+    by compute_stretch, memory-bound kernels by memory_stretch; communication is unchanged)."""
+    from advisor.models.dvfs import compute_stretch, memory_stretch
+
+    sm = _per_stage(sm_clock, len(stages), "sm_clock")
+    mem = _per_stage(mem_clock, len(stages), "mem_clock")
+    out = []
+    for st, x, y in zip(stages, sm, mem):
+        if x == 1.0 and y == 1.0:
+            out.append(st)
+            continue
+        fc, fm = compute_stretch(x, c), memory_stretch(x, y, c)
+        busy = st.gemm_s + st.attention_s + st.memory_bound_s
+        mix = ((st.gemm_s + st.attention_s) * fc + st.memory_bound_s * fm) / busy if busy else 1.0
+        new = copy.copy(st)
+        new.gemm_s, new.attention_s, new.recompute_s = st.gemm_s * fc, st.attention_s * fc, st.recompute_s * fc
+        new.memory_bound_s, new.forward_s, new.backward_s = st.memory_bound_s * fm, st.forward_s * mix, st.backward_s * mix
+        # the breakdown's parts of those categories (fp8 casts and MoE permutes are memory-bound,
+        # the router and expert GEMMs compute; the MoE dispatch is communication)
+        new.fp8_fwd_s, new.fp8_bwd_s, new.moe_permute_s = st.fp8_fwd_s * fm, st.fp8_bwd_s * fm, st.moe_permute_s * fm
+        new.moe_router_s, new.moe_expert_gemm_s = st.moe_router_s * fc, st.moe_expert_gemm_s * fc
+        out.append(new)
+    return out
+
+
 def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT,
-              compute_slowdown: float = 1.0) -> StepTime:
-    """Step time. `compute_slowdown` (>= 1) stretches compute and memory-bound kernels, e.g. when
-    the power cap lowers the clocks (see advisor.models.power)."""
-    stages = stage_times(model, cluster, cfg, c)
-    if compute_slowdown != 1.0:
-        for st in stages:
-            st.gemm_s *= compute_slowdown
-            st.attention_s *= compute_slowdown
-            st.memory_bound_s *= compute_slowdown
-            st.recompute_s *= compute_slowdown
-            for name in ("moe_router_s", "moe_permute_s", "moe_expert_gemm_s"):
-                setattr(st, name, getattr(st, name) * compute_slowdown)
-            st.forward_s *= compute_slowdown
-            st.backward_s *= compute_slowdown
+              sm_clock: float | Sequence[float] = 1.0, mem_clock: float | Sequence[float] = 1.0,
+              stages: Sequence[StageTime] | None = None) -> StepTime:
+    """Step time at the GPUs' maximum clocks, or with each pipeline stage at the given SM and
+    memory clock ratios (one number for all stages or one per stage; e.g. the clocks a power cap
+    holds, advisor.models.dvfs). `stages`: stage_times() of this layout, when the caller has them."""
+    full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
+    stages = at_clocks(full, sm_clock, mem_clock, c)
+    mem_stretch = [st.memory_bound_s / f.memory_bound_s if f.memory_bound_s else 1.0
+                   for st, f in zip(stages, full)]
     m = cfg.num_microbatches
     totals = [s.total_s for s in stages]
     slow = max(totals)
@@ -398,10 +431,9 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
     dp_link = group_link(cluster, cfg.tp * cfg.cp, cfg.dp, c)
     edp = cfg.expert_dp
     edp_link = group_link(cluster, cfg.ep * cfg.etp, edp, c)
-    params_of = plan_params(model, pipeline_plan(model, cfg), cfg.tp, cfg.ep * cfg.etp)
     dp_total = dp_exposed = opt = 0.0
     gb = c.dp_grad_reduce_bytes
-    for st, (dense, experts, _) in zip(stages, params_of):
+    for st, (dense, experts) in zip(stages, _stage_param_counts(model, cfg)):
         d = cfg.dp * cfg.cp
         if cfg.distributed_optimizer:
             grad = (collective_time("reduce_scatter", dense * gb, d, dp_link.bw_gbs, dp_link.latency)
@@ -421,11 +453,19 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
                       if cfg.overlap_param_gather else gather)
         dp_total = max(dp_total, grad + gather)
         dp_exposed = max(dp_exposed, exp_grad + exp_gather)
-        opt = max(opt, shard * c.optimizer_bytes_per_param / (hbm_bw(cluster) * c.hbm_efficiency) * compute_slowdown)
+        opt = max(opt, shard * c.optimizer_bytes_per_param / (hbm_bw(cluster) * c.hbm_efficiency)
+                  * mem_stretch[st.stage])
     total = pipeline + dp_exposed + opt + c.step_overhead_s
     return StepTime(step_time_s=total, pipeline_s=pipeline, bubble_s=bubble, dp_comm_s=dp_total,
                     dp_exposed_s=dp_exposed, optimizer_s=opt, overhead_s=c.step_overhead_s,
                     stages=stages, num_microbatches=m)
+
+
+@lru_cache(maxsize=4096)
+def _stage_param_counts(model: ModelSpec, cfg: TrainConfig) -> tuple[tuple[float, float], ...]:
+    """(dense, expert) parameters of each pipeline stage (step_time is evaluated at many clocks)."""
+    return tuple((dense, experts) for dense, experts, _ in
+                 plan_params(model, pipeline_plan(model, cfg), cfg.tp, cfg.ep * cfg.etp))
 
 
 def hbm_bw(cluster: ClusterSpec) -> float:

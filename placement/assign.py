@@ -7,10 +7,14 @@ Thermal model of one stage on one slot (``slot_effect``):
   effective cap is min(power cap, P_T);
 - leakage: hotter silicon needs more power for the same work, so under a cap it runs slower.
   Measured on 4 × H200 at the 700 W cap: the slot 7 °C hotter delivered 2.1% fewer TFLOP/s
-  (FACTS.md) ⇒ ``leak_per_c`` = 0.3%/°C of dynamic power, relative to ``ref_temp_c`` (the mean
-  slot temperature of that burn, where models.constants.capped_gemm_speed was measured);
-- slowdown and power then come from models.power.estimate_power on that stage, with the
-  effective cap and the leakage-scaled dynamic power.
+  (FACTS.md) ⇒ ``leak_per_c`` = 0.3%/°C, relative to ``ref_temp_c`` (the mean slot temperature
+  of that burn);
+- a slot's speed under the cap (measured ``speed_at_cap``, leakage taken out, ``slot_speeds``)
+  and its leakage at the stage's temperature set a switching-power multiplier: the one under
+  which a saturating GEMM at the cap runs that much slower in the DVFS model
+  (models.dvfs.power_scale_for_speed);
+- clock, slowdown and power then come from models.power.stage_power on that stage, with the
+  effective cap and that multiplier.
 
 Step time under a placement: the models' pipeline formula with each stage's compute stretched
 by the worst slowdown among the GPUs that run it (TP, CP and DP peers wait for each other).
@@ -36,6 +40,7 @@ from scipy.optimize import linear_sum_assignment
 
 from advisor.catalog.specs import ClusterSpec, SpecError, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
+from advisor.models.dvfs import power_scale_for_speed
 from advisor.placement.profile import NodeProfile, SlotProfile
 from advisor.placement.stage_heat import StageHeat
 
@@ -46,14 +51,14 @@ class ThrottleCurve:
     # under the 700 W cap, hottest vs coolest H200 slot; a least-squares fit over all 4 slots
     # gives 0.14%/°C, see leakage_per_c: silicon spread is as large as the slot effect there).
     leak_per_c: float = 0.003
-    # Mean slot temperature of that burn (62-69 °C), where capped_gemm_speed = 0.824 was measured.
+    # Mean slot temperature of that burn (62-69 °C).
     ref_temp_c: float = 65.5
     # Temperature the driver holds under thermal slowdown; None: the GPU's max_operating_temp_c,
     # else slowdown_temp_c - 2.
     thermal_target_c: float | None = None
 
     def leakage(self, temp_c: float) -> float:
-        """Dynamic power at temp_c relative to ref_temp_c (floored at 0.5)."""
+        """Capped slowdown at temp_c relative to ref_temp_c (floored at 0.5)."""
         return max(0.5, 1.0 + self.leak_per_c * (temp_c - self.ref_temp_c))
 
     def target_c(self, cluster: ClusterSpec) -> float:
@@ -94,12 +99,12 @@ def slot_effect(heat: StageHeat, slot: SlotProfile, cluster: ClusterSpec,
     p_thermal = slot.power_at_temp_w(curve.target_c(cluster))
     cap = max(min(cluster.power_cap_w, p_thermal), cluster.gpu.idle_w + 1.0)
     t0 = slot.temp_c(min(heat.demand_mean_w, cap))
-    pe = heat.power(dataclasses.replace(cluster, power_cap_w=cap),
-                    c.replace(capped_gemm_speed=c.capped_gemm_speed * speed / curve.leakage(t0)))
+    scale = power_scale_for_speed(speed / curve.leakage(t0), cluster.gpu, cluster.power_cap_w, c)
+    sp, slowdown = heat.at_slot(cap, c, scale)
     limit = "none"
-    if pe.compute_slowdown > 1.0:
+    if sp.throttled:
         limit = "thermal" if p_thermal < cluster.power_cap_w else "power cap"
-    return SlotEffect(pe.compute_slowdown, pe.mean_power_w, slot.temp_c(pe.mean_power_w), limit)
+    return SlotEffect(slowdown, sp.mean_power_w, slot.temp_c(sp.mean_power_w), limit)
 
 
 # ------------------------------------------------------------------------------- rank geometry

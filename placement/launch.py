@@ -132,6 +132,40 @@ def placement_env(plan: Plan, profiles: Sequence[NodeProfile], node: int | str |
                  f"{out['CUDA_VISIBLE_DEVICES']} (predicted {plan.predicted_gain_pct:+.2f}%; {how})")
 
 
+def power_cap_commands(plan: Plan, profiles: Sequence[NodeProfile], node: int | str | None = None,
+                       environ: Mapping[str, str] | None = None) -> list[list[str]]:
+    """`nvidia-smi -i <GPU> -pl <W>` for every GPU of this node whose stage has a cap in
+    plan.stage_caps (GPU by PCI bus id from the node's profile, else its index in PCI order)."""
+    n = _node_index(plan, node, os.environ if environ is None else environ)
+    by_index = {g.index: g.pci_bus_id for g in profiles[n].gpus} if n < len(profiles) else {}
+    return [["nvidia-smi", "-i", by_index.get(g) or str(g), "-pl", f"{cap:g}"]
+            for g, cap in plan.power_caps_of_node(n)]
+
+
+def apply_power_caps(cmds: Sequence[Sequence[str]], dry_run: bool = True, run: Callable | None = None) -> str:
+    """Run (or with dry_run, only list) the nvidia-smi commands; one line saying what was done.
+    A failure is reported in that line, never raised: it must not block the launch."""
+    if not cmds:
+        return "no per-stage power caps for this node (one stage, or every stage on the critical path)"
+    shown = "; ".join(" ".join(c) for c in cmds)
+    if dry_run:
+        return f"dry run, would run: {shown} (add --no-dry-run to apply)"
+    import subprocess
+
+    run = run or subprocess.run
+    failed = []
+    for c in cmds:
+        try:
+            r = run(list(c), capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                failed.append(f"{' '.join(c)}: {' '.join((r.stderr or r.stdout or '').split())[:200] or f'exit {r.returncode}'}")
+        except (OSError, subprocess.SubprocessError) as e:
+            failed.append(f"{' '.join(c)}: {e}")
+    if failed:
+        return f"power caps: {len(cmds) - len(failed)} of {len(cmds)} applied; failed: {'; '.join(failed)}"
+    return f"power caps applied: {shown}"
+
+
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text if isinstance(e, SpecError) else f"{type(e).__name__}: {text}"

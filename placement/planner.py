@@ -14,6 +14,7 @@ from typing import Sequence
 
 from advisor.catalog import ClusterSpec, ModelSpec, TrainConfig, load_cluster, load_model
 from advisor.models.constants import DEFAULT, Constants
+from advisor.models.power import stage_caps
 from advisor.placement.assign import Assigner, Placement, ThrottleCurve
 from advisor.placement.profile import NodeProfile, ProfileError, load_profile
 from advisor.placement.stage_heat import LayerCosts, StageHeat
@@ -36,6 +37,7 @@ class Plan:
     cfg: TrainConfig
     layer_counts: list[int]
     uneven_requested: bool = False
+    stage_caps: dict = field(default_factory=dict)  # models.power.StageCaps.to_dict() (PP > 1, config's split)
     heats: list[StageHeat] = field(default_factory=list, repr=False)
     candidate: Placement | None = field(default=None, repr=False)
     identity: Placement | None = field(default=None, repr=False)
@@ -50,6 +52,14 @@ class Plan:
                 if g:
                     out.append({"stage": s, "node": self.node_names[n], "gpus": g})
         return out
+
+    def power_caps_of_node(self, node: int) -> list[tuple[int, float]]:
+        """(CUDA index in PCI order, power cap W) of every GPU of one node under stage_caps."""
+        caps = self.stage_caps.get("caps_w") if self.stage_caps else None
+        if not caps:
+            return []
+        name = self.node_names[node]
+        return [(g, caps[row["stage"]]) for row in self.stage_map() if row["node"] == name for g in row["gpus"]]
 
     def cuda_visible_devices(self, node: int) -> str:
         return ",".join(str(g) for g in self.gpus[node])
@@ -71,6 +81,7 @@ class Plan:
             "nodes": [{"node": name, "cuda_visible_devices": self.cuda_visible_devices(n)}
                       for n, name in enumerate(self.node_names)],
             "slurm_gpu_bind": self.slurm_gpu_bind,
+            "stage_caps": self.stage_caps,
         }
         if self.uneven_requested:  # only with uneven=True / --uneven: the layers of each stage
             d["pipeline_layout"] = list(self.layer_counts)
@@ -201,8 +212,10 @@ def plan(model: str | ModelSpec, cluster: str | ClusterSpec, cfg: TrainConfig,
                   + (f"; uneven split {counts} (was {counts0}): {perm_gain:+.2f}% of it from placement alone, "
                      f"the rest from the split" if moved else ""))
     run = best if applied else ident
+    used = counts if applied else counts0
+    sc = stage_caps(m, cl, cfg, c).to_dict() if cfg.pp > 1 and used == counts0 else {}
     return Plan(applied=applied, reason=reason, predicted_gain_pct=gain, step_identity_s=ident.step_s,
                 step_planned_s=run.step_s, max_temp_identity_c=ident.max_temp_c, max_temp_planned_c=run.max_temp_c,
                 node_names=names, gpus=run.gpus, cfg=cfg, layer_counts=counts if applied else counts0,
-                uneven_requested=uneven, heats=pl.costs.heat(counts if applied else counts0),
+                uneven_requested=uneven, stage_caps=sc, heats=pl.costs.heat(counts if applied else counts0),
                 candidate=best, identity=ident)

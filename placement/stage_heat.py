@@ -6,8 +6,8 @@ only knows the splits Megatron's flags can express (even, or first/last override
 times for any split are built from it exactly: ``stage_times`` on the same layout with one layer
 per stage gives every layer's cost (the embedding rides on layer 0, the head on the last
 layer); a stage is the sum of its layers plus the PP send/recv of its position. Power comes
-from ``models.power.estimate_power`` applied to one stage at a time (its own busy, memory-bound,
-communication and idle fractions of the step), so the coefficients are the model's.
+from ``models.power.stage_power``: the stage's own phases and waits in the step, under a cap, with
+the DVFS model's constants (the clock its limiter holds, and what that does to its time).
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import stage_memory
-from advisor.models.power import PowerEstimate, estimate_power
-from advisor.models.step_time import StageTime, StepTime, stage_times, step_time
+from advisor.models import dvfs
+from advisor.models.power import StagePower, busy_phases, stage_power
+from advisor.models.step_time import StageTime, StepTime, at_clocks, stage_times, step_time
 from advisor.search_spaces.layout import IllegalLayout, layer_counts
 
 _SUMMED = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s",
@@ -37,16 +38,25 @@ class StageHeat:
     memory_gib: float             # per GPU
     compute_s: float              # per microbatch: the part clocks stretch (compute + memory-bound)
     comm_s: float                 # per microbatch: communication and fixed overheads
-    step: StepTime = field(repr=False, compare=False)  # the step seen from this stage (for power)
+    step: StepTime = field(repr=False, compare=False)  # the step (every stage) at the clocks the cap holds
+    full: StageTime | None = field(default=None, repr=False, compare=False)  # this stage at full clocks
+    cluster: ClusterSpec | None = field(default=None, repr=False, compare=False)
+    fp8: bool = False
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "step"}
-        return d
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("step", "full", "cluster", "fp8")}
 
-    def power(self, cluster: ClusterSpec, c: Constants = DEFAULT) -> PowerEstimate:
-        """models.power on this stage alone: pass a cluster with another cap, or constants with
-        another capped_gemm_speed, to ask what a hotter or capped slot does to it."""
-        return estimate_power(self.step, cluster, c)
+    def at_slot(self, cap_w: float, c: Constants = DEFAULT, power_scale: float = 1.0) -> tuple[StagePower, float]:
+        """This stage on a GPU limited to cap_w whose silicon needs power_scale times the switching
+        power: its power, clock, and the stretch of its compute_s (>= 1)."""
+        st = self.full
+        busy = busy_phases(st, self.step.num_microbatches, c, self.fp8)
+        sp = stage_power(self.step, self.stage, busy, self.cluster.gpu, cap_w, c, power_scale)
+        comp, mb = st.gemm_s + st.attention_s + st.recompute_s, st.memory_bound_s
+        stretch = ((comp * dvfs.compute_stretch(sp.clock_ratio, c) + mb * dvfs.memory_stretch(sp.clock_ratio, 1.0, c))
+                   / (comp + mb)) if comp + mb else 1.0
+        return sp, stretch
 
 
 class LayerCosts:
@@ -116,18 +126,30 @@ class LayerCosts:
     def heat(self, counts: list[int] | None = None) -> list[StageHeat]:
         counts = list(counts or self.default_counts())
         stages = self.stage_times(counts)
-        step = self.step_time(stages)
         mem = self.memory_gib(counts)
+        fp8 = self.cfg.precision == "fp8"
+        m = self.cfg.num_microbatches
+        busy_of = [busy_phases(st, m, self.c, fp8) for st in stages]
+        gpu, cap = self.cluster.gpu, self.cluster.power_cap_w
+        x = [1.0] * len(stages)
+        step = self.step_time(stages)
+        for _ in range(12):  # the clocks the cap holds and the step at them, to a fixed point
+            new = [stage_power(step, k, b, gpu, cap, self.c).clock_ratio for k, b in enumerate(busy_of)]
+            done = max(abs(a - b) for a, b in zip(new, x)) < 2e-4
+            x = new
+            step = self.step_time(at_clocks(stages, x, 1.0, self.c))
+            if done:
+                break
         out = []
-        for st, n, gib in zip(stages, counts, mem):
-            own = dataclasses.replace(step, stages=[st])
-            p = estimate_power(own, self.cluster, self.c)
-            busy = (st.compute_s + st.memory_bound_s) * step.num_microbatches / step.step_time_s
-            out.append(StageHeat(stage=st.stage, layers=n, busy_fraction=busy, mean_power_w=p.mean_power_w,
-                                 peak_power_w=p.peak_power_w, demand_mean_w=p.demand_mean_w,
+        for k, (st, n, gib) in enumerate(zip(stages, counts, mem)):
+            p = stage_power(step, k, busy_of[k], gpu, cap, self.c, clock=x[k])
+            busy = (st.compute_s + st.memory_bound_s) * m / step.step_time_s
+            out.append(StageHeat(stage=k, layers=n, busy_fraction=busy, mean_power_w=p.mean_power_w,
+                                 peak_power_w=p.peak_power_w, demand_mean_w=p.demand_w,
                                  time_per_microbatch_s=st.total_s, memory_gib=gib,
                                  compute_s=st.compute_s + st.memory_bound_s,
-                                 comm_s=st.total_s - st.compute_s - st.memory_bound_s, step=own))
+                                 comm_s=st.total_s - st.compute_s - st.memory_bound_s, step=step,
+                                 full=st, cluster=self.cluster, fp8=fp8))
         return out
 
 

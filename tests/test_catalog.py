@@ -30,7 +30,7 @@ REQUIRED_MODELS = [
 ]
 REQUIRED_GPUS = ["a100-80g", "h100", "h200", "b200", "mi250x", "mi300x"]
 GPU_NUMBERS = [f.name for f in dataclasses.fields(GPUSpec)
-               if f.name not in ("name", "vendor", "sources", "max_operating_temp_c")]
+               if f.name not in ("name", "vendor", "sources", "max_operating_temp_c", "max_sm_clock_mhz")]
 
 
 def arch(m: ModelSpec) -> dict:
@@ -57,8 +57,10 @@ def test_required_gpus_present_and_every_number_sourced():
         assert isinstance(g, GPUSpec)
         missing = [f for f in GPU_NUMBERS if not g.sources.get(f, "").strip()]
         assert not missing, f"{g.name}: no source for {missing}"
-        if g.max_operating_temp_c is not None:
-            assert g.sources.get("max_operating_temp_c")
+        for opt in ("max_operating_temp_c", "max_sm_clock_mhz"):
+            if getattr(g, opt) is not None:
+                assert g.sources.get(opt), (g.name, opt)
+        assert 0 < g.min_power_limit_w <= g.max_power_limit_w <= g.tdp_w
         assert 0 < g.idle_w < g.tdp_w
         assert g.bf16_tflops > 0 and g.memory_gib > 0 and g.gpus_per_node >= 1
         assert load_gpu(g.name) is g
@@ -347,8 +349,12 @@ def test_cluster_power_cap():
     assert load_cluster("h100x8", power_cap_w=500).power_cap_w == 500
     with pytest.raises(CatalogError, match="above"):
         load_cluster("h100x8", power_cap_w=800)
-    with pytest.raises(SpecError, match="idle"):
-        load_cluster("h100x8", power_cap_w=50)
+    for low in (50, 81, 199):  # an H100 SXM cannot be set below 200 W (measured, nvidia-smi -q)
+        with pytest.raises(CatalogError, match="below the h100 minimum power limit of 200 W"):
+            load_cluster("h100x8", power_cap_w=low)
+    assert load_cluster("h100x8", power_cap_w=200).power_cap_w == 200
+    with pytest.raises(CatalogError, match="only 750 W is settable"):
+        load_cluster("mi300xx8", power_cap_w=600)
 
 
 @pytest.mark.parametrize("bad", ["h100x12", "h100x0", "h100x16x2", "h100", "h100x", "x64", "h100*64", ""])

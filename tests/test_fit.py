@@ -18,7 +18,7 @@ from advisor.models.constants import DEFAULT
 
 TRUE = DEFAULT.replace(gemm_efficiency_max=0.70, gemm_half_dim=150.0, hbm_efficiency=0.55,
                        step_overhead_s=0.05, runtime_overhead_gib=3.0, fragmentation=0.15,
-                       power_memory_bound=0.45)
+                       comm_power=0.6)
 MODELS = ("llama3-8b", "qwen3-30b-a3b", "nemotron4-15b", "mixtral-8x7b")
 
 
@@ -52,7 +52,7 @@ def test_fit_recovers_known_constants(sim):
     assert info["cost_after"] < info["cost_before"] / 20
     for name, tol in [("gemm_efficiency_max", 0.05), ("gemm_half_dim", 0.2), ("hbm_efficiency", 0.1),
                       ("step_overhead_s", 0.1), ("runtime_overhead_gib", 0.1), ("fragmentation", 0.2),
-                      ("power_memory_bound", 0.1)]:
+                      ("comm_power", 0.15)]:
         assert getattr(c, name) == pytest.approx(getattr(TRUE, name), rel=tol), name
     # constants the data cannot see stay at their defaults (h200x4: no network)
     assert c.network_efficiency == pytest.approx(DEFAULT.network_efficiency, rel=1e-3)
@@ -119,7 +119,7 @@ def test_cv_reports_three_levels_and_never_uses_a_worse_one(cal):
 
 
 def test_falls_back_to_analytical_when_calibration_is_worse(sim, monkeypatch):
-    bad = DEFAULT.replace(gemm_efficiency_max=0.95, runtime_overhead_gib=12.0, power_memory_bound=1.1)
+    bad = DEFAULT.replace(gemm_efficiency_max=0.95, runtime_overhead_gib=12.0, comm_power=1.9)
     monkeypatch.setattr(C, "fit_constants", lambda records, **kw: (bad, {}))
     c = C.fit(sim, folds=3, surrogates=False)
     for t in ("tokens_per_s_per_gpu", "memory_gib_per_gpu"):
@@ -340,7 +340,7 @@ def test_overrides_change_cluster_and_layout():
 @pytest.mark.parametrize("sets,needle", [
     (["gpu"], "expected KEY=VALUE"), (["warp=9"], "unknown key"), (["mbs=two"], "not a valid value"),
     (["nodes=0"], "must be positive"), (["sequence_parallel=maybe"], "not a valid value"),
-    (["power_cap=50"], "not above the GPU's idle power"),
+    (["power_cap=50"], "below the h100 minimum power limit of 200 W"),
     (["power_cap=nan"], "must be positive and finite"), (["power_cap=inf"], "must be positive and finite"),
     (["power_cap=-inf"], "must be positive and finite"), (["power_cap=5000"], "above the h100 maximum power limit"),
     (["gpu=h200", "power_cap=701"], "above the h200 maximum power limit"),

@@ -81,18 +81,26 @@ def test_slot_effect_leakage_and_thermal_limit():
     h = stage_heat(m, c, cfg)[3]  # demands more than the 700 W cap
     cool, hot = profile([(33.5, 0.041), (34.4, 0.050)]).gpus  # measured slots 2 and 3
     e_cool, e_hot = slot_effect(h, cool, c), slot_effect(h, hot, c)
-    assert e_cool.limit == e_hot.limit == "power cap" and e_cool.power_w == pytest.approx(700)
-    assert e_hot.temp_c - e_cool.temp_c == pytest.approx(0.9 + 0.009 * 700, abs=0.01)
+    # the limiter holds the stage's compute at the cap; its step mean is lower (fill and drain waits)
+    assert e_cool.limit == e_hot.limit == "power cap" and 600 < min(e_hot.power_w, e_cool.power_w)
+    assert max(e_hot.power_w, e_cool.power_w) <= 700
+    assert e_hot.temp_c - e_cool.temp_c == pytest.approx(0.9 + 0.050 * e_hot.power_w - 0.041 * e_cool.power_w)
     ratio = e_hot.slowdown / e_cool.slowdown  # FACTS.md: 2.1% fewer TFLOP/s, 7 °C hotter
     assert ratio == pytest.approx(1 + 0.003 * (e_hot.temp_c - e_cool.temp_c), rel=0.01)
     no_leak = ThrottleCurve(leak_per_c=0.0)
     assert slot_effect(h, hot, c, no_leak).slowdown == pytest.approx(slot_effect(h, cool, c, no_leak).slowdown)
     scorching = profile([(55.0, 0.06)]).gpus[0]  # 97 °C at 700 W: held at 87 °C
     e = slot_effect(h, scorching, c)
-    assert e.limit == "thermal" and e.temp_c == pytest.approx(87.0, abs=0.01) and e.slowdown > e_hot.slowdown
-    light = stage_heat(m, c, TrainConfig(tp=1, pp=4, dp=1, gbs=64, seq=4096, recompute="full"),
-                       layer_counts=[23, 23, 23, 11])[3]
-    assert slot_effect(light, hot, c).slowdown == 1.0 and slot_effect(light, hot, c).limit == "none"
+    assert e.limit == "thermal" and e.temp_c == pytest.approx(87.0, abs=0.1) and e.slowdown > e_hot.slowdown
+    heats = stage_heat(m, c, TrainConfig(tp=1, pp=4, dp=1, gbs=64, seq=4096, recompute="full"),
+                       layer_counts=[23, 23, 23, 11])
+    light, heavy = heats[3], heats[0]
+    # the light stage's compute bursts (~0.5 s) outlast the limiter's ~30 ms window: they are held
+    # at the cap like the heavy stages' (its mean power is far below it), but it waits for the
+    # heavy stages anyway, so its stretched time stays off the critical path
+    e_light, e_heavy = slot_effect(light, hot, c), slot_effect(heavy, hot, c)
+    assert e_light.limit == "power cap" and e_light.power_w < 500
+    assert light.compute_s * e_light.slowdown + light.comm_s < heavy.compute_s * e_heavy.slowdown + heavy.comm_s
 
 
 def test_geometry_follows_megatron_rank_order():
@@ -217,8 +225,12 @@ def test_paper_cases_planner_takes_llama_split_and_declines_gpt3_split():
     hgx = sim.hgx8()
     label, model, cluster, cfg, _ = sim.CASES[0]  # Llama3-70B PP4
     p = plan(model, cluster, cfg, [hgx], uneven=True)
-    assert p.applied and p.layer_counts != [20] * 4 and p.layer_counts[0] > p.layer_counts[-1]
-    assert p.predicted_gain_pct > 4.0
+    # with DVFS (a thermally held GPU loses ~half its clock drop in time) placing the heavy stages
+    # on the cool front row already gives the paper's +4%; its 21/19 split adds nothing more
+    assert p.applied and p.predicted_gain_pct > 4.0
+    pl = Planner(load_model(model), load_cluster(cluster), cfg, node_profiles([hgx], 4))
+    paper = pl.assigner([21, 19, 21, 19]).identity()
+    assert pl.assigner(p.layer_counts).optimize().step_s <= paper.step_s
     label, model, cluster, cfg, _ = sim.CASES[1]  # GPT3-175B PP8 TP4
     p = plan(model, cluster, cfg, [hgx], uneven=True)
     assert p.layer_counts == [12] * 8  # the 11/13 split does not pay
@@ -243,16 +255,23 @@ def test_profile_count_and_size_must_match_cluster():
 
 def test_stage_heat_ranks_measured_pipeline_stages():
     """The GPUs measured each stage's mean power (32 trials with PP > 1 on 4xH200): the model
-    names the hottest stage of every one. Per stage it is within 3% on the campaign and 6.7% over
-    all trials; the PP4 trials with 4-8 microbatches at mbs >= 4 (hang probe, GQA A/B) are the
-    worst (11-13%: middle stages measured below the prediction)."""
+    names the hottest stage of every one. With the shipped calibration's constants (its GEMM
+    efficiency: the TE-free runner's GEMMs draw less than the analytical defaults' saturating ones)
+    it is within 2.7% per stage on the campaign and 5.6% over all trials; the analytical defaults
+    over-predict the waiting stages (7.9%). The PP4 trials with 4-8 microbatches at mbs >= 4 (hang
+    probe, GQA A/B) are the worst (middle stages measured below the prediction)."""
     import glob
 
+    from advisor.models.calibrate import resolve_calibration
+
     mod = load_bench("stage_heat_check")
-    rows, skipped = mod.rows_from(sorted(glob.glob(str(ROOT / "data" / "measurements" / "*.jsonl"))))
+    c = resolve_calibration("local").constants
+    rows, skipped = mod.rows_from(sorted(glob.glob(str(ROOT / "data" / "measurements" / "*.jsonl"))), c)
     s = mod.summarize(rows)
     assert s["trials"] >= 32 and skipped == 0
     assert s["hottest_stage_right"] == s["trials"]
-    assert s["stage_power_mape_pct"] < 7.5 and s["spread_corr"] > 0.9
-    campaign, _ = mod.rows_from([str(ROOT / "data" / "measurements" / "h200x4-campaign.jsonl")])
-    assert mod.summarize(campaign)["stage_power_mape_pct"] < 3.5
+    assert s["stage_power_mape_pct"] < 7.0 and s["spread_corr"] > 0.9
+    campaign, _ = mod.rows_from([str(ROOT / "data" / "measurements" / "h200x4-campaign.jsonl")], c)
+    assert mod.summarize(campaign)["stage_power_mape_pct"] < 3.0
+    default_rows, _ = mod.rows_from(sorted(glob.glob(str(ROOT / "data" / "measurements" / "*.jsonl"))))
+    assert mod.summarize(default_rows)["hottest_stage_right"] == s["trials"]

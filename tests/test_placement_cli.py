@@ -54,7 +54,7 @@ def test_place_json_shape_is_exact():
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)
     assert list(j) == ["applied", "reason", "predicted_gain_pct", "predicted_max_temp_c", "stages", "nodes",
-                       "slurm_gpu_bind"]
+                       "slurm_gpu_bind", "stage_caps"]
     assert isinstance(j["applied"], bool) and isinstance(j["reason"], str) and j["reason"]
     assert isinstance(j["predicted_gain_pct"], float)
     assert set(j["predicted_max_temp_c"]) == {"identity", "planned"}

@@ -1,0 +1,175 @@
+"""Measured vs predicted power, clock, throttling and energy per token of committed training runs.
+
+    python bench/power_check.py [FILES...] [--calibration FILE|default|none] [--rows]
+    python bench/power_check.py --fit data/measurements/h200x4-campaign.jsonl data/measurements/h100x1-campaign.jsonl
+
+For every `status: ok` record with telemetry (default: every data/measurements/*.jsonl):
+  measured   mean power (telemetry.mean_power_w: 20 Hz samples over the measured steps), peak power,
+             SM clock (median over the GPUs of each GPU's median), throttle fraction (any reason),
+             energy per token from the NVML energy counter (telemetry.energy_per_token_j), kept only
+             where the counter resolves it: a measured interval of at least MIN_COUNTER_S seconds
+             (the sampler reads the counter at 1 Hz; over shorter intervals its deltas disagree with
+             the sampled power by up to 67%, see docs/measurement.md)
+  predicted  "power model" = models.power.power_at_step with the record's measured step time (the DVFS
+             model alone, on the calibration's constants when one is given); "end to end" = the prediction advisor prints (with --calibration: that
+             calibration, J/token = its mean power x GPUs / its tokens/s)
+--fit: fit comm_power, wait_power and peak_overshoot (the constants the load sweep cannot see) on
+the given files with the power model given the measured step, and print them.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import statistics
+import sys
+
+import numpy as np
+
+from advisor.models.constants import DEFAULT, Constants
+from advisor.models.dataset import parse_record
+from advisor.models.power import power_at_step
+
+MIN_COUNTER_S = 10.0
+TRAINING_FIT = ("comm_power", "wait_power", "peak_overshoot")
+BOUNDS = {"comm_power": (0.02, 0.8), "wait_power": (0.005, 1.0), "peak_overshoot": (0.05, 1.0)}
+
+
+def load(paths: list[str]) -> list[dict]:
+    out = []
+    for path in paths:
+        for n, line in enumerate(open(path, encoding="utf-8"), 1):
+            rec = json.loads(line)
+            t = rec.get("telemetry") or {}
+            if rec.get("status") != "ok" or not t.get("mean_power_w"):
+                continue
+            r = parse_record(rec, f"{path}:{n}")
+            if isinstance(r, str):
+                continue
+            per = t.get("per_gpu") or {}
+            clk = [g["median_sm_clock_mhz"] for g in per.values() if g.get("median_sm_clock_mhz")]
+            interval = t.get("interval_s") or 0.0
+            e_tok = t.get("energy_per_token_j") if interval >= MIN_COUNTER_S else None
+            out.append({"id": rec["id"], "file": path.rsplit("/", 1)[-1], "rec": r,
+                        "step_s": rec["steps"]["median_s"], "mean_w": t["mean_power_w"],
+                        "peak_w": t.get("peak_power_w"), "clock_mhz": statistics.median(clk) if clk else None,
+                        "throttle": (t.get("throttle_fraction") or {}).get("any_throttle"),
+                        "j_per_token": e_tok, "interval_s": interval,
+                        "stage_w": [s.get("mean_power_w") for s in sorted(t.get("per_stage") or [], key=lambda s: s["stage"])]})
+    return out
+
+
+def power_model(row: dict, c: Constants) -> dict:
+    r = row["rec"]
+    e = power_at_step(r.model, r.cluster, r.cfg, row["step_s"], c)
+    n = r.cluster.world_size
+    return {"mean_w": e.mean_power_w, "peak_w": e.peak_power_w, "clock_mhz": e.sm_clock_mhz,
+            "throttle": e.throttle_fraction, "stage_w": [s.mean_power_w for s in e.stages],
+            "j_per_token": e.mean_power_w * n * row["step_s"] / r.cfg.tokens_per_step}
+
+
+def end_to_end(row: dict, cal) -> dict:
+    from advisor.models import predict
+
+    r = row["rec"]
+    p = cal.predict(r.model, r.cluster, r.cfg, check_legal=False) if cal is not None else \
+        predict(r.model, r.cluster, r.cfg, DEFAULT, check_legal=False)
+    return {"mean_w": p.mean_power_w, "peak_w": p.peak_power_w, "clock_mhz": p.sm_clock_mhz,
+            "throttle": p.throttle_fraction, "j_per_token": p.energy_j_per_token,
+            "stage_w": [s["mean_power_w"] for s in p.power["stages"]]}
+
+
+KEYS = (("mean_w", "mean power"), ("peak_w", "peak power"), ("clock_mhz", "SM clock"), ("j_per_token", "J/token"))
+
+
+def errors(rows: list[dict], preds: list[dict]) -> dict:
+    out = {}
+    for k, _ in KEYS:
+        e = [abs(p[k] - r[k]) / r[k] * 100 for r, p in zip(rows, preds) if r.get(k) and p.get(k)]
+        out[k] = (float(np.mean(e)) if e else math.nan, len(e))
+    t = [abs(p["throttle"] - r["throttle"]) for r, p in zip(rows, preds) if r.get("throttle") is not None]
+    out["throttle"] = (float(np.mean(t)) * 100 if t else math.nan, len(t))
+    st = [abs(a - b) / b * 100 for r, p in zip(rows, preds) if len(r["stage_w"]) > 1 and len(r["stage_w"]) == len(p["stage_w"])
+          for a, b in zip(p["stage_w"], r["stage_w"]) if b]
+    out["stage_w"] = (float(np.mean(st)) if st else math.nan, len(st))
+    return out
+
+
+def fit(rows: list[dict], base: Constants = DEFAULT) -> Constants:
+    from scipy.optimize import least_squares
+
+    names = TRAINING_FIT
+    x0 = np.log([getattr(base, n) for n in names])
+    lo = np.log([BOUNDS[n][0] for n in names])
+    hi = np.log([BOUNDS[n][1] for n in names])
+
+    def consts(x):
+        return base.replace(**{n: float(v) for n, v in zip(names, np.exp(x))})
+
+    def res(x):
+        c = consts(x)
+        out = []
+        for r in rows:
+            p = power_model(r, c)
+            out.append(math.log(p["mean_w"] / r["mean_w"]))
+            out.append(0.5 * math.log(p["peak_w"] / r["peak_w"]))
+            if len(r["stage_w"]) > 1 and len(r["stage_w"]) == len(p["stage_w"]):
+                out.extend(0.5 * math.log(a / b) / len(r["stage_w"]) ** 0.5 for a, b in zip(p["stage_w"], r["stage_w"]))
+        return np.array(out)
+
+    r = least_squares(res, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi), loss="soft_l1", f_scale=0.05,
+                      diff_step=1e-3)
+    return consts(r.x)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*")
+    ap.add_argument("--calibration", default="none")
+    ap.add_argument("--fit", action="store_true", help="fit the training-run constants on FILES and print them")
+    ap.add_argument("--rows", action="store_true")
+    a = ap.parse_args(argv)
+    files = a.files or sorted(glob.glob("data/measurements/*.jsonl"))
+    rows = load(files)
+    from advisor.models.calibrate import resolve_calibration
+
+    cal = resolve_calibration(a.calibration)
+    if a.fit:  # on the step-time constants of the calibration, when one is given
+        c = fit(rows, cal.constants if cal is not None else DEFAULT)
+        print(f"fitted on {len(rows)} runs of {', '.join(sorted({r['file'] for r in rows}))}:")
+        for n in TRAINING_FIT:
+            print(f"    {n}: float = {getattr(c, n):.4g}")
+        return 0
+    base = cal.constants if cal is not None else DEFAULT
+    pm = [power_model(r, base) for r in rows]
+    ee = [end_to_end(r, cal) for r in rows]
+    label = f"end to end ({'calibration ' + a.calibration if cal is not None else 'analytical'})"
+    print(f"{len(rows)} runs with telemetry in {len(files)} file(s); J/token from the energy counter where the "
+          f"measured interval is >= {MIN_COUNTER_S:g} s")
+    print(f"{'':34s} {'mean W':>12s} {'peak W':>12s} {'SM clock':>12s} {'J/token':>12s} {'throttle pp':>12s} {'stage W':>12s}")
+    for name, preds in (("power model (measured step)", pm), (label, ee)):
+        e = errors(rows, preds)
+        cells = [f"{e[k][0]:6.2f}% ({e[k][1]:2d})" for k in ("mean_w", "peak_w", "clock_mhz", "j_per_token")]
+        cells.append(f"{e['throttle'][0]:6.1f} ({e['throttle'][1]:2d})")
+        cells.append(f"{e['stage_w'][0]:6.2f}% ({e['stage_w'][1]:2d})")
+        print(f"{name[:34]:34s} " + " ".join(f"{c:>12s}" for c in cells))
+    by_file = {}
+    for r, p, q in zip(rows, pm, ee):
+        by_file.setdefault(r["file"], []).append((r, p, q))
+    print("per file (MAPE, power model / end to end): mean W | J/token")
+    for f, items in by_file.items():
+        rr, pp, qq = zip(*items)
+        e1, e2 = errors(list(rr), list(pp)), errors(list(rr), list(qq))
+        print(f"  {f:34s} n={len(rr):2d}  {e1['mean_w'][0]:5.2f}% / {e2['mean_w'][0]:5.2f}%  |  "
+              f"{e1['j_per_token'][0]:5.2f}% / {e2['j_per_token'][0]:5.2f}% ({e1['j_per_token'][1]} with counter)")
+    if a.rows:
+        for r, p, q in zip(rows, pm, ee):
+            jt = f"{r['j_per_token'] * 1e3:6.2f} {p['j_per_token'] * 1e3:6.2f} {q['j_per_token'] * 1e3:6.2f}" if r["j_per_token"] else " " * 20
+            print(f"{r['id'][:20]:20s} W {r['mean_w']:4.0f} {p['mean_w']:4.0f} {q['mean_w']:4.0f}  peak {r['peak_w']:4.0f} "
+                  f"{p['peak_w']:4.0f}  MHz {r['clock_mhz'] or 0:5.0f} {p['clock_mhz'] or 0:5.0f}  mJ/tok {jt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
