@@ -90,9 +90,24 @@ class Constants:
     layer_overhead_s: float = 60e-6
     # Fixed per-step overhead (optimizer bookkeeping, python, synchronisation), seconds (fitted).
     step_overhead_s: float = 0.02
-    # Optimizer step: HBM bytes per parameter of the local optimizer shard (Adam, fp32):
-    # read grad 4, master 4, m 4, v 4; write master 4, m 4, v 4, bf16 weight 2 = 30.
-    optimizer_bytes_per_param: float = 30.0
+    # Optimizer step: HBM bytes per parameter of the local optimizer shard, counted from the kernels
+    # of this project's runner (megatron-core 0.19.2 without apex / Transformer Engine: torch's
+    # foreach AdamW and megatron's local multi-tensor fallbacks, bf16 params with fp32 main params
+    # and fp32 main grads): zero the grad buffer (w 4), grad norm (r 4), clip (dst.copy_(src *
+    # coeff): r 4 w 4 r 4 w 4 = 16; untrained models' grad norm is above the clip of 1), AdamW
+    # foreach (p *= 1 - lr·wd 8, m.lerp_ 12, v *= b2 8, v.addcmul_ 12, sqrt 8, div 8, add eps 8,
+    # p.addcdiv_ 16 = 80; its sqrt temporary is the measured 3.6-4 B/param optimizer transient,
+    # bytes_optimizer_transient), copy main -> bf16 params (r 4 w 2) = 110 (94 without the clip).
+    # A fused Adam (TE / apex FusedAdam, the te stack: models/profile_fit.TE_SETTINGS) reads grad 4,
+    # master 4, m 4, v 4 and writes master 4, m 4, v 4, bf16 weight 2 = 30.
+    optimizer_bytes_per_param: float = 110.0
+    # Gradient accumulation outside the GEMMs, HBM bytes per parameter of the stage per microbatch:
+    # without gradient_accumulation_fusion (it needs apex or TE; the runner sets it False) megatron
+    # DDP's backward hook adds each bf16 weight gradient into the fp32 main grad
+    # (param.main_grad.add_(param.grad): r 4 + 2, w 4 = 10). With the fusion (te stack) the wgrad
+    # GEMM accumulates into main_grad itself: 0. For MoE proxies (billions of expert parameters,
+    # few tokens each) this and the optimizer are 20-30% of the step (docs/power.md, "MoE").
+    grad_accum_bytes_per_param: float = 10.0
 
     # ---- communication ------------------------------------------------------------------------
     # Achieved fraction of link bandwidth for large collectives (NCCL busbw / link bw; nccl-tests

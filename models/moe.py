@@ -210,15 +210,22 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     # rank has imb x the mean tokens
     frac = grouped_gemm_fraction(n_e, c)
     mats = 2 if gated else 1
-    x_gemm = 0.0
+    x_gemm = x_stream = 0.0
     if n_e > 0 and frac > 0:
         # full-size GEMM efficiency in the h and f dimensions, the token dimension by frac
         t1, u1 = gemm(c.moe_gemm_reference_tokens, h, mats * f)
         t2, u2 = gemm(c.moe_gemm_reference_tokens, f, h)
         per_token = (t1 + t2) / c.moe_gemm_reference_tokens
         x_gemm = 3 * per_token * n_e * E_loc * imb / (frac * c.moe_gemm_efficiency)
-        util = (u1 * t1 + u2 * t2) / (t1 + t2) * frac * c.moe_gemm_efficiency
-        out.gemm_flops_util += x_gemm * util
+        util = (u1 * t1 + u2 * t2) / (t1 + t2) * c.moe_gemm_efficiency
+        if cfg.moe_grouped_gemm:
+            # one grouped GEMM keeps every SM busy: the rate it loses to few tokens per expert is
+            # time spent streaming each expert's weights and partial token tiles (memory-bound)
+            x_stream = x_gemm * (1.0 - frac)
+        else:
+            # SequentialMLP: one small GEMM per expert leaves most SMs idle (low power per time)
+            util *= frac
+        out.gemm_flops_util += (x_gemm - x_stream) * util
         rows = routed * imb
         out.fp8_cast_elems = (rows * (h + f), rows * (mats * f + h))
         out.fp8_gemm_calls = 2 * (1 if cfg.moe_grouped_gemm else int(E_loc))
@@ -227,8 +234,8 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     # SequentialMLP: the host launches expert after expert (the GPU waits when that is slower)
     host = E_loc * c.moe_sequential_expert_s if not cfg.moe_grouped_gemm else 0.0
     out.expert = max(gpu, host)
-    out.gemm += x_gemm
-    out.memory_bound += x_mem
+    out.gemm += x_gemm - x_stream
+    out.memory_bound += x_mem + x_stream
     out.overhead += out.expert - x_gemm - x_mem  # launch-bound time beyond the GPU work
     if not cfg.moe_grouped_gemm:  # ... and its 2 weight tensors per expert in the optimizer's and
         # gradient handling's per-tensor loops, once per step (spread over the microbatches)

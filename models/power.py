@@ -48,7 +48,7 @@ class StagePower:
     throttled: bool               # the cap holds the clock below the maximum
     busy_s: float                 # seconds per step computing or communicating
     energy_j: float               # per GPU per step
-    spiking: bool = False         # a phase draws more than the cap at the maximum clock (brief dips)
+    spiking: bool = False         # its busiest stretch draws more than the cap at the maximum clock (brief dips)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in _STAGE_FIELDS}
@@ -62,7 +62,7 @@ class PowerEstimate:
     mean_power_w: float           # per GPU, over all GPUs and the whole step
     peak_power_w: float           # the highest sampled peak of any GPU
     demand_mean_w: float          # the busiest stage's average at the maximum clock (no cap)
-    demand_peak_w: float          # the busiest phase of any stage at the maximum clock
+    demand_peak_w: float          # the busiest stretch (busiest_stretch) of any stage at the maximum clock
     power_cap_w: float            # the cluster's cap (stages may have their own: stages[k])
     sm_clock_mhz: float | None    # held by the critical (slowest) stage
     clock_ratio: float
@@ -120,6 +120,17 @@ def _step_end_phases(st: StepTime, c: Constants) -> list[Phase]:
     return [p for p in out if p.seconds > 0]
 
 
+def busiest_stretch(busy: list[Phase], end: list[Phase], x: float, gpu, c: Constants,
+                    power_scale: float = 1.0) -> float:
+    """Watts of the busiest stretch that the power limiter's ~30 ms average and a 20-50 Hz sample
+    see at clock ratio x: a microbatch's compute averaged over its kernels (each of them ms long),
+    or a step-end phase. A single kernel over the cap inside a microbatch under it trips neither
+    (measured: MoE runs whose attention and GEMM kernels would each draw 750-800 W at full clock
+    show no power-cap clock-event reason while their microbatch averages 600-650 W)."""
+    return max([dvfs.Load.of(busy, (), c).power(x, gpu, c, power_scale)]
+               + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
+
+
 def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
     """Sampled peak (20-50 Hz NVML instant power) of a GPU whose busiest stretch (a microbatch's
     compute, averaged over its kernels, or a step-end phase) draws phase_peak_w at the clock it
@@ -145,15 +156,12 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
     p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
     e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
-    # a 20-50 Hz sample averages the kernels of a microbatch (each of them ms long): the busiest
-    # stretch it sees is the microbatch's compute at the clock held, or a step-end phase
-    phase_peak = max([dvfs.Load.of(busy, (), c).power(x, gpu, c, power_scale)]
-                     + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
+    phase_peak = busiest_stretch(busy, end, x, gpu, c, power_scale)
     return StagePower(
         stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
         demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,
         peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e,
-        spiking=max((dvfs.phase_power(p, 1.0, gpu, c, power_scale) for p in busy + end), default=0.0) > cap_w)
+        spiking=busiest_stretch(busy, end, 1.0, gpu, c, power_scale) > cap_w)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -207,7 +215,7 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
     mean = energy / gpus_per_stage / pp / st.step_time_s
     crit = max(range(pp), key=lambda k: st.stages[k].total_s)
     hot = max(per_stage, key=lambda s: s.mean_power_w)
-    demand_peak = max(dvfs.phase_power(p, 1.0, gpu, c, scale[k]) for k in range(pp) for p in busy[k] + end)
+    demand_peak = max(busiest_stretch(busy[k], end, 1.0, gpu, c, scale[k]) for k in range(pp))
     busiest = max(per_stage, key=lambda s: s.demand_w)
     slowdown = (st.step_time_s - extra) / base.step_time_s
     temp = c.idle_temp_c + c.c_per_w * (hot.mean_power_w - gpu.idle_w)
@@ -254,7 +262,7 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
-        reason = (f"power spikes: the busiest phase draws {demand_peak:.0f} W at full clock > {cap:.0f} W cap "
+        reason = (f"power spikes: the busiest stretch draws {demand_peak:.0f} W at full clock > {cap:.0f} W cap "
                   f"(brief clock dips; the ~30 ms average stays under it)")
     else:
         r_power = c.throttle_risk_low_span * max(

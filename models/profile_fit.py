@@ -34,6 +34,11 @@ TE_SETTINGS = {
     # passes; at the sustained clock under the 700 W cap (0.82 of the boost clock: our H200 burn,
     # 1470-1515 vs 1830 MHz) that is ~395 TFLOP/s = 0.40 of the 989 TFLOP/s peak.
     "attention_efficiency": 0.40,
+    # TE / apex fused Adam (one kernel per tensor chunk: 30 B/param) and gradient_accumulation_fusion
+    # (the wgrad GEMM accumulates into the fp32 main grad: no separate add), the Megatron-Bridge /
+    # NeMo defaults with Transformer Engine installed (models/constants.py)
+    "optimizer_bytes_per_param": 30.0,
+    "grad_accum_bytes_per_param": 0.0,
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
 }

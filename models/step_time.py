@@ -371,6 +371,13 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
                 p2p = cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
                 # the interleaved schedule overlaps its send/recv with compute (overlap_p2p_comm)
                 st.pp_p2p_s += p2p * (1.0 - c.pp_overlap_fraction) if cfg.vp > 1 else p2p
+        # gradient accumulation outside the GEMMs: each microbatch's backward adds every weight
+        # gradient of the stage into its fp32 main-grad buffer (memory-bound, per parameter)
+        if c.grad_accum_bytes_per_param > 0:
+            dense, experts = _stage_param_counts(model, cfg)[stage]
+            acc = (dense + experts) * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
+            st.memory_bound_s += acc
+            st.backward_s += acc
         st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
         out.append(st)
     return out
