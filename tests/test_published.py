@@ -56,9 +56,12 @@ def test_shipped_te_profile_keeps_its_fit_set_error():
     s = F.summary(F.log_errors(rows, cal.constants), [x.weight for x in rows])
     assert s["mape"] < 8.0 and abs(s["bias"]) < 5.0
     loso = cal.cv["leave_one_source_out"]["overall"]
-    assert loso["n"] == len(rows) and loso["mape"] < 20.0
+    assert loso["n"] == len(rows) and loso["mape"] < 12.0
+    assert cal.cv["leave_one_family_out"]["overall"]["mape"] < 12.0
     for name, (lo, hi) in F.TE_FIT.items():  # fitted constants stay physical
         assert lo <= getattr(cal.constants, name) <= hi
+    for name, (centre, sd) in F.TE_PRIOR.items():  # and within 2.5 sd of what the physics says
+        assert abs(getattr(cal.constants, name) - centre) <= 2.5 * sd, name
 
 
 def test_published_check_prints_every_table(capsys):
