@@ -69,6 +69,13 @@ class MoELayerTime:
     imbalance: float = 1.0
     tokens_per_expert: float = 0.0
     dispatch_total: float = 0.0  # before overlap
+    # the parts of router / permute / expert that run at the SM clock (GEMMs) and that are
+    # memory-bound; the rest of each term (host launch time) does not stretch with the clocks
+    router_gemm: float = 0.0
+    router_mem: float = 0.0
+    permute_mem: float = 0.0
+    expert_gemm: float = 0.0
+    expert_mem: float = 0.0
 
 
 def moe_tokens(model: ModelSpec, cfg: TrainConfig) -> float:
@@ -170,6 +177,7 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     r_mem = c.moe_router_passes * T * E * 4 / hbm
     r_over = c.moe_router_overhead_s + E * c.moe_router_per_expert_s
     out.router = r_gemm + r_mem + r_over
+    out.router_gemm, out.router_mem = r_gemm, r_mem
     out.gemm += r_gemm
     out.gemm_flops_util += r_gemm * u
     out.memory_bound += r_mem
@@ -182,6 +190,7 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     if cfg.moe_dispatcher == "alltoall" and E_loc > 1:
         p_over += E_loc * c.moe_permute_per_expert_s
     out.permute = p_mem + p_over
+    out.permute_mem = p_mem
     out.memory_bound += p_mem
     out.overhead += p_over
 
@@ -236,6 +245,7 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     out.expert = max(gpu, host)
     out.gemm += x_gemm - x_stream
     out.memory_bound += x_mem + x_stream
+    out.expert_gemm, out.expert_mem = x_gemm - x_stream, x_mem + x_stream
     out.overhead += out.expert - x_gemm - x_mem  # launch-bound time beyond the GPU work
     if not cfg.moe_grouped_gemm:  # ... and its 2 weight tensors per expert in the optimizer's and
         # gradient handling's per-tensor loops, once per step (spread over the microbatches)
