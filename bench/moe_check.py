@@ -101,7 +101,9 @@ def fit(rows: list[dict], base: Constants, bounds: dict[str, tuple[float, float]
     from scipy.optimize import least_squares
 
     names = list(bounds)
-    v0 = np.array([min(max(getattr(base, n), bounds[n][0]), bounds[n][1]) for n in names])
+    # start strictly inside the bounds: a start on a bound (moe_act_ffn_per_token's 6.0) makes the
+    # first trust-region step vanish and the fit stop where it began (ftol, 2 evaluations)
+    v0 = np.array([min(max(getattr(base, n), bounds[n][0] * 1.01), bounds[n][1] * 0.99) for n in names])
     lo = np.log(np.array([bounds[n][0] for n in names]) / v0)
     hi = np.log(np.array([bounds[n][1] for n in names]) / v0)
 

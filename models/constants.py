@@ -219,53 +219,58 @@ class Constants:
     # ---- mixture of experts (models/moe.py) --------------------------------------------------
     # Measured means our runner on 1 x H100 (megatron-core 0.19.2 local spec, no TE):
     # data/measurements/h100x1-moe*.jsonl, each sub-step timed alone (runners/moe_probe.py). The
-    # defaults are those runs' fit on all four proxy shapes (bench/moe_check.py, rounded); (fitted)
+    # defaults are those runs' fit on all four proxy shapes (`python bench/moe_check.py
+    # --constants-out models/data/moe_local_fit.json`, rounded; refitted with the local stack's
+    # per-parameter gradient accumulation and optimizer traffic, grad_accum_bytes_per_param); (fitted)
     # = in moe.MOE_LOCAL_FIT with that range; the Transformer Engine stack's own values are
     # moe.MOE_TE_SETTINGS / MOE_TE_FIT.
     # Router: HBM passes over the fp32 T x E scores (softmax write/read, top-k, aux loss, their
     # backward) (fitted; 2-40).
-    moe_router_passes: float = 5.9
+    moe_router_passes: float = 6.2
     # Router launch cost per layer and microbatch, forward + backward: ~30 small kernels
     # (softmax, top-k, scatter, aux loss) that the host launches in turn; measured 0.3-2.5 ms per
     # layer-microbatch, growing with E (fitted; 10 us - 5 ms, and 0-50 us per expert).
-    moe_router_overhead_s: float = 0.00021
+    moe_router_overhead_s: float = 0.00023
     moe_router_per_expert_s: float = 1.2e-05
     # Permute + unpermute, forward + backward, in HBM passes over the routed activations T·k·h:
     # megatron-core's unfused permutation (index_select, scatter_add with fp32 probabilities,
     # their index_add / gather backward); Transformer Engine's fused permutation needs ~4 (fitted; 2-80).
-    moe_permute_passes: float = 22.0
+    moe_permute_passes: float = 30.0
     # ... plus a launch cost per layer-microbatch (routing-map sort, token counts copied to the
     # host) and, with the alltoall dispatcher and more than one local expert, per local expert
     # (the split / cat re-sort of chunks by expert) (fitted; 10 us - 10 ms; 0-100 us per expert).
-    moe_permute_overhead_s: float = 0.00096
-    moe_permute_per_expert_s: float = 1.2e-05
+    moe_permute_overhead_s: float = 0.00093
+    moe_permute_per_expert_s: float = 1.3e-05
     # Fraction of the dispatch / combine all-to-all left exposed (1 = none hidden). Our runner
     # overlaps nothing; Megatron's --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap,
     # used by the DeepSeek-V3 recipes) and shared-expert overlap hide most of it (fitted; 0.05-1).
     moe_a2a_exposed: float = 1.0
     # Expert GEMMs reach grouped_gemm_fraction(n) = n / (n + moe_gemm_half_tokens) of the rate the
     # dense GEMM model gives for the same h and f, times moe_gemm_efficiency (grouped kernels of
-    # unequal groups vs one dense GEMM). Measured with torch._grouped_mm on H100: 163-320 TFLOP/s
-    # at 256-1024 tokens/expert (h 2048), 395-470 at 1024-2048 (h 4096) (fitted; 16-4096; 0.3-1).
-    moe_gemm_half_tokens: float = 540.0
-    moe_gemm_efficiency: float = 0.84
+    # unequal groups vs one dense GEMM). Measured with torch._grouped_mm on H100: the experts
+    # phase runs 163-320 TFLOP/s at 256-1024 tokens/expert (h 2048), 395-470 at 1024-2048 (h 4096),
+    # its GEMMs faster: the phase also holds the expert weights' gradient accumulation (10 B/param
+    # per microbatch: 23 ms of the 68 ms per step of the Qwen3 proxy at mbs 1) and its launch costs
+    # (fitted; 16-4096; 0.3-1).
+    moe_gemm_half_tokens: float = 76.0
+    moe_gemm_efficiency: float = 1.0
     moe_gemm_reference_tokens: float = 4096.0  # the token count the dense GEMM model is asked at (convention)
     # Expert activation and probability weighting, forward + backward, in HBM passes over the
     # routed T·k·f elements: SwiGLU reads 2f writes f, the fp32 probability product writes f in
     # fp32 and casts it back; backward ~2x (fitted; 2-40).
-    moe_expert_elementwise_passes: float = 18.0
+    moe_expert_elementwise_passes: float = 12.0
     # Per layer-microbatch launch cost of the experts phase (token counts copied to the host,
     # offsets, ~10 kernels) (fitted; 1 us - 5 ms).
-    moe_expert_overhead_s: float = 0.00017
+    moe_expert_overhead_s: float = 0.00125
     # Grouped GEMM off (megatron-core's SequentialMLP): the host launches each local expert's MLP
     # (~20 kernels and their autograd) in turn; the phase takes at least this per local expert,
     # forward + backward. Measured 0.7-1.3 ms per expert on the H100 VM (fitted; 50 us - 5 ms).
-    moe_sequential_expert_s: float = 0.00088
+    moe_sequential_expert_s: float = 0.0008
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)
     # (fitted; 1 us - 2 ms).
-    moe_sequential_tensor_step_s: float = 0.00049
+    moe_sequential_tensor_step_s: float = 0.00063
     # Trained aux-loss routers: the busiest expert carries this fraction more than the mean load
     # (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
     # arXiv 2408.15664, report maximal violations of a few tenths for aux-loss routers and a few
@@ -276,9 +281,9 @@ class Constants:
     # expert output before the combine) and FFN-sized (fc1 output f, activation f, weighted copy
     # f; gated adds f); per token the router keeps fp32 logits / probabilities / scores over E
     # (moe_act_router_fp32 fp32 copies) (fitted on memory; 1-4, 2-6, 1-6).
-    moe_act_hidden_per_token: float = 2.9
-    moe_act_ffn_per_token: float = 6.0
-    moe_act_router_fp32: float = 2.8
+    moe_act_hidden_per_token: float = 1.5
+    moe_act_ffn_per_token: float = 5.15
+    moe_act_router_fp32: float = 2.87
 
     def replace(self, **changes) -> "Constants":
         return replace(self, **changes)

@@ -239,6 +239,10 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
         out.fp8_cast_elems = (rows * (h + f), rows * (mats * f + h))
         out.fp8_gemm_calls = 2 * (1 if cfg.moe_grouped_gemm else int(E_loc))
     x_mem = c.moe_expert_elementwise_passes * routed * imb * f * e / hbm
+    # ... and each local expert weight's gradient added into its fp32 main grad in the experts'
+    # backward (grad_accum_bytes_per_param; inside the phase the runner times, and behind
+    # SequentialMLP's host loop when that is slower)
+    x_mem += E_loc * (h * mats * f + f * h) * c.grad_accum_bytes_per_param / hbm
     gpu = x_gemm + x_mem + c.moe_expert_overhead_s
     # SequentialMLP: the host launches expert after expert (the GPU waits when that is slower)
     host = E_loc * c.moe_sequential_expert_s if not cfg.moe_grouped_gemm else 0.0

@@ -385,10 +385,11 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
                 # the interleaved schedule overlaps its send/recv with compute (overlap_p2p_comm)
                 st.pp_p2p_s += p2p * (1.0 - c.pp_overlap_fraction) if cfg.vp > 1 else p2p
         # gradient accumulation outside the GEMMs: each microbatch's backward adds every weight
-        # gradient of the stage into its fp32 main-grad buffer (memory-bound, per parameter)
+        # gradient of the stage into its fp32 main-grad buffer (memory-bound, per parameter; the
+        # routed experts' part is in their MoE phase, models/moe.py)
         if c.grad_accum_bytes_per_param > 0:
-            dense, experts = _stage_param_counts(model, cfg)[stage]
-            acc = (dense + experts) * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
+            dense = _stage_param_counts(model, cfg)[stage][0]
+            acc = dense * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
             st.memory_bound_s += acc
             st.backward_s += acc
         st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
