@@ -174,6 +174,13 @@ class Constants:
     # chain at 2.4-3.1 TB/s of 3.35: 461-536 W uncapped on H100).
     memory_sm_power: float = 0.0
     memory_hbm_power: float = 0.744
+    # The HBM bandwidth fraction that prices a training step's memory-bound kernels (norms,
+    # residual adds, activations, MoE permutes, gradient accumulation, the optimizer): measured
+    # 3.05-3.06 TB/s of 3.35 for the sweep's elementwise add and chain (0.91; a plain copy 0.73).
+    # Not the step model's hbm_efficiency: that is a time constant each profile fits (0.70 default,
+    # 0.75-0.95 in local fits that differ only in where the optimizer starts: the dense runs cannot
+    # pin it), and the power of a kernel must not depend on which time fit won.
+    memory_power_bandwidth: float = 0.91
     # NCCL collectives and p2p (SMs polling and copying, NVLink) and waiting in a pipeline bubble or
     # for a peer (fitted on our training runs by `advisor fit`; start values: the earlier
     # duty-cycle model's 0.35 and 0.15 of a GEMM's power, times gemm_power).
@@ -226,21 +233,21 @@ class Constants:
     # moe.MOE_TE_SETTINGS / MOE_TE_FIT.
     # Router: HBM passes over the fp32 T x E scores (softmax write/read, top-k, aux loss, their
     # backward) (fitted; 2-40).
-    moe_router_passes: float = 6.2
+    moe_router_passes: float = 4.32
     # Router launch cost per layer and microbatch, forward + backward: ~30 small kernels
     # (softmax, top-k, scatter, aux loss) that the host launches in turn; measured 0.3-2.5 ms per
     # layer-microbatch, growing with E (fitted; 10 us - 5 ms, and 0-50 us per expert).
-    moe_router_overhead_s: float = 0.00023
+    moe_router_overhead_s: float = 0.00022
     moe_router_per_expert_s: float = 1.2e-05
     # Permute + unpermute, forward + backward, in HBM passes over the routed activations T·k·h:
     # megatron-core's unfused permutation (index_select, scatter_add with fp32 probabilities,
     # their index_add / gather backward); Transformer Engine's fused permutation needs ~4 (fitted; 2-80).
-    moe_permute_passes: float = 30.0
+    moe_permute_passes: float = 29.7
     # ... plus a launch cost per layer-microbatch (routing-map sort, token counts copied to the
     # host) and, with the alltoall dispatcher and more than one local expert, per local expert
     # (the split / cat re-sort of chunks by expert) (fitted; 10 us - 10 ms; 0-100 us per expert).
-    moe_permute_overhead_s: float = 0.00093
-    moe_permute_per_expert_s: float = 1.3e-05
+    moe_permute_overhead_s: float = 0.00092
+    moe_permute_per_expert_s: float = 1.5e-05
     # Fraction of the dispatch / combine all-to-all left exposed (1 = none hidden). Our runner
     # overlaps nothing; Megatron's --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap,
     # used by the DeepSeek-V3 recipes) and shared-expert overlap hide most of it (fitted; 0.05-1).
@@ -252,25 +259,25 @@ class Constants:
     # its GEMMs faster: the phase also holds the expert weights' gradient accumulation (10 B/param
     # per microbatch: 23 ms of the 68 ms per step of the Qwen3 proxy at mbs 1) and its launch costs
     # (fitted; 16-4096; 0.3-1).
-    moe_gemm_half_tokens: float = 76.0
+    moe_gemm_half_tokens: float = 159.0
     moe_gemm_efficiency: float = 1.0
     moe_gemm_reference_tokens: float = 4096.0  # the token count the dense GEMM model is asked at (convention)
     # Expert activation and probability weighting, forward + backward, in HBM passes over the
     # routed T·k·f elements: SwiGLU reads 2f writes f, the fp32 probability product writes f in
     # fp32 and casts it back; backward ~2x (fitted; 2-40).
-    moe_expert_elementwise_passes: float = 12.0
+    moe_expert_elementwise_passes: float = 21.2
     # Per layer-microbatch launch cost of the experts phase (token counts copied to the host,
     # offsets, ~10 kernels) (fitted; 1 us - 5 ms).
-    moe_expert_overhead_s: float = 0.00125
+    moe_expert_overhead_s: float = 0.00075
     # Grouped GEMM off (megatron-core's SequentialMLP): the host launches each local expert's MLP
     # (~20 kernels and their autograd) in turn; the phase takes at least this per local expert,
     # forward + backward. Measured 0.7-1.3 ms per expert on the H100 VM (fitted; 50 us - 5 ms).
-    moe_sequential_expert_s: float = 0.0008
+    moe_sequential_expert_s: float = 0.00081
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)
     # (fitted; 1 us - 2 ms).
-    moe_sequential_tensor_step_s: float = 0.00063
+    moe_sequential_tensor_step_s: float = 0.00065
     # Trained aux-loss routers: the busiest expert carries this fraction more than the mean load
     # (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
     # arXiv 2408.15664, report maximal violations of a few tenths for aux-loss routers and a few

@@ -92,7 +92,7 @@ def busy_phases(full: StageTime, m: int, c: Constants, fp8: bool = False) -> lis
     """A stage's work per step at the maximum clocks, as DVFS phases."""
     out = [Phase("gemm", (full.gemm_s + full.recompute_s) * m, utilization=full.gemm_utilization, fp8=fp8),
            Phase("attention", full.attention_s * m),
-           Phase("memory", full.memory_bound_s * m, utilization=c.hbm_efficiency),
+           Phase("memory", full.memory_bound_s * m, utilization=c.memory_power_bandwidth),
            Phase("comm", full.comm_s * m)]
     return [p for p in out if p.seconds > 0]
 
@@ -102,21 +102,21 @@ def _waits(st: StepTime, k: int, m: int, c: Constants, extra_wait_s: float = 0.0
     """Stage k's idle time in the step `st` (at its clocks), as (seconds, limiter weight): waits
     inside collectives (for the slowest stage each microbatch, pipeline fill and drain, the step's
     end) and gaps with no kernel (launch / framework gaps, and `extra_wait_s`: time the analytical
-    step does not explain)."""
+    step does not explain; negative: host time the step did not take, out of the launch gaps)."""
     own = st.stages[k].total_s
     slow = max(s.total_s for s in st.stages)
     fill = max(0.0, st.pipeline_s - m * slow)
     w = dvfs.limiter_weight
     waits = [(m * (slow - own), w(slow - own, c)), (fill, w(fill / 2, c)), (st.overhead_s, w(st.overhead_s, c))]
-    gaps = [(m * st.stages[k].overhead_s, 1.0)]
-    if extra_wait_s:
+    gaps = [(m * st.stages[k].overhead_s + min(0.0, extra_wait_s), 1.0)]
+    if extra_wait_s > 0:
         gaps.append((extra_wait_s, w(extra_wait_s / m, c)))
     return [x for x in waits if x[0] > 0], [x for x in gaps if x[0] > 0]
 
 
 def _step_end_phases(st: StepTime, c: Constants) -> list[Phase]:
     """DP communication left exposed and the optimizer: at the end of every stage's step."""
-    out = [Phase("comm", st.dp_exposed_s), Phase("memory", st.optimizer_s, utilization=c.hbm_efficiency)]
+    out = [Phase("comm", st.dp_exposed_s), Phase("memory", st.optimizer_s, utilization=c.memory_power_bandwidth)]
     return [p for p in out if p.seconds > 0]
 
 
@@ -146,7 +146,10 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     m = st.num_microbatches
     end = _step_end_phases(st, c)
     waits, gaps = _waits(st, k, m, c, extra_wait_s)
-    load = dvfs.Load.of(busy + end, waits, c, gaps)
+    # the limiter averages ~30 ms: a step-end phase longer than that (the optimizer) is seen on its
+    # own, like a wait, with weight window / (window + L); it does not dilute the microbatches
+    seen = [dataclasses.replace(p, seconds=p.seconds * dvfs.limiter_weight(p.seconds, c)) for p in end]
+    load = dvfs.Load.of(busy + seen, waits, c, gaps)
     sol = dvfs.solve_load(load, gpu, cap_w, c, power_scale)
     x = sol.x if clock is None else clock
     work = dvfs.Load.of(busy + end, (), c)
@@ -191,7 +194,8 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
     fp8 = cfg.precision == "fp8"
     busy = [busy_phases(s, m, c, fp8) for s in full]
     base = step_time(model, cluster, cfg, c, stages=full)
-    extra = max(0.0, float(extra_wait_s))
+    # launch gaps can give back time (a negative extra), down to the shortest stage's gaps
+    extra = max(-launch_gaps(full, m), float(extra_wait_s))
 
     def at(clocks: list[float]) -> StepTime:
         s = step_time(model, cluster, cfg, c, sm_clock=clocks, stages=full) if any(v < 1.0 for v in clocks) else base
@@ -229,20 +233,27 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         throttle_risk=risk, throttle_label=label, throttle_reason=reason, stages=per_stage, step=st)
 
 
+def launch_gaps(stages: Sequence[StageTime], m: int) -> float:
+    """Seconds per step of the launch / host gaps of the stage with the fewest (no kernel runs)."""
+    return m * min(s.overhead_s for s in stages)
+
+
 def power_at_step(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, step_s: float,
                   c: Constants = DEFAULT, stages: Sequence[StageTime] | None = None) -> PowerEstimate:
     """estimate_power for a step known to take `step_s` (measured, or a calibration's): the time
     the analytical step does not explain is spent in short waits (extra_wait_s), found so that the
-    step at the clocks the cap then holds is `step_s` (3 rounds; a step shorter than the model's
-    keeps the model's)."""
+    step at the clocks the cap then holds is `step_s` (3 rounds). A step shorter than the model's
+    is taken out of the model's launch gaps (host time: what the model knows least; the GPU's work
+    comes from FLOPs and bytes), as far as they go; beyond them the model's step stays."""
     full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
     e = estimate_power(model, cluster, cfg, c, stages=full)
+    floor = -launch_gaps(full, cfg.num_microbatches)
     extra = 0.0
     for _ in range(3):
         gap = step_s - e.step.step_time_s
-        if extra + gap <= 0 or abs(gap) < 1e-4 * step_s:
+        if abs(gap) < 1e-4 * step_s or (gap < 0 and extra <= floor + 1e-12):
             break
-        extra += gap
+        extra = max(floor, extra + gap)
         e = estimate_power(model, cluster, cfg, c, stages=full, extra_wait_s=extra)
     return e
 
