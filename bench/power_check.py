@@ -31,6 +31,7 @@ import dataclasses
 import glob
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -125,35 +126,43 @@ def table(lines: list[tuple[str, list[dict], list[dict]]]) -> None:
         print(f"{name[:40]:40s} " + " ".join(f"{c:>12s}" for c in cells))
 
 
-def moe_loso(rows: list[dict], cal) -> None:
-    """The MoE runs with MoE constants fitted on the other MoE proxy shapes (bench/moe_check.py's
-    fit on the local profile; the same constants in the calibrated and the analytical level)."""
+def moe_loso_predictions(rows: list[dict], cal) -> dict[str, tuple[list[dict], list[dict], list[dict]]]:
+    """{held-out shape: (its MoE runs, power-model predictions, end-to-end predictions)} with the MoE
+    constants (moe.MOE_LOCAL_FIT) fitted by bench/moe_check.py on the other shapes' runs, on the
+    local profile; the same constants in the calibrated and the analytical level."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import moe_check as M
     from advisor.models import calibrate, moe
 
     mrows = M.moe_rows()
     base = M.local_base()
     runs = [r for r in rows if r["file"].startswith("h100x1-moe")]
-    shapes = sorted({M.shape_of(r["rec"].model) for r in runs})
-    print(f"MoE runs, leave one shape out: MoE constants ({', '.join(moe.MOE_LOCAL_FIT)}) fitted by "
-          f"bench/moe_check.py on the other shapes' runs")
     keep_default = calibrate.DEFAULT
-    lines, all_rows, all_pm, all_ee = [], [], [], []
+    out = {}
     try:
-        for s in shapes:
+        for s in sorted({M.shape_of(r["rec"].model) for r in runs}):
             fitted = M.fit([r for r in mrows if M.shape_of(r["rec"].model) != s], base, M.LOCAL_FIT)
             moe_c = {n: getattr(fitted, n) for n in moe.MOE_LOCAL_FIT}
             fold = dataclasses.replace(cal, constants=cal.constants.replace(**moe_c))
             calibrate.DEFAULT = keep_default.replace(**moe_c)  # the analytical level's constants too
             test = [r for r in runs if M.shape_of(r["rec"].model) == s]
-            pm = [power_model(r, fold.constants) for r in test]
-            ee = [end_to_end(r, fold) for r in test]
-            lines += [(f"model, held out {s}", test, pm), (f"e2e, held out {s}", test, ee)]
-            all_rows += test
-            all_pm += pm
-            all_ee += ee
+            out[s] = (test, [power_model(r, fold.constants) for r in test], [end_to_end(r, fold) for r in test])
     finally:
         calibrate.DEFAULT = keep_default
+    return out
+
+
+def moe_loso(rows: list[dict], cal) -> None:
+    from advisor.models import moe
+
+    print(f"MoE runs, leave one shape out: MoE constants ({', '.join(moe.MOE_LOCAL_FIT)}) fitted by "
+          f"bench/moe_check.py on the other shapes' runs")
+    lines, all_rows, all_pm, all_ee = [], [], [], []
+    for s, (test, pm, ee) in moe_loso_predictions(rows, cal).items():
+        lines += [(f"model, held out {s}", test, pm), (f"e2e, held out {s}", test, ee)]
+        all_rows += test
+        all_pm += pm
+        all_ee += ee
     table(lines + [("model, all shapes held out", all_rows, all_pm), ("e2e, all shapes held out", all_rows, all_ee)])
 
 

@@ -227,8 +227,12 @@ class Constants:
     # Measured means our runner on 1 x H100 (megatron-core 0.19.2 local spec, no TE):
     # data/measurements/h100x1-moe*.jsonl, each sub-step timed alone (runners/moe_probe.py). The
     # defaults are those runs' fit on all four proxy shapes (`python bench/moe_check.py
-    # --constants-out models/data/moe_local_fit.json`, rounded; refitted with the local stack's
-    # per-parameter gradient accumulation and optimizer traffic, grad_accum_bytes_per_param); (fitted)
+    # --constants-out models/data/moe_local_fit.json`, rounded), on the local profile's step
+    # constants, refitted with the local stack's per-parameter gradient accumulation and optimizer
+    # traffic (grad_accum_bytes_per_param). The local profile was refitted with these defaults
+    # (its two Mixtral rows on 4 x H200 see them); the json holds the same fit on that refitted
+    # profile (in sample 5.4% vs 6.2% with these defaults): fed back, the two fits move each
+    # other's constants to their bounds, so the defaults stay at the first round; (fitted)
     # = in moe.MOE_LOCAL_FIT with that range; the Transformer Engine stack's own values are
     # moe.MOE_TE_SETTINGS / MOE_TE_FIT.
     # Router: HBM passes over the fp32 T x E scores (softmax write/read, top-k, aux loss, their
