@@ -53,8 +53,8 @@ class ClockSampler:
         self.t.join()
 
 
-def bursts(torch, fn, flops: float, clock: ClockSampler, n_bursts: int = 8, burst_s: float = 0.25,
-           gap_s: float = 0.6) -> dict:
+def bursts(torch, fn, flops: float, clock: ClockSampler, n_bursts: int = 6, burst_s: float = 0.25,
+           gap_s: float = 0.4) -> dict:
     """Median TFLOP/s of `fn` over bursts of ~burst_s with idle gaps, and the clock during them."""
     fn()
     torch.cuda.synchronize()
