@@ -41,17 +41,21 @@ TE_SETTINGS = {
 # standard deviation), each measured or derived. The fit is the maximum a posteriori estimate: the
 # published runs move a constant away from its centre only as far as they outweigh this.
 TE_PRIOR: dict[str, tuple[float, float]] = {
-    # BF16 GEMM at the maximum clock: 798-803 TFLOP/s of 989 for 8192^3 bursts at 1950-1965 MHz on
-    # our H100 (data/dvfs/h100x1-sweep.jsonl, duty-* loads) = 0.81
-    "gemm_efficiency_max": (0.80, 0.03),
-    # FP8 GEMM at the maximum clock: 1,240 TFLOP/s sustained for 8192^3 at 1,290 MHz under the cap
-    # on our H100 (shape-fp8-8192), 1,515 at 1,980 MHz through the DVFS model's clock share = 0.77
-    "gemm_efficiency_max_fp8": (0.76, 0.04),
-    # Fused causal attention, forward and backward at one rate, at the maximum clock: forward 504
-    # TFLOP/s at 1,710 MHz on our H100 (shape-attention: SDPA, 2 x 32 heads x 4096 x 128) = 537 at
-    # 1,980 MHz = 0.54 of peak; the backward runs at ~0.8 of the forward's rate (FlashAttention-2,
-    # Dao 2023, Fig. 5-6; FlashAttention-3, Shah et al. 2024) -> 3.5 / (1/0.54 + 2.5/0.43) = 0.46
-    "attention_efficiency": (0.46, 0.06),
+    # BF16 GEMM at the maximum clock: transformer-shaped GEMMs (8192 x 4096..28672) in short bursts
+    # at 1,890-1,965 MHz on our H100 reach 695-730 TFLOP/s (data/dvfs/h100x1-kernel-rates.jsonl,
+    # bench/kernel_rates.py), 8192^3 bursts 713-803 (and data/dvfs/h100x1-sweep.jsonl): 0.70-0.81 of
+    # 989 after the shape factor
+    "gemm_efficiency_max": (0.76, 0.04),
+    # FP8 GEMM (torch._scaled_mm, e4m3) at the maximum clock: 1,254-1,280 TFLOP/s at 1,965 MHz for
+    # 8192 x 4096 x 6144 / 4096 x 4096 x 14336 / 16384 x 8192 x 2048 bursts = 0.63-0.65 of 1,979,
+    # 0.70-0.71 before their shape factor (gemm_half_dim_fp8)
+    "gemm_efficiency_max_fp8": (0.72, 0.04),
+    # Fused causal attention (Transformer Engine uses cuDNN's on Hopper), forward + backward at one
+    # rate, head dim 128: cuDNN through SDPA on our H100 reaches 409 (4K), 486-510 (8K), 525-547
+    # (16K), 559-587 (32K) TFLOP/s for forward + backward at ~the maximum clock = 0.41-0.59 of 989;
+    # 8K is the typical pre-training length (head dim 64: 373). The FlashAttention-2 kernels of
+    # torch's flash backend reach 231-323 (0.23-0.33) on the same shapes.
+    "attention_efficiency": (0.50, 0.05),
     # Memory-bound passes per layer and token: TE fuses norm+cast, rope, bias-dropout-add and the
     # activation: 2 norms x 2, 2 residual adds x 3, rope ~2 = 12 (vs 16 unfused)
     "elementwise_hidden_passes": (12.0, 4.0),
