@@ -182,17 +182,19 @@ class Constants:
     # pin it), and the power of a kernel must not depend on which time fit won.
     memory_power_bandwidth: float = 0.91
     # NCCL collectives and p2p (SMs polling and copying, NVLink) and waiting in a pipeline bubble or
-    # for a peer (fitted on our training runs by `advisor fit`; start values: the earlier
-    # duty-cycle model's 0.35 and 0.15 of a GEMM's power, times gemm_power).
-    comm_power: float = 0.433
-    wait_power: float = 0.0584
+    # for a peer: fitted on the 43 campaign runs with the power model given each run's measured step
+    # (`python bench/power_check.py --fit --calibration local data/measurements/h200x4-campaign.jsonl
+    # data/measurements/h100x1-campaign.jsonl`, with peak_overshoot); `advisor fit` refits them per
+    # calibration (ranges 0.02-0.8, 0.005-1).
+    comm_power: float = 0.570
+    wait_power: float = 0.0837
     # Window over which the power limiter averages (fitted on the GEMM duty cycles: bursts of
     # 10-250 ms are averaged with the gaps between them, 1 s bursts are capped on their own).
     limiter_window_s: float = 0.0325
     # Sampled peaks (20-50 Hz) under a cap: the busiest phase's power at the clock held, plus this
     # fraction (the limiter's clock oscillation): measured peak / mean of the 14 capped steady loads
     # of the H100 sweep 1.13-1.34, mean 1.22 (data/dvfs/h100x1-sweep.jsonl); `advisor fit` refits it.
-    peak_overshoot: float = 0.157
+    peak_overshoot: float = 0.185
     # Instantaneous ripple above the steady value when not capped (measured 1.01-1.02 on the
     # uncapped sweep loads).
     power_ripple: float = 1.02
