@@ -49,6 +49,7 @@ class StagePower:
     busy_s: float                 # seconds per step computing or communicating
     energy_j: float               # per GPU per step
     spiking: bool = False         # its busiest stretch draws more than the cap at the maximum clock (brief dips)
+    stretch_demand_w: float = 0.0  # that stretch's power at the maximum clock (busiest_stretch)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in _STAGE_FIELDS}
@@ -120,15 +121,15 @@ def _step_end_phases(st: StepTime, c: Constants) -> list[Phase]:
     return [p for p in out if p.seconds > 0]
 
 
-def busiest_stretch(busy: list[Phase], end: list[Phase], x: float, gpu, c: Constants,
+def busiest_stretch(busy: dvfs.Load, end: list[Phase], x: float, gpu, c: Constants,
                     power_scale: float = 1.0) -> float:
     """Watts of the busiest stretch that the power limiter's ~30 ms average and a 20-50 Hz sample
-    see at clock ratio x: a microbatch's compute averaged over its kernels (each of them ms long),
-    or a step-end phase. A single kernel over the cap inside a microbatch under it trips neither
-    (measured: MoE runs whose attention and GEMM kernels would each draw 750-800 W at full clock
-    show no power-cap clock-event reason while their microbatch averages 600-650 W)."""
-    return max([dvfs.Load.of(busy, (), c).power(x, gpu, c, power_scale)]
-               + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
+    see at clock ratio x: a microbatch's compute (`busy`: its phases' Load) averaged over its
+    kernels (each of them ms long), or a step-end phase. A single kernel over the cap inside a
+    microbatch under it trips neither (measured: MoE runs whose attention and GEMM kernels would
+    each draw 750-800 W at full clock show no power-cap clock-event reason while their microbatch
+    averages 600-650 W)."""
+    return max([busy.power(x, gpu, c, power_scale)] + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
 
 
 def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
@@ -159,12 +160,14 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
     p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
     e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
-    phase_peak = busiest_stretch(busy, end, x, gpu, c, power_scale)
+    mb = dvfs.Load.of(busy, (), c)
+    phase_peak = busiest_stretch(mb, end, x, gpu, c, power_scale)
+    stretch_demand = busiest_stretch(mb, end, 1.0, gpu, c, power_scale)
     return StagePower(
         stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
         demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,
         peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e,
-        spiking=busiest_stretch(busy, end, 1.0, gpu, c, power_scale) > cap_w)
+        spiking=stretch_demand > cap_w, stretch_demand_w=stretch_demand)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,13 +216,12 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         if done:
             break
     per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra, clock=x[k]) for k in range(pp)]
-    end = _step_end_phases(st, c)
     gpus_per_stage = cluster.world_size / pp
     energy = sum(s.energy_j for s in per_stage) * gpus_per_stage
     mean = energy / gpus_per_stage / pp / st.step_time_s
     crit = max(range(pp), key=lambda k: st.stages[k].total_s)
     hot = max(per_stage, key=lambda s: s.mean_power_w)
-    demand_peak = max(busiest_stretch(busy[k], end, 1.0, gpu, c, scale[k]) for k in range(pp))
+    demand_peak = max(s.stretch_demand_w for s in per_stage)
     busiest = max(per_stage, key=lambda s: s.demand_w)
     slowdown = (st.step_time_s - extra) / base.step_time_s
     temp = c.idle_temp_c + c.c_per_w * (hot.mean_power_w - gpu.idle_w)
