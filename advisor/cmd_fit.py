@@ -38,6 +38,8 @@ def fit_cmd(
     seed: int = typer.Option(0, "--seed"),
     no_surrogates: bool = typer.Option(False, "--no-surrogates", help="calibrate the constants only"),
     as_json: bool = typer.Option(False, "--json", help="the CV summary as JSON on stdout"),
+    profile_name: str = typer.Option("custom", "--profile-name",
+                                     help="the profile name the file records (the shipped local profile: local)"),
     html: Html = None,
 ) -> None:
     """Fit the analytical model's constants and residual surrogates to measurements (JSONL files
@@ -67,6 +69,7 @@ def fit_cmd(
     print(f"data: {ds.summary()}", file=err)
     cal = calibrate.fit(ds, folds=folds, seed=seed, surrogates=not no_surrogates,
                         log=lambda s: print(s, file=err))
+    cal.profile = profile_name.strip() or "custom"
     cal.save(output)
     if html:
         html_report.save(html, html_report.fit_page(cal, ds))

@@ -13,15 +13,25 @@ For every `status: ok` record with telemetry (default: every data/measurements/*
   predicted  "power model" = models.power.power_at_step with the record's measured step time (the DVFS
              model alone, on the calibration's constants when one is given); "end to end" = the prediction advisor prints (with --calibration: that
              calibration, J/token = its mean power x GPUs / its tokens/s)
+  J/token*   the same from the 20 Hz sampled mean power (mean W / measured tokens/s/GPU): every run,
+             also the MoE runs, none of which ran long enough for the counter
+Groups: the 47 held-out dense runs (HELD_OUT: no constant of the power model and no profile was
+fitted on them), the 40 MoE runs of h100x1-moe*.jsonl (no power constant was fitted on them; their
+MoE step constants were, on all four shapes), and the 43 dense runs the local profile is fitted on.
+--moe-loso: the MoE runs out of sample in their shape too: for each of the four MoE proxy shapes the
+MoE constants (bench/moe_check.py's fit, MOE_LOCAL_FIT) are fitted on the other three and the
+held-out shape is predicted with them (power model and end to end).
 --fit: fit comm_power, wait_power and peak_overshoot (the constants the load sweep cannot see) on
 the given files with the power model given the measured step, and print them.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import math
+import os
 import statistics
 import sys
 
@@ -32,6 +42,11 @@ from advisor.models.dataset import parse_record
 from advisor.models.power import power_at_step
 
 MIN_COUNTER_S = 10.0
+HELD_OUT = ("h200x4-full-depth.jsonl", "tune-llama3-8b-h200x4.jsonl", "h200x4-gqa.jsonl", "h200x4-hang-probe.jsonl",
+            "h100x1-energy.jsonl")
+GROUPS = (("47 held-out dense runs", lambda f: f in HELD_OUT),
+          ("40 MoE runs (h100x1-moe*)", lambda f: f.startswith("h100x1-moe")),
+          ("43 fitted dense runs (campaigns)", lambda f: "campaign" in f))
 TRAINING_FIT = ("comm_power", "wait_power", "peak_overshoot")
 BOUNDS = {"comm_power": (0.02, 0.8), "wait_power": (0.005, 1.0), "peak_overshoot": (0.05, 1.0)}
 
@@ -56,6 +71,7 @@ def load(paths: list[str]) -> list[dict]:
                         "peak_w": t.get("peak_power_w"), "clock_mhz": statistics.median(clk) if clk else None,
                         "throttle": (t.get("throttle_fraction") or {}).get("any_throttle"),
                         "j_per_token": e_tok, "interval_s": interval,
+                        "j_tok_sampled": t["mean_power_w"] / rec["throughput"]["tokens_per_s_per_gpu"],
                         "stage_w": [s.get("mean_power_w") for s in sorted(t.get("per_stage") or [], key=lambda s: s["stage"])]})
     return out
 
@@ -64,9 +80,10 @@ def power_model(row: dict, c: Constants) -> dict:
     r = row["rec"]
     e = power_at_step(r.model, r.cluster, r.cfg, row["step_s"], c)
     n = r.cluster.world_size
+    j = e.mean_power_w * n * row["step_s"] / r.cfg.tokens_per_step
     return {"mean_w": e.mean_power_w, "peak_w": e.peak_power_w, "clock_mhz": e.sm_clock_mhz,
             "throttle": e.throttle_fraction, "stage_w": [s.mean_power_w for s in e.stages],
-            "j_per_token": e.mean_power_w * n * row["step_s"] / r.cfg.tokens_per_step}
+            "j_per_token": j, "j_tok_sampled": j}
 
 
 def end_to_end(row: dict, cal) -> dict:
@@ -76,11 +93,12 @@ def end_to_end(row: dict, cal) -> dict:
     p = cal.predict(r.model, r.cluster, r.cfg, check_legal=False) if cal is not None else \
         predict(r.model, r.cluster, r.cfg, DEFAULT, check_legal=False)
     return {"mean_w": p.mean_power_w, "peak_w": p.peak_power_w, "clock_mhz": p.sm_clock_mhz,
-            "throttle": p.throttle_fraction, "j_per_token": p.energy_j_per_token,
+            "throttle": p.throttle_fraction, "j_per_token": p.energy_j_per_token, "j_tok_sampled": p.energy_j_per_token,
             "stage_w": [s["mean_power_w"] for s in p.power["stages"]]}
 
 
-KEYS = (("mean_w", "mean power"), ("peak_w", "peak power"), ("clock_mhz", "SM clock"), ("j_per_token", "J/token"))
+KEYS = (("mean_w", "mean power"), ("peak_w", "peak power"), ("clock_mhz", "SM clock"), ("j_per_token", "J/token"),
+        ("j_tok_sampled", "J/token*"))
 
 
 def errors(rows: list[dict], preds: list[dict]) -> dict:
@@ -94,6 +112,58 @@ def errors(rows: list[dict], preds: list[dict]) -> dict:
           for a, b in zip(p["stage_w"], r["stage_w"]) if b]
     out["stage_w"] = (float(np.mean(st)) if st else math.nan, len(st))
     return out
+
+
+def table(lines: list[tuple[str, list[dict], list[dict]]]) -> None:
+    """One line of MAPEs per (name, measured rows, predictions)."""
+    print(f"{'':40s} {'mean W':>12s} {'peak W':>12s} {'SM clock':>12s} {'J/token':>12s} {'J/token*':>12s} "
+          f"{'throttle pp':>12s} {'stage W':>12s}")
+    for name, rows, preds in lines:
+        e = errors(rows, preds)
+        cells = [f"{e[k][0]:6.2f}% ({e[k][1]:2d})" for k in ("mean_w", "peak_w", "clock_mhz", "j_per_token", "j_tok_sampled")]
+        cells.append(f"{e['throttle'][0]:6.1f} ({e['throttle'][1]:2d})")
+        cells.append(f"{e['stage_w'][0]:6.2f}% ({e['stage_w'][1]:2d})")
+        print(f"{name[:40]:40s} " + " ".join(f"{c:>12s}" for c in cells))
+
+
+def moe_loso_predictions(rows: list[dict], cal) -> dict[str, tuple[list[dict], list[dict], list[dict]]]:
+    """{held-out shape: (its MoE runs, power-model predictions, end-to-end predictions)} with the MoE
+    constants (moe.MOE_LOCAL_FIT) fitted by bench/moe_check.py on the other shapes' runs, on the
+    local profile; the same constants in the calibrated and the analytical level."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import moe_check as M
+    from advisor.models import calibrate, moe
+
+    mrows = M.moe_rows()
+    base = M.local_base()
+    runs = [r for r in rows if r["file"].startswith("h100x1-moe")]
+    keep_default = calibrate.DEFAULT
+    out = {}
+    try:
+        for s in sorted({M.shape_of(r["rec"].model) for r in runs}):
+            fitted = M.fit([r for r in mrows if M.shape_of(r["rec"].model) != s], base, M.LOCAL_FIT)
+            moe_c = {n: getattr(fitted, n) for n in moe.MOE_LOCAL_FIT}
+            fold = dataclasses.replace(cal, constants=cal.constants.replace(**moe_c))
+            calibrate.DEFAULT = keep_default.replace(**moe_c)  # the analytical level's constants too
+            test = [r for r in runs if M.shape_of(r["rec"].model) == s]
+            out[s] = (test, [power_model(r, fold.constants) for r in test], [end_to_end(r, fold) for r in test])
+    finally:
+        calibrate.DEFAULT = keep_default
+    return out
+
+
+def moe_loso(rows: list[dict], cal) -> None:
+    from advisor.models import moe
+
+    print(f"MoE runs, leave one shape out: MoE constants ({', '.join(moe.MOE_LOCAL_FIT)}) fitted by "
+          f"bench/moe_check.py on the other shapes' runs")
+    lines, all_rows, all_pm, all_ee = [], [], [], []
+    for s, (test, pm, ee) in moe_loso_predictions(rows, cal).items():
+        lines += [(f"model, held out {s}", test, pm), (f"e2e, held out {s}", test, ee)]
+        all_rows += test
+        all_pm += pm
+        all_ee += ee
+    table(lines + [("model, all shapes held out", all_rows, all_pm), ("e2e, all shapes held out", all_rows, all_ee)])
 
 
 def fit(rows: list[dict], base: Constants = DEFAULT) -> Constants:
@@ -129,6 +199,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default="none")
     ap.add_argument("--fit", action="store_true", help="fit the training-run constants on FILES and print them")
     ap.add_argument("--rows", action="store_true")
+    ap.add_argument("--moe-loso", action="store_true", help="also the MoE runs with MoE constants fitted on the other shapes")
     a = ap.parse_args(argv)
     files = a.files or sorted(glob.glob("data/measurements/*.jsonl"))
     rows = load(files)
@@ -146,14 +217,14 @@ def main(argv=None) -> int:
     ee = [end_to_end(r, cal) for r in rows]
     label = f"end to end ({'calibration ' + a.calibration if cal is not None else 'analytical'})"
     print(f"{len(rows)} runs with telemetry in {len(files)} file(s); J/token from the energy counter where the "
-          f"measured interval is >= {MIN_COUNTER_S:g} s")
-    print(f"{'':34s} {'mean W':>12s} {'peak W':>12s} {'SM clock':>12s} {'J/token':>12s} {'throttle pp':>12s} {'stage W':>12s}")
-    for name, preds in (("power model (measured step)", pm), (label, ee)):
-        e = errors(rows, preds)
-        cells = [f"{e[k][0]:6.2f}% ({e[k][1]:2d})" for k in ("mean_w", "peak_w", "clock_mhz", "j_per_token")]
-        cells.append(f"{e['throttle'][0]:6.1f} ({e['throttle'][1]:2d})")
-        cells.append(f"{e['stage_w'][0]:6.2f}% ({e['stage_w'][1]:2d})")
-        print(f"{name[:34]:34s} " + " ".join(f"{c:>12s}" for c in cells))
+          f"measured interval is >= {MIN_COUNTER_S:g} s; J/token* from the sampled power (every run)")
+    table([("power model (measured step)", rows, pm), (label, rows, ee)])
+    print("by group:")
+    table([(f"{what} {g}", sel, preds) for g, keep in GROUPS
+           for sel, preds, what in [([r for r in rows if keep(r["file"])],
+                                     [p for r, p in zip(rows, pm) if keep(r["file"])], "model"),
+                                    ([r for r in rows if keep(r["file"])],
+                                     [q for r, q in zip(rows, ee) if keep(r["file"])], "e2e")] if sel])
     by_file = {}
     for r, p, q in zip(rows, pm, ee):
         by_file.setdefault(r["file"], []).append((r, p, q))
@@ -163,6 +234,8 @@ def main(argv=None) -> int:
         e1, e2 = errors(list(rr), list(pp)), errors(list(rr), list(qq))
         print(f"  {f:34s} n={len(rr):2d}  {e1['mean_w'][0]:5.2f}% / {e2['mean_w'][0]:5.2f}%  |  "
               f"{e1['j_per_token'][0]:5.2f}% / {e2['j_per_token'][0]:5.2f}% ({e1['j_per_token'][1]} with counter)")
+    if a.moe_loso:
+        moe_loso(rows, cal)
     if a.rows:
         for r, p, q in zip(rows, pm, ee):
             jt = f"{r['j_per_token'] * 1e3:6.2f} {p['j_per_token'] * 1e3:6.2f} {q['j_per_token'] * 1e3:6.2f}" if r["j_per_token"] else " " * 20

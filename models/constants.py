@@ -90,9 +90,24 @@ class Constants:
     layer_overhead_s: float = 60e-6
     # Fixed per-step overhead (optimizer bookkeeping, python, synchronisation), seconds (fitted).
     step_overhead_s: float = 0.02
-    # Optimizer step: HBM bytes per parameter of the local optimizer shard (Adam, fp32):
-    # read grad 4, master 4, m 4, v 4; write master 4, m 4, v 4, bf16 weight 2 = 30.
-    optimizer_bytes_per_param: float = 30.0
+    # Optimizer step: HBM bytes per parameter of the local optimizer shard, counted from the kernels
+    # of this project's runner (megatron-core 0.19.2 without apex / Transformer Engine: torch's
+    # foreach AdamW and megatron's local multi-tensor fallbacks, bf16 params with fp32 main params
+    # and fp32 main grads): zero the grad buffer (w 4), grad norm (r 4), clip (dst.copy_(src *
+    # coeff): r 4 w 4 r 4 w 4 = 16; untrained models' grad norm is above the clip of 1), AdamW
+    # foreach (p *= 1 - lr·wd 8, m.lerp_ 12, v *= b2 8, v.addcmul_ 12, sqrt 8, div 8, add eps 8,
+    # p.addcdiv_ 16 = 80; its sqrt temporary is the measured 3.6-4 B/param optimizer transient,
+    # bytes_optimizer_transient), copy main -> bf16 params (r 4 w 2) = 110 (94 without the clip).
+    # A fused Adam (TE / apex FusedAdam, the te stack: models/profile_fit.TE_SETTINGS) reads grad 4,
+    # master 4, m 4, v 4 and writes master 4, m 4, v 4, bf16 weight 2 = 30.
+    optimizer_bytes_per_param: float = 110.0
+    # Gradient accumulation outside the GEMMs, HBM bytes per parameter of the stage per microbatch:
+    # without gradient_accumulation_fusion (it needs apex or TE; the runner sets it False) megatron
+    # DDP's backward hook adds each bf16 weight gradient into the fp32 main grad
+    # (param.main_grad.add_(param.grad): r 4 + 2, w 4 = 10). With the fusion (te stack) the wgrad
+    # GEMM accumulates into main_grad itself: 0. For MoE proxies (billions of expert parameters,
+    # few tokens each) this and the optimizer are 20-30% of the step (docs/power.md, "MoE").
+    grad_accum_bytes_per_param: float = 10.0
 
     # ---- communication ------------------------------------------------------------------------
     # Achieved fraction of link bandwidth for large collectives (NCCL busbw / link bw; nccl-tests
@@ -159,18 +174,27 @@ class Constants:
     # chain at 2.4-3.1 TB/s of 3.35: 461-536 W uncapped on H100).
     memory_sm_power: float = 0.0
     memory_hbm_power: float = 0.744
+    # The HBM bandwidth fraction that prices a training step's memory-bound kernels (norms,
+    # residual adds, activations, MoE permutes, gradient accumulation, the optimizer): measured
+    # 3.05-3.06 TB/s of 3.35 for the sweep's elementwise add and chain (0.91; a plain copy 0.73).
+    # Not the step model's hbm_efficiency: that is a time constant each profile fits (0.70 default,
+    # 0.75-0.95 in local fits that differ only in where the optimizer starts: the dense runs cannot
+    # pin it), and the power of a kernel must not depend on which time fit won.
+    memory_power_bandwidth: float = 0.91
     # NCCL collectives and p2p (SMs polling and copying, NVLink) and waiting in a pipeline bubble or
-    # for a peer (fitted on our training runs by `advisor fit`; start values: the earlier
-    # duty-cycle model's 0.35 and 0.15 of a GEMM's power, times gemm_power).
-    comm_power: float = 0.433
-    wait_power: float = 0.0584
+    # for a peer: fitted on the 43 campaign runs with the power model given each run's measured step
+    # (`python bench/power_check.py --fit --calibration local data/measurements/h200x4-campaign.jsonl
+    # data/measurements/h100x1-campaign.jsonl`, with peak_overshoot); `advisor fit` refits them per
+    # calibration (ranges 0.02-0.8, 0.005-1).
+    comm_power: float = 0.570
+    wait_power: float = 0.0837
     # Window over which the power limiter averages (fitted on the GEMM duty cycles: bursts of
     # 10-250 ms are averaged with the gaps between them, 1 s bursts are capped on their own).
     limiter_window_s: float = 0.0325
     # Sampled peaks (20-50 Hz) under a cap: the busiest phase's power at the clock held, plus this
     # fraction (the limiter's clock oscillation): measured peak / mean of the 14 capped steady loads
     # of the H100 sweep 1.13-1.34, mean 1.22 (data/dvfs/h100x1-sweep.jsonl); `advisor fit` refits it.
-    peak_overshoot: float = 0.157
+    peak_overshoot: float = 0.185
     # Instantaneous ripple above the steady value when not capped (measured 1.01-1.02 on the
     # uncapped sweep loads).
     power_ripple: float = 1.02
@@ -204,53 +228,62 @@ class Constants:
     # ---- mixture of experts (models/moe.py) --------------------------------------------------
     # Measured means our runner on 1 x H100 (megatron-core 0.19.2 local spec, no TE):
     # data/measurements/h100x1-moe*.jsonl, each sub-step timed alone (runners/moe_probe.py). The
-    # defaults are those runs' fit on all four proxy shapes (bench/moe_check.py, rounded); (fitted)
+    # defaults are those runs' fit on all four proxy shapes (`python bench/moe_check.py
+    # --constants-out models/data/moe_local_fit.json`, rounded), on the local profile's step
+    # constants, refitted with the local stack's per-parameter gradient accumulation and optimizer
+    # traffic (grad_accum_bytes_per_param). The local profile was refitted with these defaults
+    # (its two Mixtral rows on 4 x H200 see them); the json holds the same fit on that refitted
+    # profile (in sample 5.4% vs 6.2% with these defaults): fed back, the two fits move each
+    # other's constants to their bounds, so the defaults stay at the first round; (fitted)
     # = in moe.MOE_LOCAL_FIT with that range; the Transformer Engine stack's own values are
     # moe.MOE_TE_SETTINGS / MOE_TE_FIT.
     # Router: HBM passes over the fp32 T x E scores (softmax write/read, top-k, aux loss, their
     # backward) (fitted; 2-40).
-    moe_router_passes: float = 5.9
+    moe_router_passes: float = 4.32
     # Router launch cost per layer and microbatch, forward + backward: ~30 small kernels
     # (softmax, top-k, scatter, aux loss) that the host launches in turn; measured 0.3-2.5 ms per
     # layer-microbatch, growing with E (fitted; 10 us - 5 ms, and 0-50 us per expert).
-    moe_router_overhead_s: float = 0.00021
+    moe_router_overhead_s: float = 0.00022
     moe_router_per_expert_s: float = 1.2e-05
     # Permute + unpermute, forward + backward, in HBM passes over the routed activations T·k·h:
     # megatron-core's unfused permutation (index_select, scatter_add with fp32 probabilities,
     # their index_add / gather backward); Transformer Engine's fused permutation needs ~4 (fitted; 2-80).
-    moe_permute_passes: float = 22.0
+    moe_permute_passes: float = 29.7
     # ... plus a launch cost per layer-microbatch (routing-map sort, token counts copied to the
     # host) and, with the alltoall dispatcher and more than one local expert, per local expert
     # (the split / cat re-sort of chunks by expert) (fitted; 10 us - 10 ms; 0-100 us per expert).
-    moe_permute_overhead_s: float = 0.00096
-    moe_permute_per_expert_s: float = 1.2e-05
+    moe_permute_overhead_s: float = 0.00092
+    moe_permute_per_expert_s: float = 1.5e-05
     # Fraction of the dispatch / combine all-to-all left exposed (1 = none hidden). Our runner
     # overlaps nothing; Megatron's --overlap-moe-expert-parallel-comm (1F1B all-to-all overlap,
     # used by the DeepSeek-V3 recipes) and shared-expert overlap hide most of it (fitted; 0.05-1).
     moe_a2a_exposed: float = 1.0
     # Expert GEMMs reach grouped_gemm_fraction(n) = n / (n + moe_gemm_half_tokens) of the rate the
     # dense GEMM model gives for the same h and f, times moe_gemm_efficiency (grouped kernels of
-    # unequal groups vs one dense GEMM). Measured with torch._grouped_mm on H100: 163-320 TFLOP/s
-    # at 256-1024 tokens/expert (h 2048), 395-470 at 1024-2048 (h 4096) (fitted; 16-4096; 0.3-1).
-    moe_gemm_half_tokens: float = 540.0
-    moe_gemm_efficiency: float = 0.84
+    # unequal groups vs one dense GEMM). Measured with torch._grouped_mm on H100: the experts
+    # phase runs 163-320 TFLOP/s at 256-1024 tokens/expert (h 2048), 395-470 at 1024-2048 (h 4096),
+    # its GEMMs faster: the phase also holds the expert weights' gradient accumulation (10 B/param
+    # per microbatch: 23 ms of the 68 ms per step of the Qwen3 proxy at mbs 1) and its launch costs
+    # (fitted; 16-4096; 0.3-1).
+    moe_gemm_half_tokens: float = 159.0
+    moe_gemm_efficiency: float = 1.0
     moe_gemm_reference_tokens: float = 4096.0  # the token count the dense GEMM model is asked at (convention)
     # Expert activation and probability weighting, forward + backward, in HBM passes over the
     # routed T·k·f elements: SwiGLU reads 2f writes f, the fp32 probability product writes f in
     # fp32 and casts it back; backward ~2x (fitted; 2-40).
-    moe_expert_elementwise_passes: float = 18.0
+    moe_expert_elementwise_passes: float = 21.2
     # Per layer-microbatch launch cost of the experts phase (token counts copied to the host,
     # offsets, ~10 kernels) (fitted; 1 us - 5 ms).
-    moe_expert_overhead_s: float = 0.00017
+    moe_expert_overhead_s: float = 0.00075
     # Grouped GEMM off (megatron-core's SequentialMLP): the host launches each local expert's MLP
     # (~20 kernels and their autograd) in turn; the phase takes at least this per local expert,
     # forward + backward. Measured 0.7-1.3 ms per expert on the H100 VM (fitted; 50 us - 5 ms).
-    moe_sequential_expert_s: float = 0.00088
+    moe_sequential_expert_s: float = 0.00081
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)
     # (fitted; 1 us - 2 ms).
-    moe_sequential_tensor_step_s: float = 0.00049
+    moe_sequential_tensor_step_s: float = 0.00065
     # Trained aux-loss routers: the busiest expert carries this fraction more than the mean load
     # (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts",
     # arXiv 2408.15664, report maximal violations of a few tenths for aux-loss routers and a few
@@ -261,9 +294,9 @@ class Constants:
     # expert output before the combine) and FFN-sized (fc1 output f, activation f, weighted copy
     # f; gated adds f); per token the router keeps fp32 logits / probabilities / scores over E
     # (moe_act_router_fp32 fp32 copies) (fitted on memory; 1-4, 2-6, 1-6).
-    moe_act_hidden_per_token: float = 2.9
-    moe_act_ffn_per_token: float = 6.0
-    moe_act_router_fp32: float = 2.8
+    moe_act_hidden_per_token: float = 1.5
+    moe_act_ffn_per_token: float = 5.15
+    moe_act_router_fp32: float = 2.87
 
     def replace(self, **changes) -> "Constants":
         return replace(self, **changes)

@@ -69,6 +69,13 @@ class MoELayerTime:
     imbalance: float = 1.0
     tokens_per_expert: float = 0.0
     dispatch_total: float = 0.0  # before overlap
+    # the parts of router / permute / expert that run at the SM clock (GEMMs) and that are
+    # memory-bound; the rest of each term (host launch time) does not stretch with the clocks
+    router_gemm: float = 0.0
+    router_mem: float = 0.0
+    permute_mem: float = 0.0
+    expert_gemm: float = 0.0
+    expert_mem: float = 0.0
 
 
 def moe_tokens(model: ModelSpec, cfg: TrainConfig) -> float:
@@ -170,6 +177,7 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     r_mem = c.moe_router_passes * T * E * 4 / hbm
     r_over = c.moe_router_overhead_s + E * c.moe_router_per_expert_s
     out.router = r_gemm + r_mem + r_over
+    out.router_gemm, out.router_mem = r_gemm, r_mem
     out.gemm += r_gemm
     out.gemm_flops_util += r_gemm * u
     out.memory_bound += r_mem
@@ -182,6 +190,7 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     if cfg.moe_dispatcher == "alltoall" and E_loc > 1:
         p_over += E_loc * c.moe_permute_per_expert_s
     out.permute = p_mem + p_over
+    out.permute_mem = p_mem
     out.memory_bound += p_mem
     out.overhead += p_over
 
@@ -210,25 +219,37 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     # rank has imb x the mean tokens
     frac = grouped_gemm_fraction(n_e, c)
     mats = 2 if gated else 1
-    x_gemm = 0.0
+    x_gemm = x_stream = 0.0
     if n_e > 0 and frac > 0:
         # full-size GEMM efficiency in the h and f dimensions, the token dimension by frac
         t1, u1 = gemm(c.moe_gemm_reference_tokens, h, mats * f)
         t2, u2 = gemm(c.moe_gemm_reference_tokens, f, h)
         per_token = (t1 + t2) / c.moe_gemm_reference_tokens
         x_gemm = 3 * per_token * n_e * E_loc * imb / (frac * c.moe_gemm_efficiency)
-        util = (u1 * t1 + u2 * t2) / (t1 + t2) * frac * c.moe_gemm_efficiency
-        out.gemm_flops_util += x_gemm * util
+        util = (u1 * t1 + u2 * t2) / (t1 + t2) * c.moe_gemm_efficiency
+        if cfg.moe_grouped_gemm:
+            # one grouped GEMM keeps every SM busy: the rate it loses to few tokens per expert is
+            # time spent streaming each expert's weights and partial token tiles (memory-bound)
+            x_stream = x_gemm * (1.0 - frac)
+        else:
+            # SequentialMLP: one small GEMM per expert leaves most SMs idle (low power per time)
+            util *= frac
+        out.gemm_flops_util += (x_gemm - x_stream) * util
         rows = routed * imb
         out.fp8_cast_elems = (rows * (h + f), rows * (mats * f + h))
         out.fp8_gemm_calls = 2 * (1 if cfg.moe_grouped_gemm else int(E_loc))
     x_mem = c.moe_expert_elementwise_passes * routed * imb * f * e / hbm
+    # ... and each local expert weight's gradient added into its fp32 main grad in the experts'
+    # backward (grad_accum_bytes_per_param; inside the phase the runner times, and behind
+    # SequentialMLP's host loop when that is slower)
+    x_mem += E_loc * (h * mats * f + f * h) * c.grad_accum_bytes_per_param / hbm
     gpu = x_gemm + x_mem + c.moe_expert_overhead_s
     # SequentialMLP: the host launches expert after expert (the GPU waits when that is slower)
     host = E_loc * c.moe_sequential_expert_s if not cfg.moe_grouped_gemm else 0.0
     out.expert = max(gpu, host)
-    out.gemm += x_gemm
-    out.memory_bound += x_mem
+    out.gemm += x_gemm - x_stream
+    out.memory_bound += x_mem + x_stream
+    out.expert_gemm, out.expert_mem = x_gemm - x_stream, x_mem + x_stream
     out.overhead += out.expert - x_gemm - x_mem  # launch-bound time beyond the GPU work
     if not cfg.moe_grouped_gemm:  # ... and its 2 weight tensors per expert in the optimizer's and
         # gradient handling's per-tensor loops, once per step (spread over the microbatches)

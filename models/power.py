@@ -48,7 +48,8 @@ class StagePower:
     throttled: bool               # the cap holds the clock below the maximum
     busy_s: float                 # seconds per step computing or communicating
     energy_j: float               # per GPU per step
-    spiking: bool = False         # a phase draws more than the cap at the maximum clock (brief dips)
+    spiking: bool = False         # its busiest stretch draws more than the cap at the maximum clock (brief dips)
+    stretch_demand_w: float = 0.0  # that stretch's power at the maximum clock (busiest_stretch)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in _STAGE_FIELDS}
@@ -62,7 +63,7 @@ class PowerEstimate:
     mean_power_w: float           # per GPU, over all GPUs and the whole step
     peak_power_w: float           # the highest sampled peak of any GPU
     demand_mean_w: float          # the busiest stage's average at the maximum clock (no cap)
-    demand_peak_w: float          # the busiest phase of any stage at the maximum clock
+    demand_peak_w: float          # the busiest stretch (busiest_stretch) of any stage at the maximum clock
     power_cap_w: float            # the cluster's cap (stages may have their own: stages[k])
     sm_clock_mhz: float | None    # held by the critical (slowest) stage
     clock_ratio: float
@@ -92,7 +93,7 @@ def busy_phases(full: StageTime, m: int, c: Constants, fp8: bool = False) -> lis
     """A stage's work per step at the maximum clocks, as DVFS phases."""
     out = [Phase("gemm", (full.gemm_s + full.recompute_s) * m, utilization=full.gemm_utilization, fp8=fp8),
            Phase("attention", full.attention_s * m),
-           Phase("memory", full.memory_bound_s * m, utilization=c.hbm_efficiency),
+           Phase("memory", full.memory_bound_s * m, utilization=c.memory_power_bandwidth),
            Phase("comm", full.comm_s * m)]
     return [p for p in out if p.seconds > 0]
 
@@ -102,22 +103,33 @@ def _waits(st: StepTime, k: int, m: int, c: Constants, extra_wait_s: float = 0.0
     """Stage k's idle time in the step `st` (at its clocks), as (seconds, limiter weight): waits
     inside collectives (for the slowest stage each microbatch, pipeline fill and drain, the step's
     end) and gaps with no kernel (launch / framework gaps, and `extra_wait_s`: time the analytical
-    step does not explain)."""
+    step does not explain; negative: host time the step did not take, out of the launch gaps)."""
     own = st.stages[k].total_s
     slow = max(s.total_s for s in st.stages)
     fill = max(0.0, st.pipeline_s - m * slow)
     w = dvfs.limiter_weight
     waits = [(m * (slow - own), w(slow - own, c)), (fill, w(fill / 2, c)), (st.overhead_s, w(st.overhead_s, c))]
-    gaps = [(m * st.stages[k].overhead_s, 1.0)]
-    if extra_wait_s:
+    gaps = [(m * st.stages[k].overhead_s + min(0.0, extra_wait_s), 1.0)]
+    if extra_wait_s > 0:
         gaps.append((extra_wait_s, w(extra_wait_s / m, c)))
     return [x for x in waits if x[0] > 0], [x for x in gaps if x[0] > 0]
 
 
 def _step_end_phases(st: StepTime, c: Constants) -> list[Phase]:
     """DP communication left exposed and the optimizer: at the end of every stage's step."""
-    out = [Phase("comm", st.dp_exposed_s), Phase("memory", st.optimizer_s, utilization=c.hbm_efficiency)]
+    out = [Phase("comm", st.dp_exposed_s), Phase("memory", st.optimizer_s, utilization=c.memory_power_bandwidth)]
     return [p for p in out if p.seconds > 0]
+
+
+def busiest_stretch(busy: dvfs.Load, end: list[Phase], x: float, gpu, c: Constants,
+                    power_scale: float = 1.0) -> float:
+    """Watts of the busiest stretch that the power limiter's ~30 ms average and a 20-50 Hz sample
+    see at clock ratio x: a microbatch's compute (`busy`: its phases' Load) averaged over its
+    kernels (each of them ms long), or a step-end phase. A single kernel over the cap inside a
+    microbatch under it trips neither (measured: MoE runs whose attention and GEMM kernels would
+    each draw 750-800 W at full clock show no power-cap clock-event reason while their microbatch
+    averages 600-650 W)."""
+    return max([busy.power(x, gpu, c, power_scale)] + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
 
 
 def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
@@ -135,7 +147,10 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     m = st.num_microbatches
     end = _step_end_phases(st, c)
     waits, gaps = _waits(st, k, m, c, extra_wait_s)
-    load = dvfs.Load.of(busy + end, waits, c, gaps)
+    # the limiter averages ~30 ms: a step-end phase longer than that (the optimizer) is seen on its
+    # own, like a wait, with weight window / (window + L); it does not dilute the microbatches
+    seen = [dataclasses.replace(p, seconds=p.seconds * dvfs.limiter_weight(p.seconds, c)) for p in end]
+    load = dvfs.Load.of(busy + seen, waits, c, gaps)
     sol = dvfs.solve_load(load, gpu, cap_w, c, power_scale)
     x = sol.x if clock is None else clock
     work = dvfs.Load.of(busy + end, (), c)
@@ -145,15 +160,14 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
     p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
     e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
-    # a 20-50 Hz sample averages the kernels of a microbatch (each of them ms long): the busiest
-    # stretch it sees is the microbatch's compute at the clock held, or a step-end phase
-    phase_peak = max([dvfs.Load.of(busy, (), c).power(x, gpu, c, power_scale)]
-                     + [dvfs.phase_power(p, x, gpu, c, power_scale) for p in end])
+    mb = dvfs.Load.of(busy, (), c)
+    phase_peak = busiest_stretch(mb, end, x, gpu, c, power_scale)
+    stretch_demand = busiest_stretch(mb, end, 1.0, gpu, c, power_scale)
     return StagePower(
         stage=k, power_cap_w=cap_w, clock_ratio=x, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
         demand_w=sol.demand_w, busy_power_w=load.power(x, gpu, c, power_scale), mean_power_w=e / step_s,
         peak_power_w=peak(phase_peak, sol.capped, c), throttled=sol.capped, busy_s=busy_s, energy_j=e,
-        spiking=max((dvfs.phase_power(p, 1.0, gpu, c, power_scale) for p in busy + end), default=0.0) > cap_w)
+        spiking=stretch_demand > cap_w, stretch_demand_w=stretch_demand)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,7 +197,8 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
     fp8 = cfg.precision == "fp8"
     busy = [busy_phases(s, m, c, fp8) for s in full]
     base = step_time(model, cluster, cfg, c, stages=full)
-    extra = max(0.0, float(extra_wait_s))
+    # launch gaps can give back time (a negative extra), down to the shortest stage's gaps
+    extra = max(-launch_gaps(full, m), float(extra_wait_s))
 
     def at(clocks: list[float]) -> StepTime:
         s = step_time(model, cluster, cfg, c, sm_clock=clocks, stages=full) if any(v < 1.0 for v in clocks) else base
@@ -201,13 +216,12 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         if done:
             break
     per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra, clock=x[k]) for k in range(pp)]
-    end = _step_end_phases(st, c)
     gpus_per_stage = cluster.world_size / pp
     energy = sum(s.energy_j for s in per_stage) * gpus_per_stage
     mean = energy / gpus_per_stage / pp / st.step_time_s
     crit = max(range(pp), key=lambda k: st.stages[k].total_s)
     hot = max(per_stage, key=lambda s: s.mean_power_w)
-    demand_peak = max(dvfs.phase_power(p, 1.0, gpu, c, scale[k]) for k in range(pp) for p in busy[k] + end)
+    demand_peak = max(s.stretch_demand_w for s in per_stage)
     busiest = max(per_stage, key=lambda s: s.demand_w)
     slowdown = (st.step_time_s - extra) / base.step_time_s
     temp = c.idle_temp_c + c.c_per_w * (hot.mean_power_w - gpu.idle_w)
@@ -221,20 +235,27 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         throttle_risk=risk, throttle_label=label, throttle_reason=reason, stages=per_stage, step=st)
 
 
+def launch_gaps(stages: Sequence[StageTime], m: int) -> float:
+    """Seconds per step of the launch / host gaps of the stage with the fewest (no kernel runs)."""
+    return m * min(s.overhead_s for s in stages)
+
+
 def power_at_step(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, step_s: float,
                   c: Constants = DEFAULT, stages: Sequence[StageTime] | None = None) -> PowerEstimate:
     """estimate_power for a step known to take `step_s` (measured, or a calibration's): the time
     the analytical step does not explain is spent in short waits (extra_wait_s), found so that the
-    step at the clocks the cap then holds is `step_s` (3 rounds; a step shorter than the model's
-    keeps the model's)."""
+    step at the clocks the cap then holds is `step_s` (3 rounds). A step shorter than the model's
+    is taken out of the model's launch gaps (host time: what the model knows least; the GPU's work
+    comes from FLOPs and bytes), as far as they go; beyond them the model's step stays."""
     full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
     e = estimate_power(model, cluster, cfg, c, stages=full)
+    floor = -launch_gaps(full, cfg.num_microbatches)
     extra = 0.0
     for _ in range(3):
         gap = step_s - e.step.step_time_s
-        if extra + gap <= 0 or abs(gap) < 1e-4 * step_s:
+        if abs(gap) < 1e-4 * step_s or (gap < 0 and extra <= floor + 1e-12):
             break
-        extra += gap
+        extra = max(floor, extra + gap)
         e = estimate_power(model, cluster, cfg, c, stages=full, extra_wait_s=extra)
     return e
 
@@ -254,7 +275,7 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
-        reason = (f"power spikes: the busiest phase draws {demand_peak:.0f} W at full clock > {cap:.0f} W cap "
+        reason = (f"power spikes: the busiest stretch draws {demand_peak:.0f} W at full clock > {cap:.0f} W cap "
                   f"(brief clock dips; the ~30 ms average stays under it)")
     else:
         r_power = c.throttle_risk_low_span * max(

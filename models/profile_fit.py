@@ -28,6 +28,11 @@ from advisor.search_spaces.layout import violations
 TE_SETTINGS = {
     # Megatron-Bridge / NeMo performance recipes: ddp.grad_reduce_in_fp32 = False (bf16 reduction)
     "dp_grad_reduce_bytes": 2.0,
+    # TE / apex fused Adam (one kernel per tensor chunk: 30 B/param) and gradient_accumulation_fusion
+    # (the wgrad GEMM accumulates into the fp32 main grad: no separate add), the Megatron-Bridge /
+    # NeMo defaults with Transformer Engine installed (models/constants.py)
+    "optimizer_bytes_per_param": 30.0,
+    "grad_accum_bytes_per_param": 0.0,
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
 }

@@ -105,6 +105,12 @@ class StageTime:
     moe_permute_s: float = 0.0
     moe_dispatch_s: float = 0.0
     moe_expert_gemm_s: float = 0.0
+    # their parts at the SM clock and memory-bound (the rest, host launch time, does not stretch)
+    moe_router_compute_s: float = 0.0
+    moe_router_memory_s: float = 0.0
+    moe_permute_memory_s: float = 0.0
+    moe_expert_compute_s: float = 0.0
+    moe_expert_memory_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -121,8 +127,10 @@ class StageTime:
 
 
 _MOE = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
+_MOE_PARTS = ("moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s",
+              "moe_expert_memory_s")
 _ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-             "fp8_fwd_s", "fp8_bwd_s") + _MOE
+             "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS
 
 
 @dataclass
@@ -250,6 +258,11 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         st.moe_permute_s += mt.permute
         st.moe_dispatch_s += mt.dispatch
         st.moe_expert_gemm_s += mt.expert
+        st.moe_router_compute_s += mt.router_gemm
+        st.moe_router_memory_s += mt.router_mem
+        st.moe_permute_memory_s += mt.permute_mem
+        st.moe_expert_compute_s += mt.expert_gemm
+        st.moe_expert_memory_s += mt.expert_mem
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
@@ -371,6 +384,14 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
                 p2p = cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
                 # the interleaved schedule overlaps its send/recv with compute (overlap_p2p_comm)
                 st.pp_p2p_s += p2p * (1.0 - c.pp_overlap_fraction) if cfg.vp > 1 else p2p
+        # gradient accumulation outside the GEMMs: each microbatch's backward adds every weight
+        # gradient of the stage into its fp32 main-grad buffer (memory-bound, per parameter; the
+        # routed experts' part is in their MoE phase, models/moe.py)
+        if c.grad_accum_bytes_per_param > 0:
+            dense = _stage_param_counts(model, cfg)[stage][0]
+            acc = dense * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
+            st.memory_bound_s += acc
+            st.backward_s += acc
         st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
         out.append(st)
     return out
@@ -403,10 +424,18 @@ def at_clocks(stages: Sequence[StageTime], sm_clock: float | Sequence[float] = 1
         new = copy.copy(st)
         new.gemm_s, new.attention_s, new.recompute_s = st.gemm_s * fc, st.attention_s * fc, st.recompute_s * fc
         new.memory_bound_s, new.forward_s, new.backward_s = st.memory_bound_s * fm, st.forward_s * mix, st.backward_s * mix
-        # the breakdown's parts of those categories (fp8 casts and MoE permutes are memory-bound,
-        # the router and expert GEMMs compute; the MoE dispatch is communication)
-        new.fp8_fwd_s, new.fp8_bwd_s, new.moe_permute_s = st.fp8_fwd_s * fm, st.fp8_bwd_s * fm, st.moe_permute_s * fm
-        new.moe_router_s, new.moe_expert_gemm_s = st.moe_router_s * fc, st.moe_expert_gemm_s * fc
+        # the breakdown's parts of those categories: fp8 casts are memory-bound; each MoE term
+        # stretches by its own parts (GEMMs at the SM clock, memory-bound kernels by memory_stretch,
+        # host launch time not at all); the MoE dispatch is communication
+        new.fp8_fwd_s, new.fp8_bwd_s = st.fp8_fwd_s * fm, st.fp8_bwd_s * fm
+        for term, comp, mem in (("moe_router_s", "moe_router_compute_s", "moe_router_memory_s"),
+                                ("moe_permute_s", None, "moe_permute_memory_s"),
+                                ("moe_expert_gemm_s", "moe_expert_compute_s", "moe_expert_memory_s")):
+            g, b = getattr(st, comp) if comp else 0.0, getattr(st, mem)
+            setattr(new, term, getattr(st, term) + g * (fc - 1.0) + b * (fm - 1.0))
+            if comp:
+                setattr(new, comp, g * fc)
+            setattr(new, mem, b * fm)
         out.append(new)
     return out
 

@@ -1,0 +1,179 @@
+"""The MoE power gap (docs/power.md, "MoE runs"): on the 40 MoE runs of our runner (1 x H100,
+data/measurements/h100x1-moe*.jsonl) the power model under-predicted mean power by 11% and flagged
+power-cap throttling NVML never saw. The causes, each checked here on its own, and the measured
+bounds that fail if the gap comes back."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from advisor.models import dvfs
+from advisor.models.calibrate import resolve_calibration
+from advisor.models.constants import DEFAULT
+from advisor.models.memory import plan_params
+from advisor.models.moe import moe_layer_time
+from advisor.models.power import busy_phases, launch_gaps, power_at_step
+from advisor.models.profile_fit import TE_SETTINGS
+from advisor.models.step_time import at_clocks, collective_time, gemm_time, group_link, stage_times, step_time
+from advisor.search_spaces.layout import pipeline_plan
+from support import load_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+MOE_FILES = ("h100x1-moe.jsonl", "h100x1-moe-d.jsonl")
+
+
+@pytest.fixture(scope="module")
+def chk():
+    return load_bench("power_check")
+
+
+@pytest.fixture(scope="module")
+def local():
+    return resolve_calibration("local")
+
+
+@pytest.fixture(scope="module")
+def runs(chk):
+    return chk.load([str(ROOT / "data" / "measurements" / f) for f in MOE_FILES])
+
+
+def _run(runs, run_id):
+    return next(r for r in runs if r["id"] == run_id)
+
+
+# ------------------------------------------------------------------------- measured bounds
+def test_moe_runs_mean_power_and_energy_within_the_issue_bounds(chk, runs, local):
+    """No power constant is fitted on these runs (their MoE step constants are, on all shapes)."""
+    pm = [chk.power_model(r, local.constants) for r in runs]
+    ee = [chk.end_to_end(r, local) for r in runs]
+    model, e2e = chk.errors(runs, pm), chk.errors(runs, ee)
+    assert model["mean_w"][1] == len(runs) == 40
+    assert model["mean_w"][0] <= 5.0 and e2e["mean_w"][0] <= 5.0  # were 11.4% and 11.0%
+    assert e2e["j_tok_sampled"][0] <= 10.0
+    bias = statistics.mean(p["mean_w"] / r["mean_w"] - 1 for r, p in zip(runs, pm))
+    assert abs(bias) < 0.03  # was -11%
+    # grouped experts and SequentialMLP alike (the gap was in both, ~30 J per step)
+    for grouped in (True, False):
+        sel = [(r, p) for r, p in zip(runs, pm) if r["rec"].cfg.moe_grouped_gemm == grouped]
+        assert chk.errors(*map(list, zip(*sel)))["mean_w"][0] <= 5.0, grouped
+    # NVML's power-cap reason: 54 pp off before (the model flagged every run)
+    assert model["throttle"][0] <= 20.0 and e2e["throttle"][0] <= 10.0
+
+
+def test_moe_runs_out_of_sample_in_their_shape(chk, local):
+    """Each MoE proxy shape predicted with MoE constants fitted on the other three."""
+    rows = chk.load([str(ROOT / "data" / "measurements" / f) for f in MOE_FILES])
+    out = chk.moe_loso_predictions(rows, local)
+    assert set(out) == {"deepseek-v2-lite", "mixtral-8x7b", "mixtral-fine32", "qwen3-30b-a3b"}
+    test = [r for t, _, _ in out.values() for r in t]
+    pm = [p for _, ps, _ in out.values() for p in ps]
+    ee = [q for _, _, qs in out.values() for q in qs]
+    assert len(test) == 40
+    assert chk.errors(test, pm)["mean_w"][0] <= 5.0
+    e2e = chk.errors(test, ee)
+    assert e2e["j_tok_sampled"][0] <= 10.0 and e2e["mean_w"][0] <= 6.0
+
+
+# ------------------------------------------------------------------------- the causes
+def test_local_stack_moves_every_parameter_each_microbatch_and_step(runs):
+    """Gradient accumulation (10 B/param per microbatch) and the unfused optimizer (110 B/param per
+    step) are memory-bound work of the local stack; TE fuses both (30, 0). On the Qwen3 proxy (2.0 B
+    parameters, 4 microbatches of 4,096 tokens) they are ~0.1 s of a 0.27 s step that the model
+    used to price as idle launch gaps."""
+    r = _run(runs, "h100x1-moe-d-00")["rec"]
+    m, cl, cfg = r.model, r.cluster, r.cfg
+    dense, experts, _ = plan_params(m, pipeline_plan(m, cfg), cfg.tp, cfg.ep * cfg.etp)[0]
+    hbm = cl.gpu.hbm_bandwidth_gbs * 1e9 * DEFAULT.hbm_efficiency
+    none = DEFAULT.replace(grad_accum_bytes_per_param=0.0)
+    with_acc, without = stage_times(m, cl, cfg, DEFAULT)[0], stage_times(m, cl, cfg, none)[0]
+    assert with_acc.memory_bound_s - without.memory_bound_s == pytest.approx((dense + experts) * 10 / hbm, rel=1e-6)
+    # the experts' share lands in the experts phase, where the runner times it
+    assert with_acc.moe_expert_gemm_s - without.moe_expert_gemm_s == pytest.approx(experts * 10 / hbm, rel=1e-6)
+    opt = step_time(m, cl, cfg, DEFAULT).optimizer_s
+    assert opt == pytest.approx((dense + experts) * 110 / hbm, rel=1e-6)
+    assert DEFAULT.optimizer_bytes_per_param == 110 and DEFAULT.grad_accum_bytes_per_param == 10
+    assert TE_SETTINGS["optimizer_bytes_per_param"] == 30 and TE_SETTINGS["grad_accum_bytes_per_param"] == 0
+    extra = opt * (1 - 30 / 110) + cfg.num_microbatches * (dense + experts) * 10 / hbm
+    assert 0.08 < extra < 0.15
+
+
+def _layer(rec, c=DEFAULT, **changes):
+    m, cl, cfg = rec.model, rec.cluster, rec.cfg.replace(**changes)
+    gpu = cl.gpu
+
+    def rate(a, b, n, linear=True):
+        return gemm_time(a, b, n, gpu.bf16_tflops * 1e12, gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
+
+    link = group_link(cl, 1, 1, c)
+    return moe_layer_time(m, cfg, cl, c, rate, link, link, collective_time)
+
+
+def test_grouped_expert_gemms_stream_what_few_tokens_lose(runs):
+    """One grouped GEMM keeps every SM busy: the rate it loses to few tokens per expert is
+    memory-bound streaming (priced as such); SequentialMLP's per-expert GEMMs leave SMs idle and
+    stay low-utilisation GEMM time."""
+    rec = _run(runs, "h100x1-moe-d-00")["rec"]  # Qwen3 proxy: 256 tokens per expert
+    c = DEFAULT.replace(moe_gemm_half_tokens=256.0)  # frac = 1/2
+    g = _layer(rec, c, moe_grouped_gemm=True)
+    s = _layer(rec, c, moe_grouped_gemm=False)
+    acc = 128 * (2048 * 2 * 768 + 768 * 2048) * 10 / (3.35e12 * c.hbm_efficiency)
+    x_mem = s.expert_mem
+    assert g.expert_gemm == pytest.approx(s.expert_gemm / 2, rel=1e-9)  # half of it streams
+    assert g.expert_mem == pytest.approx(x_mem + s.expert_gemm / 2, rel=1e-9)
+    assert x_mem > acc  # the gradient accumulation is in the experts' memory-bound part
+    # per second of GEMM, the grouped kernel's activity is the full-size GEMM's, the sequential one's lower
+    g_util = g.gemm_flops_util / g.gemm
+    s_util = s.gemm_flops_util / s.gemm
+    assert g_util > s_util
+
+
+def test_spikes_need_the_limiter_window(runs, local):
+    """A kernel over the cap inside a microbatch under it trips no power-cap reason: the uncapped
+    Qwen3 run's attention would draw more than 700 W at full clock, its microbatch averages less,
+    and NVML saw no power-cap reason; the model says the same."""
+    row = _run(runs, "h100x1-moe-d-00")
+    r = row["rec"]
+    c = local.constants
+    assert row["throttle"] == 0.0
+    gpu = r.cluster.gpu
+    assert dvfs.phase_power(dvfs.Phase("attention", 1.0), 1.0, gpu, c) > r.cluster.power_cap_w
+    e = power_at_step(r.model, r.cluster, r.cfg, row["step_s"], c)
+    assert e.throttle_fraction == 0.0 and e.demand_peak_w < r.cluster.power_cap_w
+    # and a run whose microbatches draw more holds a lower clock, as measured (1,740 MHz)
+    hot = _run(runs, "h100x1-moe-d-20")
+    e = power_at_step(hot["rec"].model, hot["rec"].cluster, hot["rec"].cfg, hot["step_s"], c)
+    assert hot["throttle"] == 1.0 and e.throttle_fraction == 1.0
+
+
+def test_moe_terms_stretch_by_their_own_parts(runs):
+    """Under a cap each MoE breakdown term stretches by its parts: GEMMs with the SM clock,
+    memory-bound kernels with memory_stretch, host launch time not at all."""
+    for run_id in ("h100x1-moe-d-00", "h100x1-moe-a-06"):
+        r = _run(runs, run_id)["rec"]
+        st = stage_times(r.model, r.cluster, r.cfg, DEFAULT)[0]
+        x = 0.7
+        (lo,) = at_clocks([st], x, 1.0, DEFAULT)
+        fc, fm = dvfs.compute_stretch(x, DEFAULT), dvfs.memory_stretch(x, 1.0, DEFAULT)
+        for term, comp, mem in (("moe_router_s", "moe_router_compute_s", "moe_router_memory_s"),
+                                ("moe_expert_gemm_s", "moe_expert_compute_s", "moe_expert_memory_s")):
+            rest = getattr(st, term) - getattr(st, comp) - getattr(st, mem)
+            assert rest >= 0
+            assert getattr(lo, term) == pytest.approx(rest + getattr(st, comp) * fc + getattr(st, mem) * fm)
+        assert lo.moe_permute_s == pytest.approx(st.moe_permute_s + st.moe_permute_memory_s * (fm - 1))
+
+
+def test_a_measured_step_shorter_than_the_model_comes_out_of_launch_gaps(runs, local):
+    row = _run(runs, "h100x1-moe-a-06")  # SequentialMLP: most of the step is host launch time
+    r, c = row["rec"], local.constants
+    full = stage_times(r.model, r.cluster, r.cfg, c)
+    model_step = step_time(r.model, r.cluster, r.cfg, c, stages=full).step_time_s
+    gaps = launch_gaps(full, r.cfg.num_microbatches)
+    target = model_step - gaps / 2
+    e = power_at_step(r.model, r.cluster, r.cfg, target, c, stages=full)
+    assert e.step.step_time_s == pytest.approx(target, rel=1e-3)
+    busy = dvfs.Load.of(busy_phases(full[0], r.cfg.num_microbatches, c), (), c).seconds(1.0)
+    # the work stays, less idle: mean power rises by the gap energy it no longer averages in
+    e0 = power_at_step(r.model, r.cluster, r.cfg, model_step, c, stages=full)
+    assert e.mean_power_w > e0.mean_power_w and busy < target
