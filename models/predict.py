@@ -58,6 +58,17 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
 
             raise IllegalLayout(f"illegal layout: {v[0]}")
     mem = stage_memory(model, cfg, c)
+    full = stage_times(model, cluster, cfg, c)
+    base = step_time(model, cluster, cfg, c, stages=full)
+    power = estimate_power(model, cluster, cfg, c, stages=full)
+    return assemble(model, cluster, cfg, c, mem, base, power)
+
+
+def assemble(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants, mem: list[StageMemory],
+             base: StepTime, power: PowerEstimate) -> Prediction:
+    """The Prediction of a layout from its stage memory, its step at the maximum clocks and its
+    power estimate (which holds the step at the clocks the caps hold). models.vectorized builds
+    the same three from arrays and calls this too, so both give the same fields."""
     worst = max(mem, key=lambda s: s.total_gib)
     capacity = cluster.gpu.memory_gib
     usable = capacity * c.memory_usable_fraction
@@ -65,9 +76,6 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
     reason = "" if feasible else (
         f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {usable:.1f} GiB usable "
         f"({c.memory_usable_fraction:.0%} of {capacity:.1f} GiB per GPU)")
-    full = stage_times(model, cluster, cfg, c)
-    base = step_time(model, cluster, cfg, c, stages=full)
-    power = estimate_power(model, cluster, cfg, c, stages=full)
     st = power.step
     tokens = cfg.tokens_per_step
     n = cluster.world_size
