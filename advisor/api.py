@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
 from advisor.models import DEFAULT, Constants, Prediction, predict
 from advisor.models.memory import peak_memory_gib
@@ -299,45 +301,66 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
     wl = default_workload(m, c, seq, gbs, precision)
     capacity = c.gpu.memory_gib * screen.memory_usable_fraction
-    evaluated = feasible = 0
+    from advisor.models import vectorized as vz
+
+    cfgs_all = list(enumerate_layouts(m, c, wl, options))
+    evaluated = len(cfgs_all)
+    if evaluated == 0:
+        raise NoFeasibleLayout(
+            f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
+            f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
+    L_all = vz.Layouts.of(m, cfgs_all)
+    mems = vz.peak_memory_gib(m, L_all, screen, c).tolist()
+    feasible = 0
     min_mem = (math.inf, None)
-    preds: list[tuple[TrainConfig, Prediction]] = []
+    keep: list[int] = []
     fits_with = (None, math.inf)  # (layout but recompute, the cheapest recompute that fits it)
-    for cfg in enumerate_layouts(m, c, wl, options):
-        evaluated += 1
+    for i, cfg in enumerate(cfgs_all):
         key, cost = _but_recompute(cfg), RECOMPUTE_COST[cfg.recompute]
         if key == fits_with[0] and cost > fits_with[1]:
             # recompute only costs time: with a cheaper mode fitting, this one fits and is slower
             feasible += 1
             continue
-        mem = peak_memory_gib(m, cfg, screen)
+        mem = mems[i]
         if mem > capacity:
             if mem < min_mem[0]:
                 min_mem = (mem, cfg)
             continue
         feasible += 1
         fits_with = (key, cost)
-        preds.append((cfg, predict(m, c, cfg, rank_constants, check_legal=False)))
-    if evaluated == 0:
-        raise NoFeasibleLayout(
-            f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
-            f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
-    if not preds:
+        keep.append(i)
+    if not keep:
         need, cfg = min_mem
         raise NoFeasibleLayout(
             f"{m.name} fits nowhere on {c.name}: the smallest layout needs {need:.1f} GiB per GPU "
             f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB usable "
             f"({screen.memory_usable_fraction:.0%} of {c.gpu.memory_gib:.1f}); use more GPUs or a bigger GPU")
-    best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
-    best_e = min(p.energy_j_per_token for _, p in preds)
-    ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
-    rank_scores = [_score(p, objective, best_tps, best_e) for _, p in ranked]
+    L = L_all.take(np.array(keep))
+    R = vz.evaluate(m, c, L, rank_constants, memory=False)
+    tps_a, e_a, risk_a = R.tokens_per_s_per_gpu, R.energy_j_per_token, R.throttle_risk
+    best_tps, best_e = float(tps_a.max()), float(e_a.min())
+    score = _scores(tps_a, e_a, risk_a, objective, best_tps, best_e)
+    order = _order(score, [L.config(i) for i in range(len(L))])
+    rank_scores = score[order].tolist()
     best_tps0, best_e0 = best_tps, best_e
-    if cal is not None:  # full calibrated predictions (surrogates, intervals) for the head only
-        head = cal.rescore(m, c, ranked[:max(4 * top, 20)], with_constants=rank_constants is cal.constants)
+    # the Predictions of the rows shown (and of every row for the HTML report, on demand)
+    preds = _LazyPredictions(R)
+    calv = cal is not None and vz.vectorizable(cal) and rank_constants is cal.constants
+    if cal is not None:  # full calibrated predictions (intervals) for the head only
+        hidx = order[:max(4 * top, 20)]
+        if calv:
+            Rh = vz.evaluate(m, c, L.take(hidx), rank_constants)
+            C = vz.Calibrated(cal, Rh)
+            rows = [j for j in range(len(hidx)) if C.feasible[j]] or list(range(len(hidx)))
+            head = [(L.config(int(hidx[j])), C.prediction(j)) for j in rows]
+        else:
+            head = cal.rescore(m, c, [(L.config(int(i)), preds[int(i)][1]) for i in hidx],
+                               with_constants=rank_constants is cal.constants)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    else:
+        ranked = _LazyRanked(preds, order)
     grid: list[float] = []
     chosen: dict[str, tuple[float, CapSweep | None]] = {}
     if objective != "throughput":  # choose each head layout's cap, then rank again
@@ -345,15 +368,14 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         pick = "min_energy" if objective == "energy" else "min_energy_within"
         cfgs = [cfg for cfg, _ in ranked[:max(2 * top, 10)]]
         caps = sorted(set(grid) | {float(c.power_cap_w)})
-        at_cap = {cap: _predict_many(m, with_power_cap(c, cap), cfgs, rank_constants, cal) for cap in caps}
+        at_cap = _sweep_caps(m, c, cfgs, caps, rank_constants, cal, calv)
         head = []
         for i, cfg in enumerate(cfgs):
-            pts = {cap: CapPoint(cap, p[i].step_time_s, p[i].energy_j_per_token, p[i].mean_power_w,
-                                 p[i].sm_clock_mhz, p[i].clock_ratio) for cap, p in at_cap.items()}
+            pts = {cap: at_cap.point(i, cap) for cap in caps}
             sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
             cap = getattr(sweep, pick).power_cap_w
             chosen[cfg.key()] = (cap, sweep)
-            head.append((cfg, at_cap[cap][i]))
+            head.append((cfg, at_cap.prediction(i, cap)))
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
@@ -375,6 +397,113 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
                            candidates=preds, calibrated_with=cal, power_caps=grid,
                            warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
+
+
+def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
+    """_score on arrays (the same formulas)."""
+    import numpy as np
+
+    if objective == "throughput":
+        return tps * (1.0 - 0.01 * risk)
+    if objective == "energy":
+        return -energy * (1.0 + 0.01 * risk)
+    return 0.5 * np.log(tps / best_tps) + 0.5 * np.log(best_e / energy) - 0.05 * risk
+
+
+def _order(score, cfgs: list[TrainConfig]):
+    """Rows by descending score, equal scores by layout key (as sorted(key=(-score, key)))."""
+    import numpy as np
+
+    order = np.argsort(-score, kind="stable")
+    s = score[order]
+    out = order.copy()
+    i, n = 0, len(order)
+    while i < n:
+        j = i + 1
+        while j < n and s[j] == s[i]:
+            j += 1
+        if j - i > 1:
+            out[i:j] = sorted(order[i:j], key=lambda r: cfgs[r].key())
+        i = j
+    return out
+
+
+class _LazyPredictions(Sequence):
+    """(TrainConfig, Prediction) of every ranked row of a vectorized evaluation, in enumeration
+    order; each Prediction is built when first asked for (the HTML report asks for all)."""
+
+    def __init__(self, res):
+        self.res = res
+        self._cache: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.res.layouts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        hit = self._cache.get(i)
+        if hit is None:
+            hit = self._cache[i] = (self.res.layouts.config(i), self.res.prediction(i))
+        return hit
+
+
+class _LazyRanked(Sequence):
+    """_LazyPredictions in ranking order."""
+
+    def __init__(self, preds: _LazyPredictions, order):
+        self.preds, self.order = preds, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.preds[self.order[j]] for j in range(*i.indices(len(self)))]
+        return self.preds[self.order[i]]
+
+
+class _CapSweep:
+    """A head's predictions at every cap of a sweep, evaluated as one array (caps vary fastest)."""
+
+    def __init__(self, m, c, cfgs, caps, constants, cal, calv):
+        from advisor.models import vectorized as vz
+        import numpy as np
+
+        self.m, self.c, self.cfgs, self.caps, self.constants, self.cal = m, c, cfgs, list(caps), constants, cal
+        self.col = {cap: j for j, cap in enumerate(self.caps)}
+        L = vz.Layouts.of(m, cfgs).repeat(len(self.caps))
+        capv = np.tile(np.array(self.caps, float), len(cfgs))
+        self.capv = capv
+        if cal is None or calv:
+            R = vz.evaluate(m, c, L, constants, caps=capv, memory=cal is not None)
+            self.arr = vz.Calibrated(cal, R, caps=capv) if cal is not None else R
+            self.ref = None
+        else:  # a calibration with surrogates: the reference, cap by cap
+            self.arr = None
+            self.ref = {cap: _predict_many(m, with_power_cap(c, cap), cfgs, constants, cal) for cap in self.caps}
+
+    def point(self, i: int, cap: float) -> CapPoint:
+        if self.ref is not None:
+            p = self.ref[cap][i]
+            return CapPoint(cap, p.step_time_s, p.energy_j_per_token, p.mean_power_w, p.sm_clock_mhz, p.clock_ratio)
+        r = i * len(self.caps) + self.col[cap]
+        a = self.arr
+        sm = float(a.sm_clock_mhz[r])
+        return CapPoint(cap, float(a.step_time_s[r]), float(a.energy_j_per_token[r]), float(a.mean_power_w[r]),
+                        None if math.isnan(sm) else sm, float(a.clock_ratio[r]))
+
+    def prediction(self, i: int, cap: float) -> Prediction:
+        if self.ref is not None:
+            return self.ref[cap][i]
+        return self.arr.prediction(i * len(self.caps) + self.col[cap], with_power_cap(self.c, cap))
+
+
+def _sweep_caps(m, c, cfgs, caps, constants, cal, calv) -> _CapSweep:
+    return _CapSweep(m, c, cfgs, caps, constants, cal, calv)
 
 
 def _predict_at(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal) -> Prediction:

@@ -554,10 +554,10 @@ class Calibration:
             return estimate_power(model, cluster, cfg, DEFAULT)
         return power_at_step(model, cluster, cfg, step_s, self.constants)
 
-    def _compose(self, model, cluster, cfg, p: Prediction, est: dict) -> CalibratedPrediction:
+    def _compose(self, model, cluster, cfg, p: Prediction, est: dict, pw=None) -> CalibratedPrediction:
         """`p`: the analytical prediction with the calibrated constants. Every power field comes
-        from one models.power evaluation (power_of); energy per token is its mean power x GPUs
-        over the tokens/s printed."""
+        from one models.power evaluation (power_of, or `pw` when the caller has evaluated it:
+        models.vectorized); energy per token is its mean power x GPUs over the tokens/s printed."""
         n = cluster.world_size
         tokens = cfg.tokens_per_step
         tps, tps_lo, tps_hi = est["tokens_per_s_per_gpu"]
@@ -569,7 +569,7 @@ class Calibration:
         feasible = mem <= cap
         reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB usable per GPU")
         d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}
-        pw = self.power_of(model, cluster, cfg, step)
+        pw = self.power_of(model, cluster, cfg, step) if pw is None else pw
         d.update(power_fields(pw))
         d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
                  tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,

@@ -344,7 +344,10 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     f = 1.0 + c.fragmentation
     stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
     peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
-    return peak, stage_bytes
+    # StageMemory.total_gib (what a Prediction prints and decides feasibility by)
+    total_gib = (weights / GIB + grads / GIB + opt / GIB + acts * f / GIB + logits * f / GIB + c.runtime_overhead_gib
+                 + np.maximum(0.0, transient - acts * f) / GIB)
+    return peak, total_gib
 
 
 # ------------------------------------------------------------------------------------------------
@@ -744,8 +747,9 @@ class Result:
 
         return step(self.base, stages(self.full)), step(self.step, stages(self.at))
 
-    def power_estimate(self, i: int):
-        """The models.power.PowerEstimate of row i (the reference's aggregate of its stages)."""
+    def power_estimate(self, i: int, cluster: ClusterSpec | None = None):
+        """The models.power.PowerEstimate of row i (the reference's aggregate of its stages);
+        `cluster`: the cluster with the cap row i was evaluated at, when that is not the cluster's."""
         from advisor.models.power import StagePower, aggregate
 
         base, st = self.step_objects(i)
@@ -765,18 +769,19 @@ class Result:
                 energy_j=float(self.power["energy_j"][s]), spiking=bool(self.power["spiking"][s]),
                 stretch_demand_w=float(self.power["stretch_demand_w"][s])))
         cfg = self.layouts.config(i)
-        cl = self.cluster
+        cl = cluster or self.cluster
         return aggregate(cl, cfg, self.constants, per, st, base, [p.clock_ratio for p in per], float(self.extra[i])), base
 
-    def prediction(self, i: int):
-        """The models.predict.Prediction of row i (memory per stage from the reference: cheap)."""
+    def prediction(self, i: int, cluster: ClusterSpec | None = None):
+        """The models.predict.Prediction of row i (memory per stage from the reference: cheap);
+        `cluster` as for power_estimate."""
         from advisor.models.memory import stage_memory
         from advisor.models.predict import assemble
 
         cfg = self.layouts.config(i)
-        power, base = self.power_estimate(i)
-        return assemble(self.model, self.cluster, cfg, self.constants, stage_memory(self.model, cfg, self.constants),
-                        base, power)
+        power, base = self.power_estimate(i, cluster)
+        return assemble(self.model, cluster or self.cluster, cfg, self.constants,
+                        stage_memory(self.model, cfg, self.constants), base, power)
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = DEFAULT,
@@ -931,7 +936,116 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = 
             "slowdown": slowdown, "throttle_fraction": S.sum((capped | power["spiking"]).astype(float)) / pp,
             "steady_temp_c": temp, "tflops_per_gpu": tflops, "mfu": tflops / gpu.bf16_tflops,
             "demand_mean_w": demand[busiest], "demand_peak_w": demand_peak}
-    peak = _memory(model, L, c, memo, S)[0] if memory else np.full(n, np.nan)
+    if memory:
+        peak, total_gib = _memory(model, L, c, memo, S)
+        rowd["memory_gib_per_gpu"] = S.max(total_gib)
+    else:
+        peak = np.full(n, np.nan)
     rowd["peak_memory_gib"] = peak
     return Result(model=model, cluster=cluster, layouts=L, constants=c, stages=S, full=full, base=base, at=at,
                   step=st, power=power, x=x, extra=extra, row=rowd, peak_gib=peak)
+
+
+# ------------------------------------------------------------------------------------------------
+# calibration (models.calibrate.Calibration.predict_many on arrays)
+# ------------------------------------------------------------------------------------------------
+
+def vectorizable(cal) -> bool:
+    """A calibration whose levels are all analytical / calibrated (no surrogate in use): its
+    predictions are functions of the analytical model's, which `Calibrated` computes on arrays.
+    Surrogates need the reference's per-layout features (Calibration.predict_many)."""
+    return not any(v["mode"] == "surrogate" and cal.surrogates.get(t) is not None for t, v in cal.targets.items())
+
+
+class Calibrated:
+    """Calibration.predict_many of every row of `res` (evaluated with the calibration's constants),
+    as arrays: tokens_per_s_per_gpu, step_time_s, energy_j_per_token, mean_power_w, throttle_risk,
+    sm_clock_mhz, clock_ratio, memory_gib_per_gpu, feasible; `prediction(i)` composes the
+    CalibratedPrediction of row i as the reference does (Calibration._compose), with the power
+    evaluation of power_of done here on arrays."""
+
+    def __init__(self, cal, res: Result, caps: np.ndarray | None = None):
+        from advisor.models.calibrate import ADDITIVE, apply_residual
+
+        if res.constants is not cal.constants:
+            raise ValueError("Calibrated needs the rows evaluated with the calibration's constants")
+        self.cal, self.res = cal, res
+        model, cluster, L = res.model, res.cluster, res.layouts
+        self.caps = caps
+        dft = None
+        if any(v["mode"] == "analytical" for v in cal.targets.values()):
+            dft = res if cal.constants is DEFAULT else evaluate(model, cluster, L, DEFAULT, caps=caps)
+        self.dft = dft
+        names = {"tokens_per_s_per_gpu": "tokens_per_s_per_gpu", "memory_gib_per_gpu": "memory_gib_per_gpu",
+                 "mean_power_w": "mean_power_w", "peak_power_w": "peak_power_w",
+                 "throttle_fraction": "throttle_fraction"}
+        est = {}
+        for t, spec in cal.targets.items():
+            base = (dft if spec["mode"] == "analytical" else res).row[names[t]]
+            iv = spec["interval"]
+            v = apply_residual(t, base, 0.0) if t in ADDITIVE else base
+            lo, hi = apply_residual(t, base, iv["lo"]), apply_residual(t, base, iv["hi"])
+            est[t] = (v, np.minimum(lo, hi), np.maximum(lo, hi))
+        self.est = est
+        n = cluster.world_size
+        tokens = L.gbs * L.seq
+        tps = est["tokens_per_s_per_gpu"][0]
+        step = tokens / (tps * n)
+        # the power evaluation behind the printed power numbers (Calibration.power_of)
+        if cal.targets["mean_power_w"]["mode"] == "analytical":
+            self.pw = (dft, np.arange(len(L)))
+            pw_rows = dft.row
+            src = {k: pw_rows[k] for k in ("mean_power_w", "throttle_risk", "sm_clock_mhz", "clock_ratio")}
+            self.pw_of = [(dft, i) for i in range(len(L))]
+        else:
+            self.pw_of, src = _power_at_step(res, step, caps)
+        mem = est["memory_gib_per_gpu"][0]
+        self.row = {"tokens_per_s_per_gpu": tps, "step_time_s": step, "memory_gib_per_gpu": mem,
+                    "feasible": mem <= cluster.gpu.memory_gib * cal.constants.memory_usable_fraction,
+                    "mean_power_w": src["mean_power_w"], "throttle_risk": src["throttle_risk"],
+                    "sm_clock_mhz": src["sm_clock_mhz"], "clock_ratio": src["clock_ratio"],
+                    "energy_j_per_token": src["mean_power_w"] * n * step / tokens}
+
+    def __getattr__(self, name):
+        row = self.__dict__.get("row")
+        if row is not None and name in row:
+            return row[name]
+        raise AttributeError(name)
+
+    def prediction(self, i: int, cluster: ClusterSpec | None = None):
+        res = self.res
+        cl = cluster or res.cluster
+        p = res.prediction(i, cl)
+        pres, j = self.pw_of[i]
+        pw = pres.power_estimate(j, cl)[0]
+        est = {t: tuple(float(a[i]) for a in e) for t, e in self.est.items()}
+        return self.cal._compose(res.model, cl, res.layouts.config(i), p, est, pw=pw)
+
+
+def _power_at_step(res: Result, step_s: np.ndarray, caps) -> tuple[list, dict]:
+    """models.power.power_at_step of every row at `step_s`: [(Result, row) per row], and the
+    per-row arrays of the evaluation each row ends with."""
+    n = len(res.layouts)
+    where = [(res, i) for i in range(n)]
+    keys = ("mean_power_w", "throttle_risk", "sm_clock_mhz", "clock_ratio")
+    out = {k: res.row[k].copy() for k in keys}
+    cur_step = res.row["step_time_s"].copy()
+    floor = -(res.layouts.num_microbatches * np.minimum.reduceat(res.full["overhead_s"], res.stages.start))
+    extra = np.zeros(n)
+    todo = np.arange(n)
+    for _ in range(3):
+        gap = step_s[todo] - cur_step[todo]
+        stop = (np.abs(gap) < 1e-4 * step_s[todo]) | ((gap < 0) & (extra[todo] <= floor[todo] + 1e-12))
+        todo = todo[~stop]
+        if not len(todo):
+            break
+        extra[todo] = np.maximum(floor[todo], extra[todo] + gap[~stop])
+        sub = res.layouts.take(todo)
+        e = evaluate(res.model, res.cluster, sub, res.constants,
+                     caps=None if caps is None else np.asarray(caps)[todo], extra_wait_s=extra[todo], memory=False)
+        for j, i in enumerate(todo):
+            where[i] = (e, j)
+        for k in keys:
+            out[k][todo] = e.row[k]
+        cur_step[todo] = e.row["step_time_s"]
+    return where, out
