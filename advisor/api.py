@@ -303,20 +303,26 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     capacity = c.gpu.memory_gib * screen.memory_usable_fraction
     from advisor.models import vectorized as vz
 
-    cfgs_all = list(enumerate_layouts(m, c, wl, options))
-    evaluated = len(cfgs_all)
+    from advisor.search_spaces.columns import enumerate_columns
+
+    L_all = enumerate_columns(m, c, wl, options)  # enumerate_layouts' layouts, as columns
+    evaluated = len(L_all)
     if evaluated == 0:
         raise NoFeasibleLayout(
             f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
             f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
-    L_all = vz.Layouts.of(m, cfgs_all)
     mems = vz.peak_memory_gib(m, L_all, screen, c).tolist()
+    # the layout but its recompute mode (_but_recompute): a new group where any other column changes
+    but = np.stack([L_all.tp, L_all.pp, L_all.dp, L_all.cp, L_all.ep, L_all.etp, L_all.vp, L_all.mbs,
+                    L_all.dist_opt, L_all.split], 1)
+    group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
+    costs = np.array([RECOMPUTE_COST[r] for r in ("none", "selective", "full")])[L_all.recompute].tolist()
     feasible = 0
     min_mem = (math.inf, None)
     keep: list[int] = []
     fits_with = (None, math.inf)  # (layout but recompute, the cheapest recompute that fits it)
-    for i, cfg in enumerate(cfgs_all):
-        key, cost = _but_recompute(cfg), RECOMPUTE_COST[cfg.recompute]
+    for i in range(evaluated):
+        key, cost = group[i], costs[i]
         if key == fits_with[0] and cost > fits_with[1]:
             # recompute only costs time: with a cheaper mode fitting, this one fits and is slower
             feasible += 1
@@ -324,13 +330,13 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         mem = mems[i]
         if mem > capacity:
             if mem < min_mem[0]:
-                min_mem = (mem, cfg)
+                min_mem = (mem, i)
             continue
         feasible += 1
         fits_with = (key, cost)
         keep.append(i)
     if not keep:
-        need, cfg = min_mem
+        need, cfg = min_mem[0], L_all.config(min_mem[1])
         raise NoFeasibleLayout(
             f"{m.name} fits nowhere on {c.name}: the smallest layout needs {need:.1f} GiB per GPU "
             f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB usable "
@@ -340,7 +346,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     tps_a, e_a, risk_a = R.tokens_per_s_per_gpu, R.energy_j_per_token, R.throttle_risk
     best_tps, best_e = float(tps_a.max()), float(e_a.min())
     score = _scores(tps_a, e_a, risk_a, objective, best_tps, best_e)
-    order = _order(score, [L.config(i) for i in range(len(L))])
+    order = _order(score, L)
     rank_scores = score[order].tolist()
     best_tps0, best_e0 = best_tps, best_e
     # the Predictions of the rows shown (and of every row for the HTML report, on demand)
@@ -410,7 +416,7 @@ def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
     return 0.5 * np.log(tps / best_tps) + 0.5 * np.log(best_e / energy) - 0.05 * risk
 
 
-def _order(score, cfgs: list[TrainConfig]):
+def _order(score, L):
     """Rows by descending score, equal scores by layout key (as sorted(key=(-score, key)))."""
     import numpy as np
 
@@ -423,7 +429,7 @@ def _order(score, cfgs: list[TrainConfig]):
         while j < n and s[j] == s[i]:
             j += 1
         if j - i > 1:
-            out[i:j] = sorted(order[i:j], key=lambda r: cfgs[r].key())
+            out[i:j] = sorted(order[i:j], key=lambda r: L.config(r).key())
         i = j
     return out
 

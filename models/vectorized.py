@@ -75,7 +75,11 @@ class Layouts:
     plans: list
     configs: list = field(default_factory=list, repr=False)   # TrainConfig or None per row
     extras: list = field(default_factory=list, repr=False)    # per row: the TrainConfig fields not in columns
-    _unit_keys: list | None = field(default=None, repr=False)
+    # rows made by search_spaces.columns: each row's pipeline split (an index into `splits`, the
+    # TrainConfig fields of the split) and the workload's precision, to make a row's TrainConfig
+    split: np.ndarray | None = None
+    splits: list = field(default_factory=list, repr=False)
+    precision: str = "bf16"
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -118,9 +122,21 @@ class Layouts:
                    configs=cfgs, extras=[(c.moe_dispatcher, c.moe_grouped_gemm, c.moe_router) for c in cfgs])
 
     def config(self, i: int) -> TrainConfig:
-        c = self.configs[i] if i < len(self.configs) else None
+        """Row i's TrainConfig (made from the columns the first time it is asked for)."""
+        i = int(i)
+        c = self.configs[i]
         if c is None:
-            raise IndexError(i)
+            names = {v: k for k, v in RECOMPUTE_CODES.items()}
+            disp, grouped, router = self.extras[i]
+            c = self.configs[i] = TrainConfig(
+                tp=int(self.tp[i]), pp=int(self.pp[i]), dp=int(self.dp[i]), cp=int(self.cp[i]), ep=int(self.ep[i]),
+                etp=int(self.etp[i]), vp=int(self.vp[i]), mbs=int(self.mbs[i]), gbs=int(self.gbs[i]),
+                seq=int(self.seq[i]), precision="fp8" if self.fp8[i] else self.precision,
+                recompute=names[int(self.recompute[i])], sequence_parallel=bool(self.sp[i]),
+                distributed_optimizer=bool(self.dist_opt[i]), overlap_grad_reduce=bool(self.overlap_grad[i]),
+                overlap_param_gather=bool(self.overlap_param[i]), tp_comm_overlap=bool(self.tp_overlap[i]),
+                moe_dispatcher=disp, moe_grouped_gemm=grouped, moe_router=router,
+                **self.splits[int(self.split[i])])
         return c
 
     def take(self, idx: np.ndarray) -> "Layouts":
@@ -128,9 +144,10 @@ class Layouts:
         idx = np.asarray(idx, np.int64)
         cols = {f.name: getattr(self, f.name)[idx] for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), np.ndarray)}
-        cfgs = [self.configs[i] for i in idx] if self.configs else []
+        cfgs = [self.configs[i] for i in idx]
         ex = [self.extras[i] for i in idx]
-        return Layouts(model=self.model, plans=self.plans, configs=cfgs, extras=ex, **cols)
+        return Layouts(model=self.model, plans=self.plans, configs=cfgs, extras=ex, splits=self.splits,
+                       precision=self.precision, **cols)
 
     def repeat(self, n: int) -> "Layouts":
         """Every row n times in a row (rows i*n .. i*n + n - 1 are row i): for sweeps over caps."""
