@@ -387,10 +387,21 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
     out = []
     first = ranked[0][1]
-    for i, (cfg, p) in enumerate(ranked[:top]):
+    # per-stage caps of the layouts shown with PP > 1 (models.power.stage_caps, on arrays), by cap
+    shown = ranked[:top]
+    per_cap: dict[float, list[int]] = {}
+    for i, (cfg, _) in enumerate(shown):
+        if cfg.pp > 1:
+            per_cap.setdefault(chosen.get(cfg.key(), (c.power_cap_w, None))[0], []).append(i)
+    scs: dict[int, Any] = {}
+    for cap, idx in per_cap.items():
+        got = vz.stage_caps_many(m, with_power_cap(c, cap), [shown[i][0] for i in idx],
+                                 cal.power_constants if cal is not None else rank_constants)
+        scs.update(zip(idx, got))
+    for i, (cfg, p) in enumerate(shown):
         cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
         at = with_power_cap(c, cap)
-        sc = stage_caps(m, at, cfg, cal.power_constants if cal is not None else rank_constants) if cfg.pp > 1 else None
+        sc = scs.get(i)
         out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
                                   reason=explain(m, at, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e), power_cap_w=cap,

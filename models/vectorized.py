@@ -1066,3 +1066,75 @@ def _power_at_step(res: Result, step_s: np.ndarray, caps) -> tuple[list, dict]:
             out[k][todo] = e.row[k]
         cur_step[todo] = e.row["step_time_s"]
     return where, out
+
+
+# ------------------------------------------------------------------------------------------------
+# per-stage caps (models.power.stage_caps of several layouts at once)
+# ------------------------------------------------------------------------------------------------
+
+def stage_caps_many(model: ModelSpec, cluster: ClusterSpec, cfgs: Sequence[TrainConfig], c: Constants = DEFAULT,
+                    step_w: float = 25.0, max_slowdown: float = 0.001) -> list:
+    """models.power.stage_caps of each layout: the same greedy search (stages off the critical
+    path, the most slack first, each cap lowered in `step_w` steps while the step stays within
+    `max_slowdown` and the energy falls), with every depth a stage could be lowered to evaluated
+    in one array per round, and the layouts' rounds together."""
+    from advisor.models.power import StageCaps
+
+    gpu = cluster.gpu
+    top = float(cluster.power_cap_w)
+    cfgs = list(cfgs)
+    L0 = Layouts.of(model, cfgs)
+    ref = evaluate(model, cluster, L0, c, memory=False)
+    S0 = ref.stages
+    state = []
+    for i, cfg in enumerate(cfgs):
+        pp = cfg.pp
+        s0 = int(S0.start[i])
+        totals = ref.step["totals"][s0:s0 + pp].tolist()
+        crit = max(range(pp), key=lambda k: totals[k])
+        order = sorted((k for k in range(pp) if k != crit), key=lambda k: totals[k]) if pp > 1 else []
+        state.append({"caps": [top] * pp, "cur": (ref, i), "E": float(ref.energy_j_per_token[i]), "order": order,
+                      "limit": float(ref.step_time_s[i]) * (1 + max_slowdown)})
+    while True:
+        rows, trials, owner = [], [], []
+        for i, s in enumerate(state):
+            if not s["order"]:
+                continue
+            k = s["order"][0]
+            caps = s["caps"]
+            v = caps[k]
+            depth = []
+            while v - step_w >= gpu.min_power_limit_w - 1e-9:
+                v = v - step_w
+                t = list(caps)
+                t[k] = v
+                depth.append(t)
+            if not depth:
+                s["order"].pop(0)
+                continue
+            rows += [i] * len(depth)
+            trials += depth
+            owner.append((i, k, len(depth)))
+        if not owner:
+            break
+        L = L0.take(np.array(rows))
+        R = evaluate(model, cluster, L, c, stage_caps=np.array([v for t in trials for v in t], float), memory=False)
+        at = 0
+        for i, k, n in owner:
+            s = state[i]
+            for j in range(n):
+                r = at + j
+                if R.step_time_s[r] > s["limit"] or R.energy_j_per_token[r] >= s["E"]:
+                    break
+                s["caps"], s["cur"], s["E"] = trials[r], (R, r), float(R.energy_j_per_token[r])
+            s["order"].pop(0)
+            at += n
+    out = []
+    for i, s in enumerate(state):
+        r0 = ref.power_estimate(i)[0]
+        res, j = s["cur"]
+        cur = res.power_estimate(j)[0]
+        saved = (1 - cur.energy_j_per_token / r0.energy_j_per_token) * 100
+        out.append(StageCaps(s["caps"], cur.energy_j_per_token, saved,
+                             (cur.step.step_time_s / r0.step.step_time_s - 1) * 100, cur.stages))
+    return out
