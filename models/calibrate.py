@@ -723,8 +723,34 @@ _CACHE: dict[str, "Calibration"] = {}
 def _load_cached(path: str) -> "Calibration":
     """Shipped profiles are read once per process (recommend / predict --batch ask many times)."""
     if path not in _CACHE:
-        _CACHE[path] = Calibration.load(path)
+        _CACHE[path] = _load_twin(Path(path)) or Calibration.load(path)
     return _CACHE[path]
+
+
+def _load_twin(path: Path) -> "Calibration | None":
+    """A shipped profile without surrogates from the JSON twin `save` writes next to it (the
+    same payload but the surrogates' states): no joblib import, a third of a cold command's
+    start-up on a small machine. tests/test_vectorized.py checks that both files of every
+    shipped profile load to the same calibration. None when the twin is missing or the profile
+    has surrogates (their states are only in the joblib file)."""
+    import json
+
+    twin = path.with_suffix(".json")
+    if not twin.is_file():
+        return None
+    try:
+        d = json.loads(twin.read_text())
+    except ValueError:
+        return None
+    if (d.get("format") != FORMAT or d.get("version") not in READS or d.get("surrogates") != {}
+            or tuple(d.get("feature_names", ())) != FEATURE_NAMES):
+        return None
+    known = {f.name for f in dataclasses.fields(Constants)}
+    c = Constants(**{k: v for k, v in d["constants"].items() if k in known})
+    profile = d.get("profile") or ("local" if path.resolve() == DEFAULT_FILE.resolve() else "custom")
+    return Calibration(constants=c, targets=d["targets"], surrogates={t: None for t in d["targets"]},
+                       trained_on=d.get("trained_on", {}), cv=d.get("cv", {}), fit_info=d.get("fit_info", {}),
+                       source=str(path), profile=profile)
 
 
 def format_intervals(p: CalibratedPrediction) -> str:
