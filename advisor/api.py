@@ -662,7 +662,26 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     sweep the per-GPU cap over `power_caps` (cap_grid) and give, in prediction.power_caps, the cap
     with the least J/token, the least within 5% of the fastest step, and per-stage caps for the
     stages off the critical path (PP > 1)."""
-    m, c = resolve(model, cluster, power_cap_w)
+    m, c, cfg, cal = _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack)
+    p = _predict_at(m, c, cfg, constants, cal)
+    if energy_caps:
+        sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), cap_grid(c.gpu, power_caps), c.power_cap_w)
+        sc = stage_caps(m, c, cfg, cal.power_constants if cal is not None else constants) if cfg.pp > 1 else None
+        p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
+    return cfg, p
+
+
+def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack, specs=None):
+    """(model, cluster, legal layout, calibration) of a predict request; bad input raises.
+    `specs`: a dict that keeps the (model, cluster) of each (model, cluster, cap) named before
+    (predict --batch: the same names on many lines)."""
+    key = (model, cluster, power_cap_w)
+    hit = specs.get(key) if specs is not None and all(isinstance(k, (str, float, int, type(None))) for k in key) else None
+    if hit is None:
+        hit = resolve(model, cluster, power_cap_w)
+        if specs is not None and isinstance(model, str) and isinstance(cluster, str):
+            specs[key] = hit
+    m, c = hit
     if overrides:
         from advisor.models.calibrate import apply_overrides
 
@@ -672,12 +691,22 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
-    p = _predict_at(m, c, cfg, constants, cal)
-    if energy_caps:
-        sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), cap_grid(c.gpu, power_caps), c.power_cap_w)
-        sc = stage_caps(m, c, cfg, cal.power_constants if cal is not None else constants) if cfg.pp > 1 else None
-        p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
-    return cfg, p
+    return m, c, cfg, cal
+
+
+def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], constants: Constants, cal) -> list:
+    """The predictions `_predict_at` gives, of several layouts of one model on one cluster, on
+    arrays (models.vectorized); a calibration with surrogates goes through its predict_many."""
+    from advisor.models import vectorized as vz
+
+    if cal is not None and not vz.vectorizable(cal):
+        return cal.predict_many(m, c, cfgs, check_legal=False)
+    L = vz.Layouts.of(m, cfgs)
+    R = vz.evaluate(m, c, L, cal.constants if cal is not None else constants)
+    if cal is None:
+        return [R.prediction(i) for i in range(len(cfgs))]
+    C = vz.Calibrated(cal, R)
+    return [C.prediction(i) for i in range(len(cfgs))]
 
 
 def _calibration(spec: Any, stack: str | None = None):
@@ -696,7 +725,7 @@ BATCH_KEYS = ("model", "cluster", "power_cap_w", "dp", "id") + LAYOUT_KEYS
 
 def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = DEFAULT_CALIBRATION,
                   overrides: Iterable[str] = (), stack: str | None = None,
-                  defaults: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+                  defaults: Mapping[str, Any] | None = None, chunk: int = 4096) -> Iterator[dict[str, Any]]:
     """One output object per input line, blank lines included: every input key echoed, plus
     `prediction` (with the derived `config`) or `error` (with the `line` number). A line carries
     `model`, `cluster`, `power_cap_w`, `id` (any value, echoed) and the layout keys (LAYOUT_KEYS);
@@ -711,21 +740,21 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
     sets = validate.parse_sets(overrides)
     set_keys = {"power_cap": "power_cap_w"}
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+    specs: dict = {}
 
-    for n, line in enumerate(lines, 1):
+    def check(n: int, line: str):
+        """(output object, None) for a line that is answered already (an error), or (output
+        object, (model, cluster, layout, calibration)) for one to predict."""
         where = f"line {n}: "
         if not line.strip():
-            yield {"line": n, "error": f"{where}blank line (one JSON object per line)"}
-            continue
+            return {"line": n, "error": f"{where}blank line (one JSON object per line)"}, None
         try:
             row = validate.loads_strict(line)
         except ValueError as e:
             msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-            yield {"line": n, "error": f"{where}not JSON ({msg})"}
-            continue
+            return {"line": n, "error": f"{where}not JSON ({msg})"}, None
         if not isinstance(row, dict):
-            yield {"line": n, "error": f"{where}expected a JSON object, got {type(row).__name__}"}
-            continue
+            return {"line": n, "error": f"{where}expected a JSON object, got {type(row).__name__}"}, None
         out = dict(row)
         try:
             for k in row:
@@ -743,13 +772,45 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
             if cap is not None:
                 cap = validate.number(f"{where}power_cap_w", cap, lo=0, lo_open=True)
             values = validate.layout_values(values, where)
-            cfg, p = predict_layout(values["model"], values["cluster"], values, power_cap_w=cap,
-                                    constants=constants, calibration=calibration, overrides=overrides,
-                                    stack=stack)
-            out["config"] = cfg.to_dict()
-            out["prediction"] = p.to_dict()
+            return out, _layout_to_predict(values["model"], values["cluster"], values, cap, calibration,
+                                           overrides, stack, specs)
         except (SpecError, ValueError, TypeError, ArithmeticError) as e:
-            msg = str(e)
-            out["line"] = n
-            out["error"] = msg if msg.startswith(where) else where + msg
-        yield out
+            return _error(out, n, e), None
+
+    def _error(out: dict, n: int, e: Exception) -> dict:
+        where = f"line {n}: "
+        msg = str(e)
+        out["line"] = n
+        out["error"] = msg if msg.startswith(where) else where + msg
+        return out
+
+    # lines are read `chunk` at a time (1: each line answered before the next is read, for a
+    # caller that writes a line and waits for its answer) and predicted together: the layouts of
+    # one model on one cluster in one array evaluation
+    it = iter(enumerate(lines, 1))
+    while True:
+        block = [x for _, x in zip(range(max(1, chunk)), it)]
+        if not block:
+            return
+        todo = [check(n, line) + (n,) for n, line in block]
+        groups: dict[tuple, list[int]] = {}
+        for j, (_, req, _) in enumerate(todo):
+            if req is not None:
+                m, c, cfg, cal = req
+                groups.setdefault((m, c, id(cal)), []).append(j)
+        for (m, c, _), js in groups.items():
+            cal = todo[js[0]][1][3]
+            try:
+                preds = _predict_group(m, c, [todo[j][1][2] for j in js], constants, cal)
+            except (SpecError, ValueError, TypeError, ArithmeticError):
+                preds = None  # one line's trouble: predicted line by line below, each with its error
+            for k, j in enumerate(js):
+                out, (m_, c_, cfg, cal_), n = todo[j]
+                try:
+                    p = preds[k] if preds is not None else _predict_at(m_, c_, cfg, constants, cal_)
+                    out["config"] = cfg.to_dict()
+                    out["prediction"] = p.to_dict()
+                except (SpecError, ValueError, TypeError, ArithmeticError) as e:
+                    _error(out, n, e)
+        for out, _, _ in todo:
+            yield out

@@ -1,7 +1,8 @@
 """One prediction for one layout: memory, time, power, throttle risk, energy. Pure."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
@@ -40,7 +41,21 @@ class Prediction:
     power_caps: dict = field(default_factory=dict)  # energy-optimal caps, when asked (models.power.cap_sweep)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """dataclasses.asdict of the prediction, without its deep copy of every number (the
+        fields hold numbers, strings and dicts / lists of them: copied container by container)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+
+def _plain(o):
+    if type(o) is dict:
+        return {k: _plain(v) for k, v in o.items()}
+    if type(o) is list:
+        return [_plain(v) for v in o]
+    if type(o) in (float, int, str, bool) or o is None:
+        return o
+    if type(o) is tuple:
+        return tuple(_plain(v) for v in o)
+    return asdict(o) if is_dataclass(o) and not isinstance(o, type) else copy.deepcopy(o)
 
 
 def memory_only(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageMemory]:

@@ -754,9 +754,13 @@ class Result:
         s0 = int(self.stages.start[i])
         pp = int(self.layouts.pp[i])
         m = int(self.layouts.num_microbatches[i])
+        mats = self.__dict__.setdefault("_mats", {})
 
         def stages(d):
-            return [StageTime(stage=k, **{f: float(d[f][s0 + k]) for f in STAGE_FIELDS}) for k in range(pp)]
+            mat = mats.get(id(d))
+            if mat is None:  # StageTime's fields after `stage`, in its order (STAGE_FIELDS)
+                mat = mats[id(d)] = np.stack([d[f] for f in STAGE_FIELDS], 1)
+            return [StageTime(k, *vals) for k, vals in enumerate(mat[s0:s0 + pp].tolist())]
 
         def step(d, sts):
             return StepTime(**{f: float(d[f][i]) for f in STEP_FIELDS}, overhead_s=self.constants.step_overhead_s,
@@ -769,6 +773,10 @@ class Result:
         `cluster`: the cluster with the cap row i was evaluated at, when that is not the cluster's."""
         from advisor.models.power import StagePower, aggregate
 
+        memo = self.__dict__.setdefault("_estimates", {})
+        hit = memo.get((i, id(cluster)))
+        if hit is not None and hit[0] is cluster:
+            return hit[1]
         base, st = self.step_objects(i)
         s0 = int(self.stages.start[i])
         pp = int(self.layouts.pp[i])
@@ -787,7 +795,9 @@ class Result:
                 stretch_demand_w=float(self.power["stretch_demand_w"][s])))
         cfg = self.layouts.config(i)
         cl = cluster or self.cluster
-        return aggregate(cl, cfg, self.constants, per, st, base, [p.clock_ratio for p in per], float(self.extra[i])), base
+        out = aggregate(cl, cfg, self.constants, per, st, base, [p.clock_ratio for p in per], float(self.extra[i])), base
+        memo[(i, id(cluster))] = (cluster, out)
+        return out
 
     def prediction(self, i: int, cluster: ClusterSpec | None = None):
         """The models.predict.Prediction of row i (memory per stage from the reference: cheap);
