@@ -809,7 +809,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
                 try:
                     p = preds[k] if preds is not None else _predict_at(m_, c_, cfg, constants, cal_)
                     out["config"] = cfg.to_dict()
-                    out["prediction"] = p.to_dict()
+                    out["prediction"] = p.to_dict(copy=False)  # made for this line alone
                 except (SpecError, ValueError, TypeError, ArithmeticError) as e:
                     _error(out, n, e)
         for out, _, _ in todo:

@@ -1,7 +1,7 @@
 """One prediction for one layout: memory, time, power, throttle risk, energy. Pure."""
 from __future__ import annotations
 
-import copy
+import copy as _copy
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
@@ -40,9 +40,12 @@ class Prediction:
     power: dict = field(default_factory=dict)  # per-stage caps, clocks and powers (models.power)
     power_caps: dict = field(default_factory=dict)  # energy-optimal caps, when asked (models.power.cap_sweep)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, copy: bool = True) -> dict:
         """dataclasses.asdict of the prediction, without its deep copy of every number (the
-        fields hold numbers, strings and dicts / lists of them: copied container by container)."""
+        fields hold numbers, strings and dicts / lists of them: copied container by container).
+        copy=False: the fields' own dicts and lists (for a caller that only serialises them)."""
+        if not copy:
+            return {f.name: getattr(self, f.name) for f in fields(self)}
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
 
@@ -55,7 +58,7 @@ def _plain(o):
         return o
     if type(o) is tuple:
         return tuple(_plain(v) for v in o)
-    return asdict(o) if is_dataclass(o) and not isinstance(o, type) else copy.deepcopy(o)
+    return asdict(o) if is_dataclass(o) and not isinstance(o, type) else _copy.deepcopy(o)
 
 
 def memory_only(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageMemory]:

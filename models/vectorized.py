@@ -781,18 +781,19 @@ class Result:
         s0 = int(self.stages.start[i])
         pp = int(self.layouts.pp[i])
         gpu = self.cluster.gpu
+        mat = self.__dict__.get("_power_mat")
+        if mat is None:
+            mat = self.__dict__["_power_mat"] = np.stack(
+                [self.power[f].astype(float) for f in ("power_cap_w", "demand_w", "busy_power_w", "mean_power_w",
+                                                       "peak_power_w", "throttled", "busy_s", "energy_j", "spiking",
+                                                       "stretch_demand_w")] + [self.x], 1)
         per = []
-        for k in range(pp):
-            s = s0 + k
-            x = float(self.x[s])
+        for k, (cap, demand, busy_w, mean, peak, thr, busy_s, e, spk, sd, x) in enumerate(mat[s0:s0 + pp].tolist()):
             per.append(StagePower(
-                stage=k, power_cap_w=float(self.power["power_cap_w"][s]), clock_ratio=x,
+                stage=k, power_cap_w=cap, clock_ratio=x,
                 sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
-                demand_w=float(self.power["demand_w"][s]), busy_power_w=float(self.power["busy_power_w"][s]),
-                mean_power_w=float(self.power["mean_power_w"][s]), peak_power_w=float(self.power["peak_power_w"][s]),
-                throttled=bool(self.power["throttled"][s]), busy_s=float(self.power["busy_s"][s]),
-                energy_j=float(self.power["energy_j"][s]), spiking=bool(self.power["spiking"][s]),
-                stretch_demand_w=float(self.power["stretch_demand_w"][s])))
+                demand_w=demand, busy_power_w=busy_w, mean_power_w=mean, peak_power_w=peak, throttled=thr != 0.0,
+                busy_s=busy_s, energy_j=e, spiking=spk != 0.0, stretch_demand_w=sd))
         cfg = self.layouts.config(i)
         cl = cluster or self.cluster
         out = aggregate(cl, cfg, self.constants, per, st, base, [p.clock_ratio for p in per], float(self.extra[i])), base
