@@ -282,28 +282,39 @@ def _memo(model: ModelSpec, cluster: ClusterSpec, c: Constants) -> _Memo:
     return hit
 
 
-def _gather_blocks(keys: list, block_of, n_rows: int, rows_pp: np.ndarray, stage_row: np.ndarray,
-                   stage_k: np.ndarray) -> np.ndarray:
-    """Flat per-stage rows of per-key [pp, ...] blocks: stage s of row r gets block_of(keys[r])[k]."""
-    ids: dict = {}
-    blocks = []
-    key_id = np.empty(n_rows, np.int64)
-    for r, k in enumerate(keys):
-        j = ids.get(k)
-        if j is None:
-            j = ids[k] = len(blocks)
-            blocks.append(block_of(k))
-        key_id[r] = j
+def _gather_blocks(cols: Sequence[np.ndarray], block_of, S: "_Stages") -> np.ndarray:
+    """Flat per-stage rows of per-key [pp, ...] blocks: the rows with the same values in `cols`
+    share the block `block_of(r)` of their first row r; stage s of row r gets its row k."""
+    first, inv = _unique_rows(cols)
+    blocks = [block_of(int(r)) for r in first]
     sizes = np.array([len(b) for b in blocks], np.int64)
-    off = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     flat = np.concatenate(blocks, axis=0)
-    return flat[off[key_id[stage_row]] + stage_k]
+    return flat[off[inv[S.row]] + S.k]
+
+
+def _codes(values: Sequence) -> np.ndarray:
+    """Small integer codes of hashable values (equal values, equal codes)."""
+    ids: dict = {}
+    return np.fromiter((ids.setdefault(v, len(ids)) for v in values), np.int64, len(values))
 
 
 def _unique_rows(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(index of the first row of each distinct combination, inverse: each row's combination)."""
-    a = np.stack([np.asarray(x, np.int64) for x in cols], axis=1)
-    _, first, inv = np.unique(a, axis=0, return_index=True, return_inverse=True)
+    a = [np.asarray(x, np.int64) for x in cols]
+    n = len(a[0])
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    key = np.zeros(n, np.int64)
+    radix = 1
+    for x in a:  # one mixed-radix integer per row, while it fits in 62 bits
+        lo, span = int(x.min()), int(x.max()) - int(x.min()) + 1
+        radix *= span
+        if radix >= 2 ** 62:
+            _, first, inv = np.unique(np.stack(a, 1), axis=0, return_index=True, return_inverse=True)
+            return first, inv.reshape(-1)
+        key = key * span + (x - lo)
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
     return first, inv.reshape(-1)
 
 
@@ -324,18 +335,15 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     m = L.num_microbatches
     r, k = S.row, S.k
     routers = [e[2] for e in L.extras]
-    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.recompute,
-                               [hash(x) for x in routers]])
+    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.recompute, _codes(routers)])
     names = {v: n for n, v in RECOMPUTE_CODES.items()}
     per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
                                   int(L.etp[i]), bool(L.sp[i]), bool(L.fp8[i]), routers[i],
                                   names[int(L.recompute[i])])) for i in first])  # [U, K, 2]
     lb = per_key[inv][r]  # [S, K, 2]
     plans = L.plans
-    params = _gather_blocks([(int(p), int(t), int(e)) for p, t, e in zip(L.plan, L.tp, L.ep * L.etp)],
-                            lambda key: memo.plan_params(plans[key[0]], key[1], key[2]), len(L), L.pp, r, k)
-    flight = _gather_blocks([(int(p), int(mm)) for p, mm in zip(L.plan, m)],
-                            lambda key: memo.in_flight(plans[key[0]], key[1]), len(L), L.pp, r, k)
+    params = _params(L, memo, S)
+    flight = _gather_blocks([L.plan, m], lambda i: memo.in_flight(plans[L.plan[i]], int(m[i])), S)
     counts = S.counts(memo)
     dense, experts, linear = params[:, 0], params[:, 1], params[:, 2]
     fp8_copy = np.where(L.fp8, c.bytes_fp8_weight_copy, 0.0)[r]
@@ -371,6 +379,16 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
 # stage times
 # ------------------------------------------------------------------------------------------------
 
+def _params(L: Layouts, memo: _Memo, S: "_Stages") -> np.ndarray:
+    """[S, 3] (dense, expert, linear) parameters of every stage (memory.plan_params)."""
+    hit = S.cache.get("params")
+    if hit is None:
+        ee = L.ep * L.etp
+        hit = S.cache["params"] = _gather_blocks(
+            [L.plan, L.tp, ee], lambda i: memo.plan_params(L.plans[L.plan[i]], int(L.tp[i]), int(ee[i])), S)
+    return hit
+
+
 class _Stages:
     """Flat (row, stage) indexing of a Layouts."""
 
@@ -382,12 +400,12 @@ class _Stages:
         self.row = np.repeat(np.arange(self.n), L.pp)
         self.k = np.arange(self.total) - self.start[self.row]
         self._counts = None
+        self.cache: dict = {}
 
     def counts(self, memo: _Memo) -> np.ndarray:
         if self._counts is None:
             plans = self.L.plans
-            self._counts = _gather_blocks([int(p) for p in self.L.plan], lambda j: memo.counts(plans[j]),
-                                          self.n, self.L.pp, self.row, self.k)
+            self._counts = _gather_blocks([self.L.plan], lambda i: memo.counts(plans[self.L.plan[i]]), self)
         return self._counts
 
     def max(self, v: np.ndarray) -> np.ndarray:
@@ -412,9 +430,10 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     e = c.bytes_activation
     m = L.num_microbatches
     extras = L.extras
-    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap,
-                               [hash(x) for x in extras],
-                               np.where([not x[1] for x in extras], m, 0)])
+    codes = _codes(extras)
+    seq_mlp = np.array([not x[1] for x in extras], bool) if len(set(extras)) > 1 or not extras[0][1] else False
+    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
+                               np.where(seq_mlp, m, 0)])
     units, utils = [], []
     for i in first:
         disp, grouped, router = extras[i]
@@ -424,20 +443,25 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
         u, ut = memo.unit(key)
         units.append(u)
         utils.append(ut)
-    U = np.stack(units)[inv][r]   # [S, K, F]
-    UT = np.stack(utils)[inv][r]  # [S, K, 2]
+    U = np.stack(units)           # [keys, K, F]
+    UT = np.stack(utils)          # [keys, K, 2]
+    key = inv[r]                  # each stage's layer shape
     counts = S.counts(memo)       # [S, K]
+    K = counts.shape[1]
+    cols = [counts[:, j] for j in range(K)]
     out: dict[str, np.ndarray] = {}
     for fi, name in enumerate(UNIT_FIELDS):
         acc = np.zeros(S.total)
-        for j in range(counts.shape[1]):
-            acc = acc + counts[:, j] * U[:, j, fi]
+        for j in range(K):
+            u = U[:, j, fi]
+            if u.any():
+                acc = acc + cols[j] * u[key]
         out[name] = acc
     util0 = np.zeros(S.total)
     util1 = np.zeros(S.total)
-    for j in range(counts.shape[1]):
-        util0 = util0 + counts[:, j] * UT[:, j, 0]
-        util1 = util1 + counts[:, j] * UT[:, j, 1]
+    for j in range(K):
+        util0 = util0 + cols[j] * UT[:, j, 0][key]
+        util1 = util1 + cols[j] * UT[:, j, 1][key]
     attn_f, gemm_f, mb_f = out["attention_s"], out["gemm_s"], out["memory_bound_s"]
     fp8_f, fp8_b = out["fp8_fwd_s"], out["fp8_bwd_s"]
     comm_f = out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"]
@@ -491,9 +515,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
         p2p = np.where(ok, p2p + one, p2p)
     out["pp_p2p_s"] = p2p
     if c.grad_accum_bytes_per_param > 0:
-        plans = L.plans
-        params = _gather_blocks([(int(p), int(t), int(ee)) for p, t, ee in zip(L.plan, L.tp, L.ep * L.etp)],
-                                lambda key: memo.plan_params(plans[key[0]], key[1], key[2]), len(L), L.pp, r, k)
+        params = _params(L, memo, S)
         acc = params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
         mb = mb + acc
         backward = backward + acc
@@ -581,9 +603,7 @@ def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
 
 def _dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: _Memo, S: _Stages) -> _DP:
     r, k = S.row, S.k
-    plans = L.plans
-    params = _gather_blocks([(int(p), int(t), int(e)) for p, t, e in zip(L.plan, L.tp, L.ep * L.etp)],
-                            lambda key: memo.plan_params(plans[key[0]], key[1], key[2]), len(L), L.pp, r, k)
+    params = _params(L, memo, S)
     dense, experts = params[:, 0], params[:, 1]
     dbw, dlat = _group_link(cluster, L.tp * L.cp, L.dp, c)
     edp = L.expert_dp
