@@ -666,14 +666,17 @@ class _Load:
         return self.t1 / x + self.t0 + self.wait_s + self.gap_s
 
     def power(self, x, idle, span, c: Constants, ps):
+        """(evaluate runs under np.errstate(divide="ignore", invalid="ignore"): a stage with no
+        time at all takes the t <= 0 branch of dvfs.Load.power.)"""
         t = self.seconds(x)
         v2 = _voltage(x, c) ** 2
-        with np.errstate(divide="ignore", invalid="ignore"):
-            e = (c.clock_power * x * t + self.switch + c.wait_power * self.wait_s) * v2 * ps
-            e = e + (self.hbm1 / x + self.hbm0)
-            busy = idle + span * e / t
-        empty = idle + span * c.clock_power * x * _voltage(x, c) ** 2 * ps
-        return np.where(t <= 0, empty, busy)
+        e = (c.clock_power * x * t + self.switch + c.wait_power * self.wait_s) * v2 * ps
+        e = e + (self.hbm1 / x + self.hbm0)
+        busy = idle + span * e / t
+        empty = t <= 0
+        if np.any(empty):
+            return np.where(empty, idle + span * c.clock_power * x * _voltage(x, c) ** 2 * ps, busy)
+        return busy
 
 
 def _phase_sums(phases, c: Constants):
@@ -696,47 +699,45 @@ def _lw(length, c: Constants):
 
 
 def _solve(load: _Load, cap, idle, span, c: Constants, ps):
-    """dvfs.solve_load on arrays: (x, demand, capped)."""
+    """dvfs.solve_load on arrays: (x, demand, capped). The regula falsi runs on the stages still
+    unsolved; each keeps its own iterations and stopping rule."""
     demand = load.power(1.0, idle, span, c, ps)
     capped = demand > cap
     lo_x = c.min_clock_ratio
     p_lo = load.power(np.full_like(demand, lo_x), idle, span, c, ps)
     x = np.where(capped, lo_x, 1.0)
-    run = capped & (p_lo < cap)
-    idx = np.flatnonzero(run)
-    if len(idx):
-        sub = _Load(*(v[idx] if isinstance(v, np.ndarray) else v for v in
-                      (load.t1, load.t0, load.switch, load.hbm1, load.hbm0, load.wait_s, load.gap_s)))
-        capv = cap[idx]
-        psv = ps[idx] if isinstance(ps, np.ndarray) else ps
-        lo = np.full(len(idx), lo_x)
-        hi = np.ones(len(idx))
-        f_lo = p_lo[idx] - capv
-        f_hi = demand[idx] - capv
-        side = np.zeros(len(idx), np.int8)
-        active = np.ones(len(idx), bool)
-        for _ in range(60):
-            a = np.flatnonzero(active)
-            if not len(a):
+    idx = np.flatnonzero(capped & (p_lo < cap))
+    if not len(idx):
+        return x, demand, capped
+    parts = [v[idx] if isinstance(v, np.ndarray) else v for v in
+             (load.t1, load.t0, load.switch, load.hbm1, load.hbm0, load.wait_s, load.gap_s)]
+    capv = cap[idx]
+    psv = ps[idx] if isinstance(ps, np.ndarray) else ps
+    lo = np.full(len(idx), lo_x)
+    hi = np.ones(len(idx))
+    f_lo = p_lo[idx] - capv
+    f_hi = demand[idx] - capv
+    side = np.zeros(len(idx), np.int8)
+    for _ in range(60):
+        mid = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+        f = _Load(*parts).power(mid, idle, span, c, psv) - capv
+        up = f > 0
+        # f > 0: hi = mid, and f_lo halves when the step before also moved hi (Illinois)
+        f_lo = np.where(up, np.where(side == 1, f_lo / 2, f_lo), f)
+        f_hi = np.where(up, f, np.where(side == -1, f_hi / 2, f_hi))
+        hi = np.where(up, mid, hi)
+        lo = np.where(up, lo, mid)
+        side = np.where(up, 1, -1).astype(np.int8)
+        done = (hi - lo < 1e-7) | (np.abs(f) < 1e-6)
+        if done.any():
+            x[idx[done]] = lo[done]
+            keep = ~done
+            if not keep.any():
                 break
-            l_, h_, fl, fh = lo[a], hi[a], f_lo[a], f_hi[a]
-            mid = (l_ * fh - h_ * fl) / (fh - fl)
-            sa = _Load(*(v[a] if isinstance(v, np.ndarray) else v for v in
-                         (sub.t1, sub.t0, sub.switch, sub.hbm1, sub.hbm0, sub.wait_s, sub.gap_s)))
-            f = sa.power(mid, idle, span, c, psv[a] if isinstance(psv, np.ndarray) else psv) - capv[a]
-            sd = side[a]
-            up = f > 0
-            # f > 0: hi = mid; halve f_lo if the previous step also moved hi
-            nh = np.where(up, mid, h_)
-            nfh = np.where(up, f, fh)
-            nfl = np.where(up & (sd == 1), fl / 2, fl)
-            nl = np.where(up, l_, mid)
-            nfl = np.where(up, nfl, f)
-            nfh = np.where(~up & (sd == -1), nfh / 2, nfh)
-            lo[a], hi[a], f_lo[a], f_hi[a] = nl, nh, nfl, nfh
-            side[a] = np.where(up, 1, -1)
-            done = (nh - nl < 1e-7) | (np.abs(f) < 1e-6)
-            active[a[done]] = False
+            idx, lo, hi, f_lo, f_hi, side, capv = idx[keep], lo[keep], hi[keep], f_lo[keep], f_hi[keep], side[keep], capv[keep]
+            parts = [v[keep] if isinstance(v, np.ndarray) else v for v in parts]
+            psv = psv[keep] if isinstance(psv, np.ndarray) else psv
+    else:
         x[idx] = lo
     return x, demand, capped
 
@@ -837,7 +838,13 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = 
              extra_wait_s: np.ndarray | float = 0.0, memory: bool = True) -> Result:
     """predict() of every row of `L` on `cluster` as arrays: memory, stage times, the step and the
     power fixed point (models.power.estimate_power) under `caps` (per GPU: one number, one per row,
-    or `stage_caps`, one per stage in the flat order; default the cluster's cap)."""
+    or `stage_caps`, one per stage in the flat order; default the cluster's cap). Divisions by
+    zero take the reference's branches (np.where), so numpy's warnings about them are off."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory)
+
+
+def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> Result:
     gpu = cluster.gpu
     S = _Stages(L)
     memo = _memo(model, cluster, c)
