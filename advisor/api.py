@@ -440,7 +440,7 @@ def _order(score, L):
         while j < n and s[j] == s[i]:
             j += 1
         if j - i > 1:
-            out[i:j] = sorted(order[i:j], key=lambda r: L.config(r).key())
+            out[i:j] = sorted(order[i:j], key=L.key)
         i = j
     return out
 

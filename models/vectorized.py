@@ -80,6 +80,7 @@ class Layouts:
     split: np.ndarray | None = None
     splits: list = field(default_factory=list, repr=False)
     precision: str = "bf16"
+    same_extras: bool = False  # every row has the same extras (search_spaces.columns)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -139,6 +140,23 @@ class Layouts:
                 **self.splits[int(self.split[i])])
         return c
 
+    def key(self, i: int) -> str:
+        """TrainConfig.key() of row i (from the columns when its TrainConfig is not made yet)."""
+        i = int(i)
+        c = self.configs[i]
+        if c is not None:
+            return c.key()
+        sp = self.splits[int(self.split[i])]
+        disp, grouped, router = self.extras[i]
+        names = ("none", "selective", "full")
+        return (f"tp{self.tp[i]}-pp{self.pp[i]}-dp{self.dp[i]}-cp{self.cp[i]}-ep{self.ep[i]}-etp{self.etp[i]}"
+                f"-vp{self.vp[i]}-mbs{self.mbs[i]}-gbs{self.gbs[i]}-seq{self.seq[i]}"
+                f"-{'fp8' if self.fp8[i] else self.precision}-{names[int(self.recompute[i])]}"
+                + ("-acce" if sp.get("account_for_embedding") else "") + ("-accl" if sp.get("account_for_loss") else "")
+                + (f"-layout[{sp['pipeline_layout']}]" if sp.get("pipeline_layout") else "")
+                + (f"-{disp}" if disp != "alltoall" else "") + ("-seqmlp" if not grouped else "")
+                + (f"-{router}" if router != "aux_loss" else ""))
+
     def take(self, idx: np.ndarray) -> "Layouts":
         """The rows `idx` (in that order)."""
         idx = np.asarray(idx, np.int64)
@@ -147,7 +165,7 @@ class Layouts:
         cfgs = [self.configs[i] for i in idx]
         ex = [self.extras[i] for i in idx]
         return Layouts(model=self.model, plans=self.plans, configs=cfgs, extras=ex, splits=self.splits,
-                       precision=self.precision, **cols)
+                       precision=self.precision, same_extras=self.same_extras, **cols)
 
     def repeat(self, n: int) -> "Layouts":
         """Every row n times in a row (rows i*n .. i*n + n - 1 are row i): for sweeps over caps."""
@@ -293,6 +311,13 @@ def _gather_blocks(cols: Sequence[np.ndarray], block_of, S: "_Stages") -> np.nda
     return flat[off[inv[S.row]] + S.k]
 
 
+def _extra_codes(L: "Layouts", values: Sequence) -> np.ndarray:
+    """_codes of per-row values of L.extras (all 0 when every row has the same extras)."""
+    if L.same_extras:
+        return np.zeros(len(values), np.int64)
+    return _codes(values)
+
+
 def _codes(values: Sequence) -> np.ndarray:
     """Small integer codes of hashable values (equal values, equal codes)."""
     ids: dict = {}
@@ -335,12 +360,15 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     m = L.num_microbatches
     r, k = S.row, S.k
     routers = [e[2] for e in L.extras]
-    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.recompute, _codes(routers)])
+    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.recompute,
+                               _extra_codes(L, routers)])
     names = {v: n for n, v in RECOMPUTE_CODES.items()}
     per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
                                   int(L.etp[i]), bool(L.sp[i]), bool(L.fp8[i]), routers[i],
                                   names[int(L.recompute[i])])) for i in first])  # [U, K, 2]
-    lb = per_key[inv][r]  # [S, K, 2]
+    key = inv[r]
+    K = per_key.shape[1]
+    lb0 = [per_key[:, j, 0][key] for j in range(K)]  # a layer's bytes per kind, per stage
     plans = L.plans
     params = _params(L, memo, S)
     flight = _gather_blocks([L.plan, m], lambda i: memo.in_flight(plans[L.plan[i]], int(m[i])), S)
@@ -354,13 +382,14 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     opt = c.bytes_optimizer * shard
     transient = c.bytes_optimizer_transient * shard
     acts = np.zeros(len(r))
-    for j in range(lb.shape[1]):
-        acts = acts + flight[:, j] * lb[:, j, 0]
+    for j in range(K):
+        acts = acts + flight[:, j] * lb0[j]
     full = (L.recompute == RECOMPUTE_CODES["full"])[r]
-    if full.any():
-        present = counts > 0
-        work = np.where(present, lb[:, :, 1], -np.inf).max(axis=1)
-        acts = np.where(full & present.any(axis=1), acts + np.where(np.isfinite(work), work, 0.0), acts)
+    if full.any():  # the recompute working set: the largest layer of the stage without recompute
+        work = np.full(len(r), -np.inf)
+        for j in range(K):
+            work = np.where(counts[:, j] > 0, np.maximum(work, per_key[:, j, 1][key]), work)
+        acts = np.where(full & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
     last = k == L.pp[r] - 1
     T = (L.seq / L.cp * L.mbs)[r]
     logits = np.where(last, T * model.vocab_size / L.tp[r] * (c.bytes_activation + c.bytes_logits_fp32), 0.0)
@@ -382,10 +411,30 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
 def _params(L: Layouts, memo: _Memo, S: "_Stages") -> np.ndarray:
     """[S, 3] (dense, expert, linear) parameters of every stage (memory.plan_params)."""
     hit = S.cache.get("params")
-    if hit is None:
-        ee = L.ep * L.etp
-        hit = S.cache["params"] = _gather_blocks(
-            [L.plan, L.tp, ee], lambda i: memo.plan_params(L.plans[L.plan[i]], int(L.tp[i]), int(ee[i])), S)
+    if hit is None:  # memory._stage_params, term by term
+        from advisor.models.flops import embedding_params, layer_params, output_params
+
+        model = L.model
+        r, k = S.row, S.k
+        tp = L.tp[r].astype(float)
+        ee = (L.ep * L.etp)[r].astype(float)
+        counts = S.counts(memo)
+        dense = np.zeros(S.total)
+        experts = np.zeros(S.total)
+        linear = np.zeros(S.total)
+        for j, i in enumerate(memo.kinds):
+            lp = layer_params(model, i)
+            n = counts[:, j]
+            sharded = float(lp.attention + lp.dense_mlp + lp.shared_experts)
+            dense = dense + n * (sharded / tp + lp.router + lp.norms)
+            experts = experts + n * float(lp.experts) / ee
+            linear = linear + n * (sharded / tp + lp.experts / ee)
+        dense = np.where(k == 0, dense + embedding_params(model) / tp, dense)
+        last = k == L.pp[r] - 1
+        dense = np.where(last, dense + output_params(model) / tp, dense)
+        if model.tied_embeddings:  # Megatron keeps a copy of the word embeddings on the last stage
+            dense = np.where(last & (L.pp[r] > 1), dense + model.vocab_size * model.hidden_size / tp, dense)
+        hit = S.cache["params"] = np.stack([dense, experts, linear], 1)
     return hit
 
 
@@ -430,8 +479,9 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     e = c.bytes_activation
     m = L.num_microbatches
     extras = L.extras
-    codes = _codes(extras)
-    seq_mlp = np.array([not x[1] for x in extras], bool) if len(set(extras)) > 1 or not extras[0][1] else False
+    codes = _extra_codes(L, extras)
+    seq_mlp = (np.array([not x[1] for x in extras], bool) if not L.same_extras
+               else np.full(len(extras), not extras[0][1]) if extras else False)
     first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
                                np.where(seq_mlp, m, 0)])
     units, utils = [], []
@@ -856,7 +906,7 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
         cap = np.full(S.total, float(cluster.power_cap_w))
     else:
         cap = np.broadcast_to(np.asarray(caps, float), (n,))[r].copy()
-    for v in np.unique(cap):
+    for v in set(cap.tolist()):  # (np.unique without indices would import numpy.ma: 30 ms cold)
         gpu.check_power_cap(float(v))
     m = L.num_microbatches
     mf = m[r]

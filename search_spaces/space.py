@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Iterator
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
@@ -44,13 +45,13 @@ class Workload:
 
 @dataclass(frozen=True)
 class SpaceOptions:
-    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    mbs: tuple[int, ...] = (1, 2, 4, 8, 16)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     max_vp: int = 32  # NVIDIA's H100 presets go to one layer per chunk (VP 12, 20, 24)
     max_cp: int = 16
     min_tokens_per_cp_rank: int = 2048
     uneven_pipeline: bool = True
-    max_layout_vp: int = 8  # explicit layouts are generated for power-of-two vp up to this
+    max_layout_vp: int = 32  # explicit layouts are generated for every vp up to this that no other split allows
     tp_comm_overlap: bool = False  # needs Transformer Engine
     distributed_optimizer: tuple[bool, ...] = (True,)
     extra: dict = field(default_factory=dict)
@@ -75,6 +76,7 @@ def pipeline_splits(num_layers: int, pp: int, allow_uneven: bool) -> list[tuple[
     return [(first, last)]
 
 
+@lru_cache(maxsize=4096)
 def balanced_layout(num_layers: int, pp: int, vp: int) -> str | None:
     """A megatron-core pipeline layout string for pp·vp chunks in which the embedding and the loss
     count as one layer each and every chunk holds k or k - 1 of these units. The short chunks are
@@ -124,7 +126,7 @@ def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple
     it allows). An even split when it exists. Otherwise Megatron's uneven splits: the embedding
     and / or the loss counted as a layer (--account-for-*-in-pipeline-split, as NVIDIA's 405B and
     Qwen3-235B presets do), the first / last stage trimmed (--decoder-first/last-pipeline-num-
-    layers) when that accounting does not split either, and for a power-of-two vp that none of them
+    layers) when that accounting does not split either, and for every vp that none of them
     allows an explicit --pipeline-model-parallel-layout (`balanced_layout`)."""
     if pp == 1:
         return [({}, [1])]
@@ -151,7 +153,7 @@ def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple
             counts = stage_layer_counts(num_layers, pp, first, last)
             out.append(({"pp_first_layers": first, "pp_last_layers": last}, vps(*counts)))
     covered = {v for _, vs in out for v in vs}
-    for v in powers_of_two_upto(min(options.max_vp, options.max_layout_vp))[1:]:
+    for v in range(2, min(options.max_vp, options.max_layout_vp) + 1):
         if v not in covered:
             layout = balanced_layout(num_layers, pp, v)
             if layout is not None:

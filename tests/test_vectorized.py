@@ -84,6 +84,7 @@ def test_whole_space_agrees_with_the_reference(model, cluster, wl_over, options,
     # the columnar enumeration is the same space in the same order
     cols = enumerate_columns(m, c, wl, options)
     assert len(cols) == len(cfgs)
+    assert all(cols.key(i) == cfg.key() for i, cfg in enumerate(cfgs))  # from the columns
     assert all(cols.config(i) == cfg for i, cfg in enumerate(cfgs))
     assert {cfg.recompute for cfg in cfgs} == {"none", "selective", "full"}
     res = vz.evaluate(m, c, cols, DEFAULT)
