@@ -281,7 +281,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
 
     st = get_stack(stack)
     if options is None:
-        options = SpaceOptions(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
+        options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:

@@ -45,16 +45,25 @@ class Workload:
 
 @dataclass(frozen=True)
 class SpaceOptions:
-    mbs: tuple[int, ...] = (1, 2, 4, 8, 16)
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     max_vp: int = 32  # NVIDIA's H100 presets go to one layer per chunk (VP 12, 20, 24)
     max_cp: int = 16
     min_tokens_per_cp_rank: int = 2048
     uneven_pipeline: bool = True
-    max_layout_vp: int = 32  # explicit layouts are generated for every vp up to this that no other split allows
+    max_layout_vp: int = 8  # explicit layouts are generated for vp up to this that no other split allows:
+    every_layout_vp: bool = False  # every such vp (True) or the powers of two (False)
     tp_comm_overlap: bool = False  # needs Transformer Engine
     distributed_optimizer: tuple[bool, ...] = (True,)
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def wide(cls, **kw) -> "SpaceOptions":
+        """recommend's space: micro-batches up to 16 and an explicit pipeline layout for every VP
+        up to 32 that no other split allows (issue #15; the arrays of models.vectorized rank it in
+        about the time the narrower space took). The defaults stay the narrower space that
+        `advisor tune` declares to Optuna (a stored study's distributions must not change)."""
+        return cls(**{"mbs": (1, 2, 4, 8, 16), "max_layout_vp": 32, "every_layout_vp": True, **kw})
 
 
 def pipeline_splits(num_layers: int, pp: int, allow_uneven: bool) -> list[tuple[int | None, int | None]]:
@@ -126,8 +135,9 @@ def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple
     it allows). An even split when it exists. Otherwise Megatron's uneven splits: the embedding
     and / or the loss counted as a layer (--account-for-*-in-pipeline-split, as NVIDIA's 405B and
     Qwen3-235B presets do), the first / last stage trimmed (--decoder-first/last-pipeline-num-
-    layers) when that accounting does not split either, and for every vp that none of them
-    allows an explicit --pipeline-model-parallel-layout (`balanced_layout`)."""
+    layers) when that accounting does not split either, and for a vp that none of them allows
+    (up to max_layout_vp: every one with every_layout_vp, else the powers of two) an explicit
+    --pipeline-model-parallel-layout (`balanced_layout`)."""
     if pp == 1:
         return [({}, [1])]
     if num_layers < pp:
@@ -153,7 +163,8 @@ def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple
             counts = stage_layer_counts(num_layers, pp, first, last)
             out.append(({"pp_first_layers": first, "pp_last_layers": last}, vps(*counts)))
     covered = {v for _, vs in out for v in vs}
-    for v in range(2, min(options.max_vp, options.max_layout_vp) + 1):
+    top = min(options.max_vp, options.max_layout_vp)
+    for v in (range(2, top + 1) if options.every_layout_vp else powers_of_two_upto(top)[1:]):
         if v not in covered:
             layout = balanced_layout(num_layers, pp, v)
             if layout is not None:

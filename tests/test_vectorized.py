@@ -51,7 +51,7 @@ def close(a: float, b: float) -> bool:
     return abs(a - b) <= RTOL * max(abs(a), abs(b))
 
 
-WIDE = SpaceOptions(mbs=(1, 2, 4, 8, 16), tp_comm_overlap=True)
+WIDE = SpaceOptions.wide(tp_comm_overlap=True)  # recommend's space
 
 # (model, cluster, workload overrides, space options, every how many layouts to check against the
 # reference: 1 = the whole space)
@@ -59,9 +59,9 @@ SPACES = [
     ("llama3-70b", "h100x16", {}, WIDE, 1),
     ("llama3-70b", "h100x32", {"precision": "fp8"}, WIDE, 1),
     ("llama3-70b", "h100x16", {"seq": 32768, "gbs": 64}, WIDE, 1),
-    ("llama3.1-405b", "h100x64", {}, SpaceOptions(mbs=(1, 2), tp_comm_overlap=True), 1),
+    ("llama3.1-405b", "h100x64", {}, SpaceOptions.wide(mbs=(1, 2), tp_comm_overlap=True), 1),
     ("gpt3-175b", "h100x32", {"seq": 2048, "gbs": 256}, SpaceOptions(mbs=(1, 4)), 1),
-    ("deepseek-v3", "h100x64", {"gbs": 256}, SpaceOptions(mbs=(1, 2), tp_comm_overlap=True), 2),
+    ("deepseek-v3", "h100x64", {"gbs": 256}, SpaceOptions.wide(mbs=(1, 2), tp_comm_overlap=True), 3),
     ("qwen3-235b-a22b", "h100x32", {}, SpaceOptions(mbs=(1, 4), tp_comm_overlap=True), 2),
     ("mixtral-8x22b", "h200x16", {"precision": "fp8"}, SpaceOptions(mbs=(1, 2)), 1),
 ]
