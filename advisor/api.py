@@ -372,16 +372,32 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     if objective != "throughput":  # choose each head layout's cap, then rank again
         grid = cap_grid(c.gpu, power_caps)
         pick = "min_energy" if objective == "energy" else "min_energy_within"
-        cfgs = [cfg for cfg, _ in ranked[:max(2 * top, 10)]]
+        n_sweep = max(2 * top, 10)
+        cfgs = [cfg for cfg, _ in ranked[:n_sweep]]
         caps = sorted(set(grid) | {float(c.power_cap_w)})
-        at_cap = _sweep_caps(m, c, cfgs, caps, rank_constants, cal, calv)
         head = []
-        for i, cfg in enumerate(cfgs):
-            pts = {cap: at_cap.point(i, cap) for cap in caps}
-            sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
-            cap = getattr(sweep, pick).power_cap_w
-            chosen[cfg.key()] = (cap, sweep)
-            head.append((cfg, at_cap.prediction(i, cap)))
+
+        def sweep_caps(cfgs: list[TrainConfig]) -> None:
+            at_cap = _sweep_caps(m, c, cfgs, caps, rank_constants, cal, calv)
+            for i, cfg in enumerate(cfgs):
+                pts = {cap: at_cap.point(i, cap) for cap in caps}
+                sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
+                cap = getattr(sweep, pick).power_cap_w
+                chosen[cfg.key()] = (cap, sweep)
+                head.append((cfg, at_cap.prediction(i, cap)))
+
+        sweep_caps(cfgs)
+        # a second head: the layouts that rank best at the cap the first head's best layout chose
+        # (the ones that rank best at the cluster's cap can be others: a wide space has many near
+        # ties there), each with its own cap too
+        bt = max(p.tokens_per_s_per_gpu for _, p in head)
+        be = min(p.energy_j_per_token for _, p in head)
+        best_cap = chosen[min(head, key=lambda cp: (-_score(cp[1], objective, bt, be), cp[0].key()))[0].key()][0]
+        if best_cap != float(c.power_cap_w):
+            more = [cfg for cfg in _best_at_cap(m, c, L, best_cap, objective, rank_constants, cal, calv)
+                    if cfg.key() not in chosen][:n_sweep]
+            if more:
+                sweep_caps(more)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
@@ -414,6 +430,31 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
                            candidates=preds, calibrated_with=cal, power_caps=grid,
                            warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
+
+
+def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, constants: Constants, cal,
+                 calv: bool) -> list[TrainConfig]:
+    """The layouts of `L` (rows that fit) in the order of their score at one per-GPU cap (as
+    recommend predicts them: calibrated when a calibration is in use; a layout the calibrated
+    memory says does not fit is left out)."""
+    from advisor.models import vectorized as vz
+
+    at = with_power_cap(c, cap)
+    if cal is None or calv:
+        R = vz.evaluate(m, at, L, constants, memory=cal is not None)
+        A = vz.Calibrated(cal, R) if cal is not None else R
+        ok = np.asarray(A.feasible, bool) if cal is not None else np.ones(len(L), bool)
+        tps, e, risk = A.tokens_per_s_per_gpu, A.energy_j_per_token, A.throttle_risk
+    else:
+        preds = _predict_many(m, at, [L.config(i) for i in range(len(L))], constants, cal)
+        ok = np.array([p.feasible for p in preds], bool)
+        tps, e, risk = (np.array([getattr(p, k) for p in preds]) for k in
+                        ("tokens_per_s_per_gpu", "energy_j_per_token", "throttle_risk"))
+    idx = np.flatnonzero(ok)
+    if not len(idx):
+        return []
+    score = _scores(tps[idx], e[idx], risk[idx], objective, float(tps[idx].max()), float(e[idx].min()))
+    return [L.config(int(idx[j])) for j in _order(score, L.take(idx))]
 
 
 def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
