@@ -412,7 +412,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     scs: dict[int, Any] = {}
     for cap, idx in per_cap.items():
         got = vz.stage_caps_many(m, with_power_cap(c, cap), [shown[i][0] for i in idx],
-                                 cal.power_constants if cal is not None else rank_constants)
+                                 cal.power_constants if cal is not None else rank_constants, base=c)
         scs.update(zip(idx, got))
     for i, (cfg, p) in enumerate(shown):
         cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
@@ -440,8 +440,8 @@ def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, co
     from advisor.models import vectorized as vz
 
     at = with_power_cap(c, cap)
-    if cal is None or calv:
-        R = vz.evaluate(m, at, L, constants, memory=cal is not None)
+    if cal is None or calv:  # (the cluster as it is, with the cap per row: the same arrays, its memos)
+        R = vz.evaluate(m, c, L, constants, caps=cap, memory=cal is not None)
         A = vz.Calibrated(cal, R) if cal is not None else R
         ok = np.asarray(A.feasible, bool) if cal is not None else np.ones(len(L), bool)
         tps, e, risk = A.tokens_per_s_per_gpu, A.energy_j_per_token, A.throttle_risk
@@ -704,10 +704,20 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     with the least J/token, the least within 5% of the fastest step, and per-stage caps for the
     stages off the critical path (PP > 1)."""
     m, c, cfg, cal = _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack)
-    p = _predict_at(m, c, cfg, constants, cal)
+    from advisor.models import vectorized as vz
+
+    calv = cal is None or vz.vectorizable(cal)
+    p = _predict_group(m, c, [cfg], constants, cal)[0] if calv else _predict_at(m, c, cfg, constants, cal)
     if energy_caps:
-        sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), cap_grid(c.gpu, power_caps), c.power_cap_w)
-        sc = stage_caps(m, c, cfg, cal.power_constants if cal is not None else constants) if cfg.pp > 1 else None
+        grid = cap_grid(c.gpu, power_caps)
+        if calv:  # every cap in one array evaluation (the points cap_sweep would evaluate one by one)
+            at = _CapSweep(m, c, [cfg], sorted(set(grid) | {float(c.power_cap_w)}),
+                           cal.constants if cal is not None else constants, cal, True)
+            sweep = sweep_of([at.point(0, v) for v in grid], at.point(0, float(c.power_cap_w)))
+        else:
+            sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), grid, c.power_cap_w)
+        consts = cal.power_constants if cal is not None else constants
+        sc = (vz.stage_caps_many(m, c, [cfg], consts)[0] if calv else stage_caps(m, c, cfg, consts)) if cfg.pp > 1 else None
         p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
     return cfg, p
 

@@ -1000,18 +1000,20 @@ def _power_at_step(res: Result, step_s: np.ndarray, caps) -> tuple[list, dict]:
 # ------------------------------------------------------------------------------------------------
 
 def stage_caps_many(model: ModelSpec, cluster: ClusterSpec, cfgs: Sequence[TrainConfig], c: Constants = DEFAULT,
-                    step_w: float = 25.0, max_slowdown: float = 0.001) -> list:
+                    step_w: float = 25.0, max_slowdown: float = 0.001, base: ClusterSpec | None = None) -> list:
     """models.power.stage_caps of each layout: the same greedy search (stages off the critical
     path, the most slack first, each cap lowered in `step_w` steps while the step stays within
     `max_slowdown` and the energy falls), with every depth a stage could be lowered to evaluated
-    in one array per round, and the layouts' rounds together."""
+    in one array per round, and the layouts' rounds together. `base`: `cluster` but for its cap
+    (the arrays are evaluated on it, with the caps per stage, to reuse its memos)."""
     from advisor.models.power import StageCaps
 
     gpu = cluster.gpu
     top = float(cluster.power_cap_w)
     cfgs = list(cfgs)
     L0 = Layouts.of(model, cfgs)
-    ref = evaluate(model, cluster, L0, c, memory=False)
+    on = base if base is not None else cluster
+    ref = evaluate(model, on, L0, c, caps=top, memory=False)
     S0 = ref.stages
     state = []
     for i, cfg in enumerate(cfgs):
@@ -1045,7 +1047,7 @@ def stage_caps_many(model: ModelSpec, cluster: ClusterSpec, cfgs: Sequence[Train
         if not owner:
             break
         L = L0.take(np.array(rows))
-        R = evaluate(model, cluster, L, c, stage_caps=np.array([v for t in trials for v in t], float), memory=False)
+        R = evaluate(model, on, L, c, stage_caps=np.array([v for t in trials for v in t], float), memory=False)
         at = 0
         for i, k, n in owner:
             s = state[i]
@@ -1058,9 +1060,9 @@ def stage_caps_many(model: ModelSpec, cluster: ClusterSpec, cfgs: Sequence[Train
             at += n
     out = []
     for i, s in enumerate(state):
-        r0 = ref.power_estimate(i)[0]
+        r0 = ref.power_estimate(i, cluster)[0]
         res, j = s["cur"]
-        cur = res.power_estimate(j)[0]
+        cur = res.power_estimate(j, cluster)[0]
         saved = (1 - cur.energy_j_per_token / r0.energy_j_per_token) * 100
         out.append(StageCaps(s["caps"], cur.energy_j_per_token, saved,
                              (cur.step.step_time_s / r0.step.step_time_s - 1) * 100, cur.stages))
