@@ -211,23 +211,49 @@ def h100x1_moe_d() -> list[dict]:
 
 
 def moe_ep(world: int) -> list[dict]:
-    """Expert parallelism over `world` GPUs of one node (EP = world and world / 2): the all-to-all
-    and allgather dispatchers on NVLink, each proxy with enough layers to keep the GPUs busy.
-    Needs a multi-GPU kind (nvidia-h200-x2 / -x4); not run while only 1-GPU kinds are lent."""
+    """Expert parallelism over `world` GPUs of one node, in rounds so that a run cut short by its
+    time budget still has every proxy at every EP: first EP 1 / 2 / 4 with the all-to-all
+    dispatcher (the EP sweep), then the allgather dispatcher at the largest EP, micro-batch 2,
+    allgather at EP world/2, SequentialMLP experts (grouped GEMM off), and EP 1 at micro-batch 2.
+    Needs a multi-GPU kind (nvidia-h100-x2 / -x4 or H200)."""
+    shapes = ((MIXTRAL_PROXY, 4), (QWEN3_PROXY, 6), (DEEPSEEK_PROXY, 5))
+    eps = [e for e in (1, 2, 4, 8) if e <= world]
+    top, half = world, max(1, world // 2)
+    rounds = [dict(ep=e, mbs=1) for e in eps]
+    rounds += [dict(ep=top, mbs=1, moe_dispatcher="allgather"), dict(ep=top, mbs=2),
+               dict(ep=half, mbs=1, moe_dispatcher="allgather"), dict(ep=top, mbs=1, moe_grouped_gemm=False),
+               dict(ep=1, mbs=2)]
     rows = []
-    for model, layers in ((MIXTRAL_PROXY, 4), (QWEN3_PROXY, 6), (DEEPSEEK_PROXY, 5)):
-        base = {"model": model, "layers": layers, "seq": 4096, "dp": world, "warmup": 2, "steps": 4}
-        for ep in sorted({world, max(1, world // 2)}):
-            for disp in ("alltoall", "allgather"):
-                rows.append(dict(base, ep=ep, mbs=1, gbs=4 * world, moe_dispatcher=disp))
-            rows.append(dict(base, ep=ep, mbs=2, gbs=8 * world))
-            rows.append(dict(base, ep=ep, mbs=2, gbs=8 * world, moe_grouped_gemm=False))
+    for knobs in rounds:
+        for model, layers in shapes:
+            base = {"model": model, "layers": layers, "seq": 4096, "dp": world, "warmup": 2, "steps": 4}
+            rows.append(dict(base, gbs=4 * world * knobs["mbs"], **knobs))
+    seen, out = set(), []
+    for r in rows:  # at world 2 some rounds coincide (half == 1)
+        k = json.dumps({k: v for k, v in r.items() if k != "model"} | {"m": r["model"]["name"]}, sort_keys=True)
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
+def moe_mix() -> list[dict]:
+    """MoE beside the EP sweep on 4 GPUs: PP 2 x EP 2, sequence 8K and 2K (micro-batch 4) at EP 4,
+    the distributed optimizer at EP 4, and MoE under TP 2 (refused by the runner: megatron-core
+    needs sequence parallelism for it, which needs Transformer Engine)."""
+    shapes = ((MIXTRAL_PROXY, 4), (QWEN3_PROXY, 6), (DEEPSEEK_PROXY, 6))
+    rounds = [dict(pp=2, dp=2, ep=2, mbs=1, gbs=16), dict(dp=4, ep=4, mbs=1, gbs=16, seq=8192),
+              dict(dp=4, ep=4, mbs=4, gbs=64, seq=2048), dict(dp=4, ep=4, mbs=1, gbs=16, distributed_optimizer=True)]
+    rows = [dict({"model": m, "layers": n, "seq": 4096, "warmup": 2, "steps": 4}, **k) for k in rounds for m, n in shapes]
+    rows += [dict(model=m, layers=n, seq=4096, warmup=2, steps=4, tp=2, dp=2, ep=2, mbs=1, gbs=16) for m, n in shapes[:2]]
+    rows.append(dict(model=MIXTRAL_PROXY, layers=4, seq=4096, warmup=2, steps=4, tp=2, dp=2, ep=2, etp=1, mbs=1, gbs=16))
     return rows
 
 
 BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1,
            "h200x4-full": h200x4_full, "h100x1-moe-a": h100x1_moe_a, "h100x1-moe-b": h100x1_moe_b,
-           "h100x1-moe-c": h100x1_moe_c, "h100x1-moe-d": h100x1_moe_d, "h200x2-moe-ep": lambda: moe_ep(2), "h200x4-moe-ep": lambda: moe_ep(4)}
+           "h100x1-moe-c": h100x1_moe_c, "h100x1-moe-d": h100x1_moe_d, "x2-moe-ep": lambda: moe_ep(2), "x4-moe-ep": lambda: moe_ep(4),
+           "x4-moe-mix": moe_mix}
 
 
 def write(names: list[str] | None = None) -> None:

@@ -7,9 +7,9 @@
 #                                         # (DeepSeek-like, MLA), -b (grouped GEMM); no job starts
 #                                         # after S seconds in all (default 500)
 #   bash bench/moe_device.sh h100x1-d [S] # 1 GPU, second call: batch h100x1-moe-d
-#   bash bench/moe_device.sh ep [S]       # 2 or 4 GPUs: h200x2-moe-ep / h200x4-moe-ep (EP 1/2/4,
-#                                         # alltoall vs allgather; not run while only 1-GPU kinds
-#                                         # are lent)
+#   bash bench/moe_device.sh ep [S]       # 2 or 4 GPUs: batch x2-moe-ep / x4-moe-ep (EP 1/2/4,
+#                                         # alltoall vs allgather, grouped GEMM on/off) into
+#                                         # $OUT/<gpu>x<n>-moe-ep.jsonl (gpu: h100 / h200)
 #   bash bench/moe_device.sh batch NAME [S]  # one batch of bench/campaign_configs/
 #
 # Run from the directory that holds this checkout's copy, with the wheels at $WHL (default
@@ -51,8 +51,9 @@ h100x1-d)  # second call: grouped GEMM for real, the jobs call 1 did not reach, 
 ep)
   budget=${2:-500}
   [ "$ngpu" -ge 2 ] || { echo "error: the EP batches need 2 or 4 GPUs, found $ngpu"; exit 2; }
-  name=h200x$([ "$ngpu" -ge 4 ] && echo 4 || echo 2)-moe-ep
-  run_batch "$name" "$budget" "$OUT/$name.jsonl"
+  n=$([ "$ngpu" -ge 4 ] && echo 4 || echo 2)
+  gpu=$(sed -n 2p "$OUT/gpus.csv" | grep -q H200 && echo h200 || echo h100)
+  run_batch "x$n-moe-ep" "$budget" "$OUT/${gpu}x$n-moe-ep.jsonl"
   ;;
 batch)
   name=${2:?batch name}
