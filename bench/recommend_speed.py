@@ -11,8 +11,9 @@ Columns:
                 process compiles every module again, which no installed advisor does).
   in-process s  median of --repeat `advisor.api.recommend` calls in this process (catalog and
                 calibration loaded by a first, untimed call).
-  layouts       legal layouts of the case's space; layouts/s = layouts / in-process s (the whole
-                command: enumeration, memory screen, ranking, head, caps, explanations).
+  layouts       legal layouts of the case's space (recommend's: SpaceOptions.wide); layouts/s =
+                layouts / in-process s (the whole command: enumeration, memory screen of every
+                layout, ranking of those that fit, head, caps, explanations).
 The last rows: `predict --batch` of a --lines JSONL file of layouts drawn from four models' spaces
 (cold process, median of --cold), and the array model alone (models.vectorized.evaluate: memory,
 stage times, step time, power fixed point) on a whole space, in layouts per second.
@@ -144,7 +145,7 @@ def main() -> None:
     model, cluster = "deepseek-v3", "h100x1024"
     m, c = resolve(model, cluster)
     st = "te"
-    L = enumerate_columns(m, c, default_workload(m, c), SpaceOptions(tp_comm_overlap=True))
+    L = enumerate_columns(m, c, default_workload(m, c), SpaceOptions.wide(tp_comm_overlap=True))  # recommend's
     consts = cal.constants if cal is not None else vz.DEFAULT
     vz.evaluate(m, c, L, consts)
     times = []
