@@ -16,10 +16,9 @@ import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
 from advisor.models import DEFAULT, Constants, Prediction, predict
-from advisor.models.memory import peak_memory_gib
 from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.search_spaces.layout import IllegalLayout, violations
-from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
+from advisor.search_spaces.space import SpaceOptions, Workload
 
 OBJECTIVES = ("throughput", "energy", "balanced")
 

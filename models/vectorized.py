@@ -19,15 +19,14 @@ row r at `start[r] : start[r] + pp[r]` (ragged; segment reductions with numpy's 
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
-from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _codes, _extra_codes, _unique_rows  # noqa: F401
+from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _extra_codes, _unique_rows  # noqa: F401 (Layouts: API)
 
 # StageTime fields that are sums over a stage's layers of one layer's forward costs
 UNIT_FIELDS = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",

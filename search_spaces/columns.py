@@ -10,7 +10,8 @@ from typing import Sequence
 import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
-from advisor.search_spaces.space import SpaceOptions, Workload, divisors, powers_of_two_upto, split_choices
+from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, model_parallel_choices,
+                                         split_choices)
 
 RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
 
@@ -23,56 +24,37 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
     """models.vectorized.Layouts of every legal layout, in enumerate_layouts' order."""
     from advisor.search_spaces.layout import _plan
 
-    world = cluster.world_size
-    gpn = cluster.gpus_per_node
-    heads, kv = model.num_attention_heads, model.kv_heads
-    tps = [t for t in divisors(gpn) if heads % t == 0 and (model.mla is not None or kv % t == 0)]
-    cps = [c for c in powers_of_two_upto(options.max_cp)
-           if c == 1 or (workload.seq % (2 * c) == 0 and workload.seq // c >= options.min_tokens_per_cp_rank)]
     blocks: list[np.ndarray] = []
     splits: list[dict] = []
     split_ids: dict = {}
     rcs = np.array([RECOMPUTE_CODES[r] for r in options.recompute], np.int64)
     moe = model.is_moe
-    for tp in tps:
-        for cp in cps:
-            if world % (tp * cp):
+    for tp, cp, pp, dp in model_parallel_choices(model, cluster, workload, options):
+        eps, etps = expert_choices(model, tp, cp, dp)
+        # the (ep, etp) pairs and distributed-optimizer settings _inner keeps, in its order
+        pairs = [(ep, etp) for ep in eps for etp in etps
+                 if not (dp * cp * tp) % (ep * etp) and not (moe and model.moe.ffn_hidden_size % etp)]
+        dists = [bool(d and dp * cp > 1) for d in options.distributed_optimizer]
+        per_dp = workload.gbs // dp
+        for split, vps in split_choices(model.num_layers, pp, options):
+            key = tuple(sorted(split.items()))
+            sid = split_ids.get(key)
+            if sid is None:
+                sid = split_ids[key] = len(splits)
+                splits.append(dict(split))
+            mv = [(mbs, vp) for mbs in options.mbs if not per_dp % mbs
+                  for vp in vps if not (vp > 1 and (per_dp // mbs) % pp)]
+            if not mv or not pairs or not dists or not len(rcs):
                 continue
-            for pp in divisors(world // (tp * cp)):
-                if pp > model.num_layers:
-                    continue
-                dp = world // (tp * cp * pp)
-                if workload.gbs % dp:
-                    continue
-                if moe:
-                    eps = [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0]
-                    etps = sorted({1, tp})
-                else:
-                    eps, etps = [1], [1]
-                # the (ep, etp) pairs and distributed-optimizer settings _inner keeps, in its order
-                pairs = [(ep, etp) for ep in eps for etp in etps
-                         if not (dp * cp * tp) % (ep * etp) and not (moe and model.moe.ffn_hidden_size % etp)]
-                dists = [bool(d and dp * cp > 1) for d in options.distributed_optimizer]
-                per_dp = workload.gbs // dp
-                for split, vps in split_choices(model.num_layers, pp, options):
-                    key = tuple(sorted(split.items()))
-                    sid = split_ids.get(key)
-                    if sid is None:
-                        sid = split_ids[key] = len(splits)
-                        splits.append(dict(split))
-                    mv = [(mbs, vp) for mbs in options.mbs if not per_dp % mbs
-                          for vp in vps if not (vp > 1 and (per_dp // mbs) % pp)]
-                    if not mv or not pairs or not dists or not len(rcs):
-                        continue
-                    # the product mbs/vp x ep/etp x dist x recompute, recompute innermost
-                    n_mv, n_pe, n_d, n_r = len(mv), len(pairs), len(dists), len(rcs)
-                    mva = np.repeat(np.array(mv, np.int64), n_pe * n_d * n_r, axis=0)
-                    pea = np.tile(np.repeat(np.array(pairs, np.int64), n_d * n_r, axis=0), (n_mv, 1))
-                    da = np.tile(np.repeat(np.array(dists, np.int64), n_r), n_mv * n_pe)
-                    ra = np.tile(rcs, n_mv * n_pe * n_d)
-                    n = len(ra)
-                    blocks.append(np.stack([np.full(n, tp), np.full(n, pp), np.full(n, dp), np.full(n, cp),
-                                            pea[:, 0], pea[:, 1], mva[:, 1], mva[:, 0], da, ra, np.full(n, sid)], 1))
+            # the product mbs/vp x ep/etp x dist x recompute, recompute innermost
+            n_mv, n_pe, n_d, n_r = len(mv), len(pairs), len(dists), len(rcs)
+            mva = np.repeat(np.array(mv, np.int64), n_pe * n_d * n_r, axis=0)
+            pea = np.tile(np.repeat(np.array(pairs, np.int64), n_d * n_r, axis=0), (n_mv, 1))
+            da = np.tile(np.repeat(np.array(dists, np.int64), n_r), n_mv * n_pe)
+            ra = np.tile(rcs, n_mv * n_pe * n_d)
+            n = len(ra)
+            blocks.append(np.stack([np.full(n, tp), np.full(n, pp), np.full(n, dp), np.full(n, cp),
+                                    pea[:, 0], pea[:, 1], mva[:, 1], mva[:, 0], da, ra, np.full(n, sid)], 1))
     a = np.concatenate(blocks, 0) if blocks else np.zeros((0, len(_COLS)), np.int64)
     col = {k: a[:, j] for j, k in enumerate(_COLS)}
     n = len(a)

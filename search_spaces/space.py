@@ -176,6 +176,14 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                       options: SpaceOptions = SpaceOptions(),
                       keep: Callable[[TrainConfig], bool] | None = None) -> Iterator[TrainConfig]:
     """Every legal layout (optionally filtered by `keep`, e.g. a memory check)."""
+    for tp, cp, pp, dp in model_parallel_choices(model, cluster, workload, options):
+        for split, vps in split_choices(model.num_layers, pp, options):
+            yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep)
+
+
+def model_parallel_choices(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
+                           options: SpaceOptions) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) of the space, in enumeration order (search_spaces.columns shares it)."""
     world = cluster.world_size
     gpn = cluster.gpus_per_node
     heads, kv = model.num_attention_heads, model.kv_heads
@@ -192,16 +200,18 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 dp = world // (tp * cp * pp)
                 if workload.gbs % dp:
                     continue
-                for split, vps in split_choices(model.num_layers, pp, options):
-                    yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep)
+                yield tp, cp, pp, dp
+
+
+def expert_choices(model: ModelSpec, tp: int, cp: int, dp: int) -> tuple[list[int], list[int]]:
+    """(EP sizes, expert-TP sizes) to try: divisors of the experts that divide dp·cp·tp, and 1 or TP."""
+    if model.is_moe:
+        return [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0], sorted({1, tp})
+    return [1], [1]
 
 
 def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
-    if model.is_moe:
-        eps = [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0]
-        etps = sorted({1, tp})
-    else:
-        eps, etps = [1], [1]
+    eps, etps = expert_choices(model, tp, cp, dp)
     per_dp = workload.gbs // dp
     for mbs in options.mbs:
         if per_dp % mbs:
