@@ -91,15 +91,16 @@ class _Memo:
         return hit
 
     def act(self, key) -> np.ndarray:
-        """[K, 2]: a layer's activation bytes per kind, with the layouts' recompute and with none."""
+        """[K, 2]: a layer's activation bytes per kind with full recompute and without (memory.
+        layer_activation_bytes: selective recompute stores what no recompute does)."""
         hit = self.acts.get(key)
         if hit is None:
             from advisor.models.memory import layer_activation_bytes
 
-            tp, cp, mbs, seq, ep, etp, sp, fp8, router, rc = key
+            tp, cp, mbs, seq, ep, etp, sp, fp8, router = key
             cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              precision="fp8" if fp8 else "bf16", moe_router=router, recompute=rc)
-            hit = self.acts[key] = np.array([[layer_activation_bytes(self.model, i, cfg, self.c),
+                              precision="fp8" if fp8 else "bf16", moe_router=router)
+            hit = self.acts[key] = np.array([[layer_activation_bytes(self.model, i, cfg, self.c, "full"),
                                               layer_activation_bytes(self.model, i, cfg, self.c, "none")]
                                              for i in self.kinds])
         return hit
@@ -198,15 +199,14 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     m = L.num_microbatches
     r, k = S.row, S.k
     routers = [e[2] for e in L.extras]
-    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.recompute,
-                               _extra_codes(L, routers)])
-    names = {v: n for n, v in RECOMPUTE_CODES.items()}
+    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, _extra_codes(L, routers)])
     per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
-                                  int(L.etp[i]), bool(L.sp[i]), bool(L.fp8[i]), routers[i],
-                                  names[int(L.recompute[i])])) for i in first])  # [U, K, 2]
+                                  int(L.etp[i]), bool(L.sp[i]), bool(L.fp8[i]), routers[i])) for i in first])
     key = inv[r]
     K = per_key.shape[1]
-    lb0 = [per_key[:, j, 0][key] for j in range(K)]  # a layer's bytes per kind, per stage
+    full = (L.recompute == RECOMPUTE_CODES["full"])[r]
+    # a layer's bytes per kind, per stage, with the stage's recompute mode
+    lb0 = [np.where(full, per_key[:, j, 0][key], per_key[:, j, 1][key]) for j in range(K)]
     plans = L.plans
     params = _params(L, memo, S)
     flight = _gather_blocks([L.plan, m], lambda i: memo.in_flight(plans[L.plan[i]], int(m[i])), S)
@@ -222,7 +222,6 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     acts = np.zeros(len(r))
     for j in range(K):
         acts = acts + flight[:, j] * lb0[j]
-    full = (L.recompute == RECOMPUTE_CODES["full"])[r]
     if full.any():  # the recompute working set: the largest layer of the stage without recompute
         work = np.full(len(r), -np.inf)
         for j in range(K):
