@@ -720,6 +720,94 @@ class Result:
                         stage_memory(self.model, cfg, self.constants), base, power)
 
 
+class _FixedPoint:
+    """The clock fixed point of models.power.estimate_power on arrays: each round every stage's
+    clock is solved at the step of the round before (stage_pass), the step taken again at those
+    clocks (at_x), until a row's clocks move less than 2e-4 (at most 12 rounds, per row as the
+    reference). Once fewer than half of the rows still move, the rounds go on with those rows
+    alone (each row's rounds depend on its own numbers only)."""
+
+    def __init__(self, L, S, c, full, base, dp, cap, extra, busy, idle, span, ps):
+        self.L, self.S, self.c = L, S, c
+        self.full, self.base, self.dp, self.cap, self.extra, self.busy = full, base, dp, cap, extra, busy
+        self.idle, self.span, self.ps = idle, span, ps
+        self.mf = L.num_microbatches[S.row]
+        self.extra_s = extra[S.row]
+
+    def sub(self, rows: np.ndarray) -> "_FixedPoint":
+        L = self.L.take(rows)
+        S = _Stages(L)
+        mask = np.zeros(len(self.L), bool)
+        mask[rows] = True
+        sm = mask[self.S.row]
+        full = {k: v[sm] for k, v in self.full.items()}
+        base = {k: (v[sm] if k == "totals" else v[rows]) for k, v in self.base.items()}
+        dp = _DP(self.dp.grad[sm], self.dp.gather[sm], self.dp.opt_base[sm])
+        busy = [(kd, sec[sm], tuple(w[sm] if isinstance(w, np.ndarray) else w for w in ws))
+                for kd, sec, ws in self.busy]
+        return _FixedPoint(L, S, self.c, full, base, dp, self.cap[sm], self.extra[rows], busy, self.idle,
+                           self.span, self.ps)
+
+    def at_x(self, x):
+        at = at_clocks(self.full, x, self.c)
+        if at is self.full:
+            st = dict(self.base)
+        else:
+            st = step_time(self.L, self.c, self.S, self.full, at, self.dp)
+        st = dict(st)
+        st["step_time_s"] = np.where(self.extra != 0, st["step_time_s"] + self.extra, st["step_time_s"])
+        return at, st
+
+    def stage_pass(self, at, st, clock=None):
+        c, S, r, mf, full, extra_s = self.c, self.S, self.S.row, self.mf, self.full, self.extra_s
+        b = c.memory_power_bandwidth
+        step_r = st["step_time_s"][r]
+        dp_exp = st["dp_exposed_s"][r]
+        opt = st["optimizer_s"][r]
+        end = [("comm", dp_exp, (c.comm_power, 0.0)), ("memory", opt, (c.memory_sm_power * b, c.memory_hbm_power * b))]
+        seen = [(kd, s * _lw(s, c), w) for kd, s, w in end]
+        own = st["totals"]
+        slow = st["slow"][r]
+        fill = np.maximum(0.0, st["pipeline_s"][r] - mf * slow)
+        so = np.full(S.total, c.step_overhead_s)
+        wait_s = 0.0
+        for length, weight in ((mf * (slow - own), _lw(slow - own, c)), (fill, _lw(fill / 2, c)), (so, _lw(so, c))):
+            wait_s = wait_s + np.where(length > 0, length * weight, 0.0)
+        g1 = mf * full["overhead_s"] + np.minimum(0.0, extra_s)
+        gap_s = np.where(g1 > 0, g1 * 1.0, 0.0)
+        gap_s = gap_s + np.where(extra_s > 0, extra_s * _lw(extra_s / mf, c), 0.0)
+        gap_len = np.where(g1 > 0, g1, 0.0) + np.where(extra_s > 0, extra_s, 0.0)
+        t1, t0, sw, h1, h0 = _phase_sums(self.busy + seen, c)
+        load = _Load(t1, t0, sw, h1, h0, wait_s, gap_s)
+        xs, demand, capped = _solve(load, self.cap, self.idle, self.span, c, self.ps)
+        if clock is not None:
+            xs = clock
+        return load, xs, demand, capped, end, gap_len, step_r
+
+    def solve(self, x=None, rounds: int = 12):
+        """(clock ratio per stage, stages at those clocks, step at them) after the rounds."""
+        S, r = self.S, self.S.row
+        x = np.ones(S.total) if x is None else x
+        at, st = self.at_x(x)
+        active = np.ones(S.n, bool)
+        for i in range(rounds):
+            new = self.stage_pass(at, st)[1]
+            done = S.max(np.abs(new - x)) < 2e-4
+            x = np.where(active[r], new, x)
+            active &= ~done
+            if not active.any():
+                return x, *self.at_x(x)
+            if i + 1 < rounds and S.n >= 64 and 2 * active.sum() < S.n:
+                rows = np.flatnonzero(active)
+                sm = active[r]
+                xs, _, _ = self.sub(rows).solve(x[sm], rounds - i - 1)
+                x = x.copy()
+                x[sm] = xs
+                return x, *self.at_x(x)
+            at, st = self.at_x(x)
+        return x, at, st
+
+
 def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = DEFAULT,
              caps: float | np.ndarray | None = None, stage_caps: np.ndarray | None = None,
              extra_wait_s: np.ndarray | float = 0.0, memory: bool = True) -> Result:
@@ -769,55 +857,9 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
     extra = np.maximum(-(m * min_over), np.broadcast_to(np.asarray(extra_wait_s, float), (n,)))
     extra_s = extra[r]
 
-    def at_x(x):
-        at = at_clocks(full, x, c)
-        if at is full:
-            st = dict(base)
-            st["totals"], st["slow"] = base["totals"], base["slow"]
-        else:
-            st = step_time(L, c, S, full, at, dp)
-        st = dict(st)
-        st["step_time_s"] = np.where(extra != 0, st["step_time_s"] + extra, st["step_time_s"])
-        return at, st
-
-    def stage_pass(at, st, clock=None):
-        step_r = st["step_time_s"][r]
-        dp_exp = st["dp_exposed_s"][r]
-        opt = st["optimizer_s"][r]
-        end = [("comm", dp_exp, (c.comm_power, 0.0)), ("memory", opt, (c.memory_sm_power * b, c.memory_hbm_power * b))]
-        seen = [(kd, s * _lw(s, c), w) for kd, s, w in end]
-        own = st["totals"]
-        slow = st["slow"][r]
-        fill = np.maximum(0.0, st["pipeline_s"][r] - mf * slow)
-        so = c.step_overhead_s
-        wait_s = 0.0
-        for length, weight in ((mf * (slow - own), _lw(slow - own, c)), (fill, _lw(fill / 2, c)),
-                               (np.full(S.total, so), _lw(np.full(S.total, so), c))):
-            wait_s = wait_s + np.where(length > 0, length * weight, 0.0)
-        g1 = mf * full["overhead_s"] + np.minimum(0.0, extra_s)
-        gap_s = np.where(g1 > 0, g1 * 1.0, 0.0)
-        gap_s = gap_s + np.where(extra_s > 0, extra_s * _lw(extra_s / mf, c), 0.0)
-        gap_len = np.where(g1 > 0, g1, 0.0) + np.where(extra_s > 0, extra_s, 0.0)
-        t1, t0, sw, h1, h0 = _phase_sums(busy + seen, c)
-        load = _Load(t1, t0, sw, h1, h0, wait_s, gap_s)
-        xs, demand, capped = _solve(load, cap, idle, span, c, ps)
-        if clock is not None:
-            xs = clock
-        return load, xs, demand, capped, end, gap_len, step_r
-
-    x = np.ones(S.total)
-    at, st = at_x(x)
-    active = np.ones(n, bool)
-    for _ in range(12):
-        _, new, _, _, _, _, _ = stage_pass(at, st)
-        diff = S.max(np.abs(new - x))
-        done = diff < 2e-4
-        x = np.where(active[r], new, x)
-        at, st = at_x(x)
-        active &= ~done
-        if not active.any():
-            break
-    load, x, demand, capped, end, gap_len, step_r = stage_pass(at, st, clock=x)
+    fp = _FixedPoint(L, S, c, full, base, dp, cap, extra, busy, idle, span, ps)
+    x, at, st = fp.solve()
+    load, x, demand, capped, end, gap_len, step_r = fp.stage_pass(at, st, clock=x)
     work_sums = _phase_sums(busy + end, c)
     work = _Load(*work_sums, 0.0, 0.0)
     busy_s = work.seconds(x)
