@@ -654,7 +654,7 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precis
 
 
 def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],
-                      stack: str | None = None) -> TrainConfig:
+                      stack: str | None = None, checked: bool = False) -> TrainConfig:
     """A TrainConfig from user flags: DP derived from the cluster; unset knobs take the defaults
     recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1, and the stack's
     own: TP communication overlap under Transformer Engine). Values are checked by
@@ -662,7 +662,8 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
     from advisor.models.profiles import apply_layout_defaults
     from advisor.validate import layout_values
 
-    values = layout_values(values)
+    if not checked:  # (checked: the caller ran layout_values on them already)
+        values = layout_values(values)
     v = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     tp, pp, cp = int(v.get("tp", 1)), int(v.get("pp", 1)), int(v.get("cp", 1))
     for name, val in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -721,7 +722,8 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     return cfg, p
 
 
-def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack, specs=None):
+def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack, specs=None,
+                       checked: bool = False):
     """(model, cluster, legal layout, calibration) of a predict request; bad input raises.
     `specs`: a dict that keeps the (model, cluster) of each (model, cluster, cap) named before
     (predict --batch: the same names on many lines)."""
@@ -737,7 +739,7 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
 
         m, c, values = apply_overrides(m, c, values, overrides)
     cal = _calibration(calibration, stack)
-    cfg = layout_from_flags(m, c, values, stack)
+    cfg = layout_from_flags(m, c, values, stack, checked=checked and not overrides)
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
@@ -823,7 +825,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
                 cap = validate.number(f"{where}power_cap_w", cap, lo=0, lo_open=True)
             values = validate.layout_values(values, where)
             return out, _layout_to_predict(values["model"], values["cluster"], values, cap, calibration,
-                                           overrides, stack, specs)
+                                           overrides, stack, specs, checked=True)
         except (SpecError, ValueError, TypeError, ArithmeticError) as e:
             return _error(out, n, e), None
 

@@ -102,6 +102,10 @@ def residual(target: str, measured: np.ndarray, predicted: np.ndarray) -> np.nda
 
 
 def apply_residual(target: str, predicted, r):
+    if type(predicted) is float and type(r) is float:  # one number (a prediction's interval): no numpy
+        if target in ADDITIVE:
+            return min(max(predicted + r, 0.0), 1.0)
+        return predicted * math.exp(r)
     if target in ADDITIVE:
         return np.clip(predicted + r, 0.0, 1.0)
     return predicted * np.exp(r)

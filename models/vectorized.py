@@ -235,9 +235,13 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     f = 1.0 + c.fragmentation
     stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
     peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
-    # StageMemory.total_gib (what a Prediction prints and decides feasibility by)
-    total_gib = (weights / GIB + grads / GIB + opt / GIB + acts * f / GIB + logits * f / GIB + c.runtime_overhead_gib
-                 + np.maximum(0.0, transient - acts * f) / GIB)
+    # memory.StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
+    parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
+             "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
+             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB}
+    total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
+                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"])
+    S.cache["memory"] = (parts, total, counts.sum(axis=1))
     return peak, total_gib
 
 
@@ -716,8 +720,26 @@ class Result:
 
         cfg = self.layouts.config(i)
         power, base = self.power_estimate(i, cluster)
-        return assemble(self.model, cluster or self.cluster, cfg, self.constants,
-                        stage_memory(self.model, cfg, self.constants), base, power)
+        return assemble(self.model, cluster or self.cluster, cfg, self.constants, self.stage_memory(i), base, power)
+
+    def stage_memory(self, i: int) -> list:
+        """memory.stage_memory of row i (from the arrays when memory was evaluated)."""
+        from advisor.models.memory import StageMemory, stage_memory
+
+        got = self.stages.cache.get("memory")
+        if got is None:
+            return stage_memory(self.model, self.layouts.config(i), self.constants)
+        parts, params, layers = got
+        mat = self.__dict__.get("_mem_mat")
+        if mat is None:
+            mat = self.__dict__["_mem_mat"] = np.stack(
+                [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
+                                                       "logits_gib", "step_transient_gib")], 1)
+        s0 = int(self.stages.start[i])
+        over = self.constants.runtime_overhead_gib
+        return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
+                            activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t)
+                for k, (n, p, w, g, o, a, lg, t) in enumerate(mat[s0:s0 + int(self.layouts.pp[i])].tolist())]
 
 
 class _FixedPoint:
