@@ -63,7 +63,8 @@ def files(tmp_path_factory):
     hf = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
           "vocab_size": 32000, "intermediate_size": 11008}
     for name, change in (("hf_frac", {"num_hidden_layers": 32.5}), ("hf_bool", {"num_hidden_layers": True}),
-                         ("hf_heads", {"num_attention_heads": "32"}), ("hf_tie", {"tie_word_embeddings": 1})):
+                         ("hf_heads", {"num_attention_heads": "32"}), ("hf_tie", {"tie_word_embeddings": 1}),
+                         ("hf_hdim", {"hidden_size": 4095})):
         (t / f"{name}.json").write_text(json.dumps({**hf, **change}))
     (t / "inf.yaml").write_text("name: c\ngpu: h100\nnodes: 2\nintra_node_bw_gbs: .inf\n")
     (t / "nan.yaml").write_text("name: c\ngpu: h100\nnodes: 2\ninter_node_bw_gbs: .nan\n")
@@ -73,7 +74,7 @@ def files(tmp_path_factory):
     shutil.copy(dataset, t / "cal.json")  # measurements named like a calibration's summary
     out = {k: str(t / k) for k in ("dir", "missing")}
     out.update(inf_yaml=str(t / "inf.yaml"), nan_yaml=str(t / "nan.yaml"))
-    out.update({k: str(t / f"{k}.json") for k in ("hf_frac", "hf_bool", "hf_heads", "hf_tie")})
+    out.update({k: str(t / f"{k}.json") for k in ("hf_frac", "hf_bool", "hf_heads", "hf_tie", "hf_hdim")})
     ro = _read_only_dir(t)
     out.update(tmp=str(t), journal=str(journal), dataset=str(dataset), gz=str(t / "lines.jsonl.gz"),
                caljson=str(t / "cal.json"), ro=str(ro) if ro else None, profile=str(PROFILE), trace=str(TRACE))
@@ -129,6 +130,7 @@ CASES = [
     (["predict", "-m", "llama3-8b", "-c", "{nan_yaml}"], "inter_node_bw_gbs must be a positive number (finite)"),
     (["predict", "-m", "{hf_heads}", "-c", "h100x8"], "num_attention_heads must be an integer"),
     (["predict", "-m", "{hf_tie}", "-c", "h100x8"], "tie_word_embeddings must be true or false"),
+    (["predict", "-m", "{hf_hdim}", "-c", "h100x8"], "hidden_size 4095 is not a multiple of num_attention_heads 32"),
     (["predict", "-m", "llama3-8b"], "--model and --cluster are required"),
     # catalog
     (["catalog", "planets"], "is not one of"),
