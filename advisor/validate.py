@@ -463,6 +463,9 @@ def _check_predict(p: dict, given: set[str]) -> None:
     set_conflicts(p.get("sets") or (), {k: p.get(k) for k in names if k in p}, given)
     if p.get("batch") is None:
         layout_values({k: p.get(k) for k in LAYOUT_INTS if k in p}, name=as_flag)
+    elif "power_caps" in given:
+        raise _conflict("--power-caps", "--batch", "the cap sweep is for one layout; a batch line is predicted "
+                        "at its own power_cap_w (default --power-cap)")
 
 
 COMMAND_CHECKS: dict[str, Callable[[dict, set], None]] = {
