@@ -468,11 +468,22 @@ def _check_predict(p: dict, given: set[str]) -> None:
                         "at its own power_cap_w (default --power-cap)")
 
 
+def _check_launch(p: dict, given: set[str]) -> None:
+    """launch runs the command whatever happens to the placement (a profile it cannot use, no
+    NVML, a bad layout: one warning line), but a --profile path that does not exist is a typo, not
+    a placement that failed: refused before anything runs."""
+    for f in p.get("profile") or ():
+        if not Path(f).expanduser().exists():
+            raise InputError(f"--profile {f}: no such profile file (leave --profile out to launch unplaced)")
+
+
 COMMAND_CHECKS: dict[str, Callable[[dict, set], None]] = {
     "tune": _check_tune, "fit": _check_fit, "thermal-profile": _check_thermal,
-    "recommend": _check_recommend, "predict": _check_predict,
+    "recommend": _check_recommend, "predict": _check_predict, "launch": _check_launch,
 }
-EXEMPT = {"launch"}  # runs the user's command whatever happens to the placement (its own rule)
+# commands whose flags skip the generic checks (numbers, PATHS) and get only their COMMAND_CHECKS:
+# launch runs the user's command whatever happens to the placement (its own rule)
+EXEMPT = {"launch"}
 
 
 def _flag_of(param) -> str:
@@ -482,7 +493,10 @@ def _flag_of(param) -> str:
 
 def check_params(command: str, params: Mapping[str, Any], flags: Mapping[str, str], given: set[str]) -> None:
     """Every check of one command's parsed parameters (flags: param name -> its --flag)."""
+    check = COMMAND_CHECKS.get(command)
     if command in EXEMPT:
+        if check is not None:
+            check(dict(params), given)
         return
     for name, value in params.items():
         if value is None:
@@ -498,7 +512,6 @@ def check_params(command: str, params: Mapping[str, Any], flags: Mapping[str, st
                     NUMBERS[flag](flag, v)
             elif isinstance(v, (str, os.PathLike)) and flag in PATHS:
                 PATHS[flag](flag, v)
-    check = COMMAND_CHECKS.get(command)
     if check is not None:
         check(dict(params), given)
 

@@ -200,6 +200,9 @@ CASES = [
     (PL[:5] + ["-p", "{missing}", "--pp", "4"], "no such profile file"),
     (PL[:5] + ["-p", "{dir}", "--pp", "4"], "is a folder"),
     (PL + ["--tp", "0"], "--tp must be >= 1"),
+    # launch: a profile it cannot use only skips the placement, but a path that does not exist is a typo
+    (["launch", "-p", "{missing}", "-m", "llama3-8b", "-c", "h200x4", "--pp", "4", "--", "true"],
+     "--profile {missing}: no such profile file"),
     # report
     (["report", "{dir}"], "STUDY|DATASET {dir}: is a folder"),
     (["report", "{journal}", "--html", "{dir}"], "--html {dir}: is a folder"),
