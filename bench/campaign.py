@@ -237,9 +237,23 @@ def moe_ep(world: int) -> list[dict]:
     return out
 
 
+def moe_mix() -> list[dict]:
+    """MoE beside the EP sweep on 4 GPUs: PP 2 x EP 2, sequence 8K and 2K (micro-batch 4) at EP 4,
+    the distributed optimizer at EP 4, and MoE under TP 2 (refused by the runner: megatron-core
+    needs sequence parallelism for it, which needs Transformer Engine)."""
+    shapes = ((MIXTRAL_PROXY, 4), (QWEN3_PROXY, 6), (DEEPSEEK_PROXY, 6))
+    rounds = [dict(pp=2, dp=2, ep=2, mbs=1, gbs=16), dict(dp=4, ep=4, mbs=1, gbs=16, seq=8192),
+              dict(dp=4, ep=4, mbs=4, gbs=64, seq=2048), dict(dp=4, ep=4, mbs=1, gbs=16, distributed_optimizer=True)]
+    rows = [dict({"model": m, "layers": n, "seq": 4096, "warmup": 2, "steps": 4}, **k) for k in rounds for m, n in shapes]
+    rows += [dict(model=m, layers=n, seq=4096, warmup=2, steps=4, tp=2, dp=2, ep=2, mbs=1, gbs=16) for m, n in shapes[:2]]
+    rows.append(dict(model=MIXTRAL_PROXY, layers=4, seq=4096, warmup=2, steps=4, tp=2, dp=2, ep=2, etp=1, mbs=1, gbs=16))
+    return rows
+
+
 BATCHES = {"h200x4-a": h200x4_a, "h200x4-b": h200x4_b, "h200x4-rerun": h200x4_rerun, "h100x1": h100x1,
            "h200x4-full": h200x4_full, "h100x1-moe-a": h100x1_moe_a, "h100x1-moe-b": h100x1_moe_b,
-           "h100x1-moe-c": h100x1_moe_c, "h100x1-moe-d": h100x1_moe_d, "x2-moe-ep": lambda: moe_ep(2), "x4-moe-ep": lambda: moe_ep(4)}
+           "h100x1-moe-c": h100x1_moe_c, "h100x1-moe-d": h100x1_moe_d, "x2-moe-ep": lambda: moe_ep(2), "x4-moe-ep": lambda: moe_ep(4),
+           "x4-moe-mix": moe_mix}
 
 
 def write(names: list[str] | None = None) -> None:

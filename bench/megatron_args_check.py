@@ -1,7 +1,8 @@
 """Does Megatron-LM's own argument parser accept the Megatron arguments the advisor prints?
 
 For every catalog model on every catalog cluster (and a few `<gpu>x<count>` shapes), the top-1
-layout of `advisor recommend` (its `megatron_args`: the production arguments, Transformer Engine)
+layout of `advisor recommend`, and every pipeline split of NVIDIA's published H100 presets
+(tests/data/published_h100_presets.csv: account-for-embedding / -loss, explicit layouts), (its `megatron_args`: the production arguments, Transformer Engine)
 and the same layout as this repo's runner runs it (`--transformer-impl local`) are handed to
 megatron-core's ``megatron.training.arguments``: ``parse_args`` (argparse: every flag must exist,
 every value must parse), then ``validate_args`` with the cluster's world size (Megatron-LM's own
@@ -63,6 +64,52 @@ def catalog_top1(clusters=None, calibration="default") -> list[dict]:
     return out
 
 
+PRESETS = Path(__file__).resolve().parents[1] / "tests" / "data" / "published_h100_presets.csv"
+
+
+def preset_layouts() -> list[dict]:
+    """The published H100 pre-training presets (tests/data/published_h100_presets.csv: NVIDIA's
+    layouts of the catalog models) as `recommend` enumerates them: every pipeline split the space
+    offers for the preset's TP / PP / CP / VP / EP / MBS (even, account-for-embedding / -loss,
+    explicit --pipeline-model-parallel-layout), with the production and runner arguments."""
+    import csv
+
+    from advisor.api import megatron_args, resolve
+    from advisor.models.published import CATALOG
+    from advisor.runners.megatron_args import megatron_lm_args
+    from advisor.search_spaces.space import Workload, enumerate_layouts
+
+    seen, out = set(), []
+    with open(PRESETS, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["task"] == "pretrain" and not r["num_layers_run"]]
+    for r in rows:
+        name = CATALOG.get(r["model_key"])
+        if name is None:
+            continue
+        i = lambda k, d=1: int(r[k]) if r[k] else d  # noqa: E731
+        want = dict(tp=i("tp"), pp=i("pp"), cp=i("cp"), vp=i("vp"), ep=i("ep"), mbs=i("mbs"))
+        gpus = int(r["num_gpus"])
+        wl = Workload(seq=int(r["seq_len"]), gbs=int(r["gbs"]),
+                      precision="fp8" if r["precision"].upper().startswith("FP8") else "bf16")
+        key = (name, gpus, wl, tuple(want.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        m, c = resolve(name, f"h100x{gpus}")
+        splits = {}
+        for cfg in enumerate_layouts(m, c, wl):
+            if cfg.recompute == "none" and all(getattr(cfg, k) == v for k, v in want.items()):
+                split = (cfg.account_for_embedding, cfg.account_for_loss, cfg.pipeline_layout,
+                         cfg.pp_first_layers, cfg.pp_last_layers)
+                splits.setdefault(split, cfg)
+        for cfg in splits.values():
+            out.append({"model": name, "cluster": f"h100x{gpus} (preset row {r['row_id']})",
+                        "world_size": c.world_size, "arch_major": 9, "config": cfg.key(),
+                        "vocab_size": m.vocab_size, "production": shlex.split(megatron_args(m, cfg)),
+                        "runner": megatron_lm_args(m, cfg, runner=True)})
+    return out
+
+
 # Megatron-LM asserts this environment variable with TP > 1 or CP > 1 on GPUs before Blackwell
 # (its example scripts export it); the command runner sets it too (runners/command.py).
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -117,9 +164,9 @@ def megatron_accepts(args: list[str], world_size: int, arch_major: int = 9) -> s
                 os.environ[k] = v
 
 
-def run(clusters=None, calibration="default") -> list[dict]:
+def run(clusters=None, calibration="default", presets: bool = False) -> list[dict]:
     rows = []
-    for item in catalog_top1(clusters, calibration):
+    for item in catalog_top1(clusters, calibration) + (preset_layouts() if presets else []):
         if "skipped" in item:
             rows.append(item)
             continue
@@ -139,12 +186,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write every row (args included) here")
     ap.add_argument("--calibration", default="default")
+    ap.add_argument("--no-presets", action="store_true", help="only the catalog's top-1 layouts")
     o = ap.parse_args(argv)
     t0 = time.time()
     import megatron.core
     import torch
 
-    rows = run(calibration=o.calibration)
+    rows = run(calibration=o.calibration, presets=not o.no_presets)
     bad = [r for r in rows if r.get("accepted") is False]
     checked = [r for r in rows if "accepted" in r]
     for r in rows:

@@ -7,6 +7,7 @@ predicted by constants fitted without it).
     python bench/published_check.py                       # the shipped te profile, every GPU
     python bench/published_check.py --gpu H100 --rows     # one line per row
     python bench/published_check.py --calibration none    # the analytical model, TE settings
+    python bench/published_check.py --fit-set --cv        # the te fit's rows: in sample, LOSO, LOFO
     python bench/published_check.py --cv --gpu H100 --gpu A100-80GB --dense
     python bench/published_check.py --json out.json       # the numbers, for tests and docs
 """
@@ -26,6 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from advisor.models import profile_fit as F  # noqa: E402
 from advisor.models import published as P  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
+
+
+def in_fit(r: P.PublishedRun) -> bool:
+    """The te profile's fit rows (the rule of bench/fit_profiles.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from fit_profiles import in_fit as rule
+
+    return rule(r)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -70,13 +79,17 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", action="append", help="GPU types to keep (H100, A100-80GB, B200, GB200, ...)")
     ap.add_argument("--dense", action="store_true", help="dense models only")
     ap.add_argument("--moe", action="store_true", help="MoE models only")
+    ap.add_argument("--fit-set", action="store_true",
+                    help="only the rows the te profile is fitted on (bench/fit_profiles.py: H100, dense, "
+                         "without NeMo 24.03's FlashAttention-2-era long-sequence table)")
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--cv", action="store_true", help="leave-one-source-out and leave-one-family-out refits")
     ap.add_argument("--json", help="write the numbers here")
     a = ap.parse_args(argv)
 
     def keep(r: P.PublishedRun) -> bool:
-        return ((not a.gpu or r.gpu_type in a.gpu) and not (a.dense and r.moe) and not (a.moe and not r.moe))
+        return ((not a.gpu or r.gpu_type in a.gpu) and not (a.dense and r.moe) and not (a.moe and not r.moe)
+                and (not a.fit_set or in_fit(r)))
 
     rows, left = F.fit_rows(P.load(), a.stack, keep)
     cal = resolve_calibration(a.calibration, a.stack)

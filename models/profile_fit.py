@@ -28,6 +28,10 @@ from advisor.search_spaces.layout import violations
 TE_SETTINGS = {
     # Megatron-Bridge / NeMo performance recipes: ddp.grad_reduce_in_fp32 = False (bf16 reduction)
     "dp_grad_reduce_bytes": 2.0,
+    # ... and so the gradient buffer itself is bf16: megatron-core's DDP allocates its grad buffers
+    # in `torch.float if grad_reduce_in_fp32 else param.dtype` (distributed/distributed_data_parallel.py),
+    # and TE's fused wgrad accumulation adds into that bf16 main_grad
+    "bytes_grad": 2.0,
     # TE / apex fused Adam (one kernel per tensor chunk: 30 B/param) and gradient_accumulation_fusion
     # (the wgrad GEMM accumulates into the fp32 main grad: no separate add), the Megatron-Bridge /
     # NeMo defaults with Transformer Engine installed (models/constants.py)

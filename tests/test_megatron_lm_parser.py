@@ -72,3 +72,20 @@ def test_the_pretrain_script_sets_up_megatron_lm_up_to_its_data(monkeypatch):
     train, _, _ = pre.BlendedMegatronDatasetBuilder(pre.MockGPTDataset, list(sizes), lambda: True,
                                                     pre.dataset_config(args)).build()
     assert train[0]["tokens"].shape == (2048,)
+
+
+def test_every_published_h100_preset_split_parses():
+    """NVIDIA's H100 presets with each pipeline split the space offers for them
+    (--account-for-embedding/loss-in-pipeline-split, --pipeline-model-parallel-layout)."""
+    items = check.preset_layouts()
+    assert len(items) >= 15
+    assert any("--pipeline-model-parallel-layout" in i["production"] for i in items)
+    assert any("--account-for-embedding-in-pipeline-split" in i["production"] for i in items)
+    bad = []
+    for it in items:
+        for form in ("production", "runner"):
+            extra = check.USER_ARGS + ["--vocab-size", str(it["vocab_size"])] if form == "production" else []
+            err = check.megatron_accepts(it[form] + extra, it["world_size"], it["arch_major"])
+            if err:
+                bad.append((it["model"], it["cluster"], form, err))
+    assert not bad

@@ -64,7 +64,6 @@ def _study(tmp_path, name):
 
 
 def test_trials_run_concurrently_on_both_nodes(cluster, tmp_path):
-    t0 = time.time()
     r = _run(_cmd(cluster, tmp_path, "conc", "--json"), env=_env(ADVISOR_SIM_DELAY_S=2))
     d = json.loads(r.stdout)
     assert d["measured"] == 6 and d["runner"] == "simulate"
@@ -73,7 +72,12 @@ def test_trials_run_concurrently_on_both_nodes(cluster, tmp_path):
     nodes = {x["placement"][0]["node_id"] for x in recs}
     assert len(nodes) == 2  # 8 fake GPUs, 4 per trial: two trials at a time, one per node
     assert all(len(x["placement"][0]["gpu_ids"]) == 4 for x in recs)
-    assert time.time() - t0 < 6 * 2  # sequential would take 12 s of trial time alone
+    # concurrency from the trials' own clocks, not the wall time of the whole study (which a loaded
+    # machine stretches): a simulated trial sleeps 2 s and is recorded when it ends, so trials run
+    # one after another end >= 2 s apart; two at a time, each pair ends within a fraction of that
+    ends = sorted(x["timestamp"] for x in recs)
+    together = sum(1 for a, b in zip(ends, ends[1:]) if b - a < 1.0)
+    assert together >= 2, ends
 
 
 def test_batched_jobs_are_ray_tasks_of_several_trials(cluster, tmp_path):
