@@ -74,13 +74,13 @@ def fit_cmd(
     if html:
         html_report.save(html, html_report.fit_page(cal, ds))
     if as_json:
-        json.dump({"output": output, "data": ds.summary(), "rejected": ds.rejected, "cv": cal.cv,
-                   "constants": cal.to_payload()["fitted_constants"]}, sys.stdout, indent=1,
+        json.dump({"output": output, "profile": cal.profile, "data": ds.summary(), "rejected": ds.rejected,
+                   "cv": cal.cv, "constants": cal.to_payload()["fitted_constants"]}, sys.stdout, indent=1,
                   default=calibrate._jsonable)
         sys.stdout.write("\n")
         return
     print(format_report(cal))
-    print(f"wrote {output} (and {output.rsplit('.', 1)[0]}.json)")
+    print(f"wrote {output} (and {output.rsplit('.', 1)[0]}.json): profile {cal.profile}")
 
 
 def format_report(cal) -> str:

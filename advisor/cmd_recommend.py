@@ -52,6 +52,7 @@ def recommend_cmd(
 
     from advisor.api import compare as compare_layout
 
+    check_power_caps(model, cluster, power_cap, sets, power_caps, objective)
     layouts = [parse_layout(x) for x in compare or ()]
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack,
@@ -77,6 +78,34 @@ def recommend_cmd(
             report.print_comparison(x)
     if html:
         html_report.save(html, html_report.recommend_page(res))
+
+
+def check_power_caps(model: str, cluster: str, power_cap: float | None, sets, power_caps: str | None,
+                     objective: str) -> None:
+    """--power-caps before any ranking, whatever the objective: LO:HI:STEP, every cap settable on
+    the GPU of the cluster (after its --set what-ifs: gpu=b200 changes the range). Only energy and
+    balanced choose a cap from the grid; throughput ranks at one cap (--power-cap, default the TDP)
+    and would ignore it, so with throughput the flag is refused as a conflict naming both."""
+    if power_caps is None:
+        return
+    from advisor.api import resolve
+    from advisor.catalog import SpecError
+    from advisor.models.calibrate import apply_overrides
+    from advisor.models.power import cap_grid
+    from advisor.validate import InputError
+
+    m, c = resolve(model, cluster, power_cap)
+    if sets:
+        m, c, _ = apply_overrides(m, c, {}, sets)
+    try:
+        cap_grid(c.gpu, power_caps)
+    except SpecError as e:
+        msg = str(e)
+        raise InputError(msg if msg.startswith("--power-caps") else f"--power-caps {power_caps}: {msg}") from None
+    if objective == "throughput":
+        raise InputError("--power-caps and --objective throughput conflict: throughput ranks every layout at one "
+                         "cap (--power-cap, default the TDP); --objective energy or balanced chooses each "
+                         "layout's cap from --power-caps")
 
 
 _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")

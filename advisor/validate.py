@@ -3,7 +3,8 @@
 Bad input is refused before any long work starts, with one line that names the flag (the CLI
 prints it as ``error: ...`` and exits 2):
   * numbers: every float option must be finite; the options of ``NUMBERS`` must be in range;
-  * paths (``PATHS``): an output file must not be a directory and its folder must be writable
+  * paths (``PATHS``): an output file must not be a directory and its folder must exist (no
+    command makes a folder the user named; a default's folder is made) and be writable
     (checked by creating a file there: permission bits lie to root), an input file must exist,
     be a file and be of the right kind (a measurement JSONL is not an Optuna journal and the
     other way round, so that a mistyped flag never appends to, or overwrites, what the user
@@ -98,14 +99,24 @@ def _writable_dir(d: Path, flag: str, shown: Path) -> None:
         raise InputError(f"{flag} {shown}: cannot write in {d} ({e.strerror or type(e).__name__})") from None
 
 
-def output_file(flag: str, path: str | Path, suffix: str | None = None) -> Path:
-    """A file this command will write: not a folder, in a folder that exists (or can be made)
-    and is writable; an existing file must be writable. `suffix`: the file's required ending."""
+def _parent_exists(flag: str, shown: Any, parent: Path) -> None:
+    """The folder an output goes in must exist: a command makes no folders the user named (a
+    typo in a folder would silently grow a tree); the defaults' folders are made (parents=True)."""
+    if not parent.exists():
+        raise InputError(f"{flag} {shown}: directory {parent} does not exist")
+
+
+def output_file(flag: str, path: str | Path, suffix: str | None = None, parents: bool = False) -> Path:
+    """A file this command will write: not a folder, in a folder that exists and is writable; an
+    existing file must be writable. `suffix`: the file's required ending. `parents`: the folder
+    may be missing and is made (only for a default path, never for one the user gave)."""
     p = Path(path).expanduser()
     if str(path).strip() == "" or str(path).endswith(("/", os.sep)) or p.is_dir():
         raise InputError(f"{flag} {path}: is a folder; give a file path")
     if suffix and not p.name.endswith(suffix):
         raise InputError(f"{flag} {path}: must end in {suffix}")
+    if not parents:
+        _parent_exists(flag, path, p.parent)
     _writable_dir(_nearest_existing(p.parent), flag, p)
     if p.exists():
         if not p.is_file():
@@ -119,9 +130,12 @@ def output_file(flag: str, path: str | Path, suffix: str | None = None) -> Path:
 
 
 def output_dir(flag: str, path: str | Path) -> Path:
+    """A folder this command writes in: made if missing (like mkdir), in a folder that exists."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise InputError(f"{flag} {path}: is a file; give a folder")
+    if not p.exists():
+        _parent_exists(flag, path, p.parent)
     _writable_dir(_nearest_existing(p), flag, p)
     return p
 
@@ -175,10 +189,10 @@ def text_file(flag: str, path: str | Path) -> Path:
     return p
 
 
-def dataset_file(flag: str, path: str | Path) -> Path:
+def dataset_file(flag: str, path: str | Path, parents: bool = False) -> Path:
     """A measurement JSONL records are appended to: writable, and if it exists already, one of
-    measurement records (not an Optuna journal, not binary)."""
-    p = output_file(flag, path)
+    measurement records (not an Optuna journal, not binary). `parents` as for output_file."""
+    p = output_file(flag, path, parents=parents)
     if p.exists() and p.stat().st_size:
         first = _first_object(p)
         if _is_journal(first):
@@ -233,12 +247,13 @@ def database_url(flag: str, url: str, timeout_s: float = 5.0) -> str:
     return url
 
 
-def storage(flag: str, spec: str) -> str:
+def storage(flag: str, spec: str, parents: bool = False) -> str:
     """A study storage to write: an RDB URL (driver, reachable) or an Optuna journal file
-    (writable; an existing one must be a journal, not a measurement JSONL or anything else)."""
+    (writable; an existing one must be a journal, not a measurement JSONL or anything else).
+    `parents` as for output_file."""
     if "://" in str(spec):
         return database_url(flag, spec)
-    p = output_file(flag, spec)
+    p = output_file(flag, spec, parents=parents)
     if p.exists() and p.stat().st_size:
         first = _first_object(p)
         if not _is_journal(first):
@@ -271,10 +286,12 @@ def calibration(flag: str, spec: str) -> str:
 
 def study_paths(storage_spec: str, dataset: str | Path | None) -> None:
     """A study's storage and dataset (the defaults included) before the study opens: the journal
-    (and its lock and spool beside it) or the database, and the measurement JSONL."""
-    storage("--storage", storage_spec)
+    (and its lock and spool beside it) or the database, and the measurement JSONL. Their folders
+    may be missing here (the default data/measurements/ is made); the CLI's PATHS have already
+    refused a missing folder in a path the user gave."""
+    storage("--storage", storage_spec, parents=True)
     if dataset is not None:
-        dataset_file("--dataset", dataset)
+        dataset_file("--dataset", dataset, parents=True)
         if "://" not in storage_spec and Path(storage_spec).expanduser().resolve() == Path(dataset).expanduser().resolve():
             raise _conflict("--storage", "--dataset", "the journal and the measurement JSONL must be two files")
 
@@ -463,13 +480,27 @@ def _check_predict(p: dict, given: set[str]) -> None:
     set_conflicts(p.get("sets") or (), {k: p.get(k) for k in names if k in p}, given)
     if p.get("batch") is None:
         layout_values({k: p.get(k) for k in LAYOUT_INTS if k in p}, name=as_flag)
+    elif "power_caps" in given:
+        raise _conflict("--power-caps", "--batch", "the cap sweep is for one layout; a batch line is predicted "
+                        "at its own power_cap_w (default --power-cap)")
+
+
+def _check_launch(p: dict, given: set[str]) -> None:
+    """launch runs the command whatever happens to the placement (a profile it cannot use, no
+    NVML, a bad layout: one warning line), but a --profile path that does not exist is a typo, not
+    a placement that failed: refused before anything runs."""
+    for f in p.get("profile") or ():
+        if not Path(f).expanduser().exists():
+            raise InputError(f"--profile {f}: no such profile file (leave --profile out to launch unplaced)")
 
 
 COMMAND_CHECKS: dict[str, Callable[[dict, set], None]] = {
     "tune": _check_tune, "fit": _check_fit, "thermal-profile": _check_thermal,
-    "recommend": _check_recommend, "predict": _check_predict,
+    "recommend": _check_recommend, "predict": _check_predict, "launch": _check_launch,
 }
-EXEMPT = {"launch"}  # runs the user's command whatever happens to the placement (its own rule)
+# commands whose flags skip the generic checks (numbers, PATHS) and get only their COMMAND_CHECKS:
+# launch runs the user's command whatever happens to the placement (its own rule)
+EXEMPT = {"launch"}
 
 
 def _flag_of(param) -> str:
@@ -479,7 +510,10 @@ def _flag_of(param) -> str:
 
 def check_params(command: str, params: Mapping[str, Any], flags: Mapping[str, str], given: set[str]) -> None:
     """Every check of one command's parsed parameters (flags: param name -> its --flag)."""
+    check = COMMAND_CHECKS.get(command)
     if command in EXEMPT:
+        if check is not None:
+            check(dict(params), given)
         return
     for name, value in params.items():
         if value is None:
@@ -495,7 +529,6 @@ def check_params(command: str, params: Mapping[str, Any], flags: Mapping[str, st
                     NUMBERS[flag](flag, v)
             elif isinstance(v, (str, os.PathLike)) and flag in PATHS:
                 PATHS[flag](flag, v)
-    check = COMMAND_CHECKS.get(command)
     if check is not None:
         check(dict(params), given)
 

@@ -52,24 +52,38 @@ def _moe_layout(num_layers: int, is_moe: Callable[[int], bool], c: _Cfg) -> tupl
     return first, freq
 
 
-def _attention(c: _Cfg) -> dict[str, Any]:
+def _split_heads(c: _Cfg, hidden: int, heads: int, hidden_key: str, heads_key: str, fix: str) -> None:
+    """Without a head_dim the head dim is hidden / heads, which must divide (transformers and
+    Megatron refuse the model otherwise); flooring it would model another network."""
+    if heads > 0 and hidden % heads:
+        raise CatalogError(
+            f"{c.origin}: {hidden_key} {hidden} is not a multiple of {heads_key} {heads}, so the head dim "
+            f"would be {hidden / heads:g}; {fix}"
+        )
+
+
+def _attention(c: _Cfg, mla: bool = False) -> dict[str, Any]:
+    """`mla`: the head dims are MLA's own fields (qk_nope / qk_rope / v_head_dim), not hidden / heads."""
     hidden, heads = int(c.req("hidden_size")), int(c.req("num_attention_heads"))
     kv = int(c.get("num_key_value_heads", heads))
     head_dim = c.get("head_dim")
+    if not head_dim and not mla:
+        _split_heads(c, hidden, heads, "hidden_size", "num_attention_heads", "give head_dim")
     return dict(
         num_layers=int(c.req("num_hidden_layers")),
         hidden_size=hidden,
         num_attention_heads=heads,
         vocab_size=int(c.req("vocab_size")),
         num_query_groups=kv if kv != heads else None,
-        kv_channels=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
+        kv_channels=int(head_dim) if head_dim and int(head_dim) * heads != hidden else None,
     )
 
 
-def _llama_like(c: _Cfg, family: str, max_pos: int, qkv_bias: bool | None = None) -> dict[str, Any]:
+def _llama_like(c: _Cfg, family: str, max_pos: int, qkv_bias: bool | None = None,
+                mla: bool = False) -> dict[str, Any]:
     attn_bias = bool(c.get("attention_bias", False))
     return dict(
-        _attention(c),
+        _attention(c, mla),
         ffn_hidden_size=int(c.req("intermediate_size")),
         activation="swiglu",
         normalization="rmsnorm",
@@ -132,7 +146,7 @@ def _qwen3_moe(c: _Cfg) -> dict[str, Any]:
 
 
 def _deepseek_v3(c: _Cfg) -> dict[str, Any]:
-    d = _llama_like(c, "deepseek", 4096)
+    d = _llama_like(c, "deepseek", 4096, mla=True)
     d["mla"] = MLASpec(
         q_lora_rank=int(c.get("q_lora_rank", 0)),  # null = plain q projection
         kv_lora_rank=int(c.req("kv_lora_rank")),
@@ -170,11 +184,12 @@ def _nemotron(c: _Cfg) -> dict[str, Any]:
 
 
 def _gpt2(c: _Cfg) -> dict[str, Any]:
-    hidden = int(c.req("n_embd"))
+    hidden, heads = int(c.req("n_embd")), int(c.req("n_head"))
+    _split_heads(c, hidden, heads, "n_embd", "n_head", "GPT-2 configs have no head_dim to give instead")
     return dict(
         num_layers=int(c.req("n_layer")),
         hidden_size=hidden,
-        num_attention_heads=int(c.req("n_head")),
+        num_attention_heads=heads,
         vocab_size=int(c.req("vocab_size")),
         ffn_hidden_size=int(c.get("n_inner", 4 * hidden)),
         activation="gelu",

@@ -6,7 +6,8 @@ plans number GPUs. ``--virtual-local-rank`` (torch >= 2.10) hands rank r the r-t
 Slurm: ``srun --gpu-bind=map_gpu:<plan.slurm_gpu_bind>``.
 
 The hook never blocks a job: ``exec_placed`` runs the command whatever happens, with one warning
-line on stderr when the placement could not be applied.
+line on stderr when the placement could not be applied. (``advisor launch`` refuses, before this,
+a ``--profile`` path that does not exist: a typo, see advisor.validate._check_launch.)
 """
 from __future__ import annotations
 

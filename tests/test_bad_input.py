@@ -63,7 +63,8 @@ def files(tmp_path_factory):
     hf = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
           "vocab_size": 32000, "intermediate_size": 11008}
     for name, change in (("hf_frac", {"num_hidden_layers": 32.5}), ("hf_bool", {"num_hidden_layers": True}),
-                         ("hf_heads", {"num_attention_heads": "32"}), ("hf_tie", {"tie_word_embeddings": 1})):
+                         ("hf_heads", {"num_attention_heads": "32"}), ("hf_tie", {"tie_word_embeddings": 1}),
+                         ("hf_hdim", {"hidden_size": 4095})):
         (t / f"{name}.json").write_text(json.dumps({**hf, **change}))
     (t / "inf.yaml").write_text("name: c\ngpu: h100\nnodes: 2\nintra_node_bw_gbs: .inf\n")
     (t / "nan.yaml").write_text("name: c\ngpu: h100\nnodes: 2\ninter_node_bw_gbs: .nan\n")
@@ -73,7 +74,7 @@ def files(tmp_path_factory):
     shutil.copy(dataset, t / "cal.json")  # measurements named like a calibration's summary
     out = {k: str(t / k) for k in ("dir", "missing")}
     out.update(inf_yaml=str(t / "inf.yaml"), nan_yaml=str(t / "nan.yaml"))
-    out.update({k: str(t / f"{k}.json") for k in ("hf_frac", "hf_bool", "hf_heads", "hf_tie")})
+    out.update({k: str(t / f"{k}.json") for k in ("hf_frac", "hf_bool", "hf_heads", "hf_tie", "hf_hdim")})
     ro = _read_only_dir(t)
     out.update(tmp=str(t), journal=str(journal), dataset=str(dataset), gz=str(t / "lines.jsonl.gz"),
                caljson=str(t / "cal.json"), ro=str(ro) if ro else None, profile=str(PROFILE), trace=str(TRACE))
@@ -109,6 +110,14 @@ CASES = [
     (R + ["--set", "mbs=2", "--set", "mbs=4"], "--set mbs=2 and --set mbs=4 conflict"),
     (R + ["--set", "power_cap=inf"], "positive and finite"),
     (R + ["--set", "tp=2"], "recommend searches this knob"),
+    # --power-caps is checked for every objective, and refused where the objective chooses no cap
+    (R + ["--power-caps", "abc"], "--power-caps 'abc': expected LO:HI:STEP"),
+    (R + ["--power-caps", "700:300:25"], "expected LO:HI:STEP with LO <= HI and STEP > 0"),
+    (R + ["--objective", "energy", "--power-caps", "300:700:0"], "expected LO:HI:STEP with LO <= HI and STEP > 0"),
+    (R + ["--power-caps", "300:700:25"], "--power-caps and --objective throughput conflict"),
+    (R + ["--objective", "balanced", "--set", "gpu=a100-80g", "--power-caps", "300:700:25"],
+     "--power-caps 300:700:25: power cap 700 W is above the a100-80g maximum power limit of 400 W"),
+    (R + ["--html", "{missing}/r.html"], "--html {missing}/r.html: directory {missing} does not exist"),
     (R + ["--calibration", "{dir}"], "is a folder"),
     (R + ["--calibration", "{missing}"], "no such calibration file"),
     (R + ["--calibration", "{dataset}"], "not a readable calibration file"),
@@ -118,6 +127,7 @@ CASES = [
     # predict
     (P[:-4] + ["--pp", "1", "--pp-first-layers", "10"], "--pp-first-layers sets an uneven pipeline split"),
     (P + ["--tp", "0"], "--tp must be >= 1"),
+    (P + ["--html", "{missing}/a/p.html"], "--html {missing}/a/p.html: directory {missing}/a does not exist"),
     (P + ["--mbs", "0"], "--mbs must be >= 1"),
     (P + ["--power-cap", "inf"], "--power-cap must be a finite number"),
     (P + ["--seq", "8192", "--set", "seq=4096"], "--seq 8192 and --set seq=4096 conflict"),
@@ -126,9 +136,11 @@ CASES = [
     (["predict", "--batch", "{dir}"], "--batch {dir}: is a folder"),
     (["predict", "--batch", "{missing}"], "no such file"),
     (["predict", "--batch", "{gz}"], "not a text file"),
+    (["predict", "--batch", "{dataset}", "--power-caps", "300:700:25"], "--power-caps and --batch conflict"),
     (["predict", "-m", "llama3-8b", "-c", "{nan_yaml}"], "inter_node_bw_gbs must be a positive number (finite)"),
     (["predict", "-m", "{hf_heads}", "-c", "h100x8"], "num_attention_heads must be an integer"),
     (["predict", "-m", "{hf_tie}", "-c", "h100x8"], "tie_word_embeddings must be true or false"),
+    (["predict", "-m", "{hf_hdim}", "-c", "h100x8"], "hidden_size 4095 is not a multiple of num_attention_heads 32"),
     (["predict", "-m", "llama3-8b"], "--model and --cluster are required"),
     # catalog
     (["catalog", "planets"], "is not one of"),
@@ -144,6 +156,10 @@ CASES = [
     (T + ["--storage", "{tmp}/same", "--dataset", "{tmp}/same"], "--storage and --dataset conflict"),
     (T + ["--storage", "{tmp}/o.journal", "--dataset", "{ro}/d.jsonl"], "cannot write in"),
     (T + ["--storage", "{tmp}/o.journal", "--dataset", "{dir}"], "--dataset {dir}: is a folder"),
+    (T + ["--storage", "{missing}/s.journal"], "--storage {missing}/s.journal: directory {missing} does not exist"),
+    (T + ["--storage", "{tmp}/o.journal", "--dataset", "{missing}/d.jsonl"], "directory {missing} does not exist"),
+    (T + ["--storage", "sqlite:///{missing}/s.db"], "--storage {missing}/s.db: directory {missing} does not exist"),
+    (TS + ["--html", "{missing}/t.html"], "--html {missing}/t.html: directory {missing} does not exist"),
     (TS + ["--sim-sigma", "nan"], "--sim-sigma must be a finite number"),
     (TS + ["--sim-sigma", "-0.1"], "--sim-sigma must be >= 0"),
     (TS + ["--layers", "0"], "--layers must be >= 1"),
@@ -167,6 +183,8 @@ CASES = [
     (F + ["-d", "{dataset}", "-o", "{dir}"], "--output {dir}: is a folder"),
     (F + ["-d", "{dataset}", "-o", "{ro}/c.joblib"], "cannot write in"),
     (F + ["-d", "{dataset}", "-o", "{tmp}/c.txt"], "must end in .joblib"),
+    (F + ["-d", "{dataset}", "-o", "{missing}/c.joblib"], "--output {missing}/c.joblib: directory {missing} does not exist"),
+    (F + ["-d", "{dataset}", "-o", "{tmp}/c.joblib", "--html", "{missing}/f.html"], "directory {missing} does not exist"),
     (F + ["-d", "{caljson}", "-o", "{tmp}/cal.joblib"], "the calibration would overwrite the measurements"),
     (F + ["-d", "{dir}", "-o", "{tmp}/c.joblib"], "--data {dir}: is a folder"),
     (F + ["-d", "{missing}", "-o", "{tmp}/c.joblib"], "no such file"),
@@ -181,6 +199,7 @@ CASES = [
     (TH + ["--out", "{dir}"], "--out {dir}: is a folder"),
     (TH + ["--out", "{ro}/p.json"], "cannot write in"),
     (TH + ["--out", "{trace}"], "--out and --from-trace conflict"),
+    (TH + ["--out", "{missing}/p.json"], "--out {missing}/p.json: directory {missing} does not exist"),
     (TH + ["--seconds", "10"], "--seconds and --from-trace conflict"),
     (TH + ["--rate", "nan"], "--rate must be a finite number"),
     # place
@@ -190,16 +209,25 @@ CASES = [
     (PL[:5] + ["-p", "{missing}", "--pp", "4"], "no such profile file"),
     (PL[:5] + ["-p", "{dir}", "--pp", "4"], "is a folder"),
     (PL + ["--tp", "0"], "--tp must be >= 1"),
+    (PL + ["--html", "{missing}/pl.html"], "--html {missing}/pl.html: directory {missing} does not exist"),
+    # launch: a profile it cannot use only skips the placement, but a path that does not exist is a typo
+    (["launch", "-p", "{missing}", "-m", "llama3-8b", "-c", "h200x4", "--pp", "4", "--", "true"],
+     "--profile {missing}: no such profile file"),
     # report
     (["report", "{dir}"], "STUDY|DATASET {dir}: is a folder"),
     (["report", "{journal}", "--html", "{dir}"], "--html {dir}: is a folder"),
     (["report", "{journal}", "--html", "{ro}/r.html"], "cannot write in"),
+    (["report", "{journal}", "--html", "{missing}/r.html"], "--html {missing}/r.html: directory {missing} does not exist"),
     # measure (--dry-run: no GPU needed to check the inputs)
     (M + ["--tp", "0"], "--tp must be >= 1"),
     (M + ["--telemetry-hz", "nan"], "--telemetry-hz must be a finite number"),
     (M + ["--out", "{dir}"], "--out {dir}: is a folder"),
     (["measure", "--batch", "{dir}", "--dry-run"], "--batch {dir}: is a folder"),
     (M + ["--trace-dir", "{dataset}"], "is a file; give a folder"),
+    (M + ["--out", "{missing}/r.json"], "--out {missing}/r.json: directory {missing} does not exist"),
+    (M + ["--dataset", "{missing}/m.jsonl"], "--dataset {missing}/m.jsonl: directory {missing} does not exist"),
+    (M + ["--trace-dir", "{missing}/a/traces"], "--trace-dir {missing}/a/traces: directory {missing}/a does not exist"),
+    (M + ["--run-dir", "{missing}/a/run"], "--run-dir {missing}/a/run: directory {missing}/a does not exist"),
 ]
 if not _has("torch"):
     CASES += [
@@ -298,6 +326,23 @@ def test_nothing_measured_was_touched(files):
     for path, digest in files["hashes"].items():
         assert _sha(Path(path)) == digest, path
     assert not list(Path(files["tmp"]).glob("*.joblib")) and not (Path(files["tmp"]) / "p.json").exists()
+    assert not Path(files["missing"]).exists()  # no case made the folder its output was refused for
+
+
+def test_a_folder_the_user_named_is_not_made_but_a_default_ones_is(tmp_path):
+    """An output path whose folder does not exist is refused (no mkdir -p of a typo), for every
+    output flag (the table above); the folder of a default path, tune's
+    data/measurements/tune-<study>.jsonl under the working directory, is made."""
+    r = run_cli("fit", "--no-surrogates", "-d", str(MEASURED), "-o", str(tmp_path / "no" / "c.joblib"))
+    assert r.returncode == 2 and r.stderr == f"error: --output {tmp_path / 'no' / 'c.joblib'}: directory " \
+                                             f"{tmp_path / 'no'} does not exist\n"
+    assert not (tmp_path / "no").exists()
+    p = subprocess.run([sys.executable, "-m", "advisor", "tune", "-m", "llama3-8b", "-c", "h100x8", "--layers", "2",
+                        "--runner", "simulate", "--ray-address", "inline", "--trials", "2", "--json"],
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "advisor-studies.journal").is_file()
+    assert len(list((tmp_path / "data" / "measurements").glob("tune-*.jsonl"))) == 1
 
 
 def test_a_study_whose_trials_all_crash_exits_1_and_keeps_every_record(tmp_path):

@@ -204,6 +204,23 @@ def test_hf_defaults_and_head_dim():
     assert m.num_query_groups is None and m.kv_channels == 256 and m.head_dim == 256
 
 
+def test_hf_head_dim_is_never_floored():
+    """hidden / heads with a remainder and no head_dim: refused in one line (the head dim would be
+    127.97; 127 would model another network). With head_dim given it is taken as it is."""
+    cfg = {**_cfg("llama3-8b.json"), "hidden_size": 4095}
+    with pytest.raises(CatalogError) as e:
+        model_from_hf_config(cfg, "x")
+    assert str(e.value) == ("config.json: hidden_size 4095 is not a multiple of num_attention_heads 32, so the "
+                            "head dim would be 127.969; give head_dim")
+    m = model_from_hf_config({**cfg, "head_dim": 128}, "x")
+    assert m.kv_channels == 128 and m.head_dim == 128
+    gpt2 = {**_cfg("gpt2.json"), "n_embd": 770}
+    with pytest.raises(CatalogError, match="n_embd 770 is not a multiple of n_head 12"):
+        model_from_hf_config(gpt2, "x")
+    ds = {**_cfg("deepseek-v3.json"), "hidden_size": 7000}  # MLA: head dims are its own fields
+    assert model_from_hf_config(ds, "x").head_dim == 128
+
+
 def test_hf_qwen3_moe_sparse_step_and_mlp_only_layers():
     cfg = _cfg("qwen3-30b-a3b.json")
     cfg["decoder_sparse_step"] = 2  # MoE on layers 1, 3, 5, ...

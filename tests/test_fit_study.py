@@ -119,12 +119,17 @@ def test_cli_fit_on_a_study_alone_and_with_data(tmp_path, records):
     cal = C.Calibration.load(out)
     assert cal.trained_on["n_rows"] == len(records)
     assert cal.trained_on["files"] == [f"{path} (study s)"]
+    # the profile it produced is named (the file holds it; --calibration prints it back)
+    assert cal.profile == "custom"
+    assert r.stdout.splitlines()[-1] == f"wrote {out} (and {out.with_suffix('.json')}): profile custom"
     jl = tmp_path / "more.jsonl"
     jl.write_text(D.records_to_jsonl(records[:3]))
-    r = run_cli("fit", "--data", str(jl), "--study", path, "-o", str(out), "--folds", "2", "--no-surrogates")
+    r = run_cli("fit", "--data", str(jl), "--study", path, "-o", str(out), "--folds", "2", "--no-surrogates",
+                "--profile-name", "h200-lab", "--json")
     assert r.returncode == 0, r.stderr
     assert "3 duplicate(s) of records read before" in r.stderr
     assert C.Calibration.load(out).trained_on["n_rows"] == len(records)
+    assert json.loads(r.stdout)["profile"] == "h200-lab" == C.Calibration.load(out).profile
 
 
 def test_cli_fit_study_errors_are_one_line(tmp_path):

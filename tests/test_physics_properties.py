@@ -1,5 +1,6 @@
 """Physical properties of the analytical model over a grid: every catalog model x TP / CP / PP / VP x
-sequence 2k-128k x bf16 / fp8, with the default constants and with each shipped profile's.
+sequence 2k-128k x bf16 / fp8 x (micro-batch, recompute) in (1, full), (1, none), (4, none), with the
+default constants and with each shipped profile's.
 
 - MFU never above what the GPU's best GEMMs allow (BF16: gemm_efficiency_max of the dense peak;
   FP8: the FP8 GEMMs' best rate), and never above 70% in BF16 on Hopper;
@@ -35,17 +36,22 @@ def _constants():
 CONSTANTS = _constants()
 
 
+# (micro-batch, recompute): full recompute at mbs 1 is the slowest per FLOP (the old grid);
+# no recompute at mbs 4 (the largest GEMMs, no recomputed forward) is where MFU is highest.
+BATCH_RECOMPUTE = ((1, "full"), (1, "none"), (4, "none"))
+
+
 def _layouts(model, cluster, seq, precision):
     n = cluster.world_size
     for tp, cp, pp in itertools.product((1, 2, 8), (1, 2, 4), (1, 2, 4)):
         if n % (tp * cp * pp) or model.num_layers % pp:
             continue
         dp = n // (tp * cp * pp)
-        for vp in (1, 2):
+        for vp, (mbs, recompute) in itertools.product((1, 2), BATCH_RECOMPUTE):
             if vp > 1 and (pp == 1 or (model.num_layers // pp) % vp):
                 continue
-            cfg = TrainConfig(tp=tp, pp=pp, cp=cp, dp=dp, vp=vp, mbs=1, gbs=8 * dp * pp, seq=seq,
-                              precision=precision, recompute="full", sequence_parallel=tp > 1,
+            cfg = TrainConfig(tp=tp, pp=pp, cp=cp, dp=dp, vp=vp, mbs=mbs, gbs=8 * dp * pp, seq=seq,
+                              precision=precision, recompute=recompute, sequence_parallel=tp > 1,
                               distributed_optimizer=dp * cp > 1, overlap_grad_reduce=dp * cp > 1,
                               overlap_param_gather=dp * cp > 1)
             if not violations(model, cluster, cfg):

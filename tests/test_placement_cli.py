@@ -1,5 +1,6 @@
 """`advisor place` (JSON shape, one-line errors), `advisor launch` (never blocks or breaks a launch:
-one warning line, command still runs, unchanged), the Python hook API, `advisor thermal-profile`
+one warning line, command still runs, unchanged; only a --profile path that does not exist is an
+error, before anything runs), the Python hook API, `advisor thermal-profile`
 refusing without torch/CUDA."""
 from __future__ import annotations
 
@@ -117,14 +118,15 @@ def _launched(r):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["missing", "notjson", "recording", "no-profile", "bad-tp", "nvml-or-mismatch",
+@pytest.mark.parametrize("case", ["notjson", "folder", "recording", "no-profile", "bad-tp", "nvml-or-mismatch",
                                   "bad-model"])
 def test_launch_never_blocks_on_failure(case, tmp_path, hgx_file):
+    """A profile that exists but cannot place this launch (and no profile at all): the command runs."""
     bad = tmp_path / "bad.json"
     bad.write_text("{oops")
     args = {
-        "missing": ["-p", tmp_path / "nope.json", *LLAMA_TP1],
         "notjson": ["-p", bad, *LLAMA_TP1],
+        "folder": ["-p", tmp_path, *LLAMA_TP1],
         "recording": ["-p", BURN_PROFILE, *LLAMA_TP1],           # no PCI ids: cannot match a live node
         "no-profile": [*LLAMA_TP1],
         "bad-tp": ["-p", BURN_PROFILE, *LLAMA_TP1[:-8], "--tp", "x", "--pp", "4"],
@@ -139,11 +141,27 @@ def test_launch_never_blocks_on_failure(case, tmp_path, hgx_file):
     assert lines[0].startswith("warning: advisor launch: placement skipped (") and lines[0].endswith("launching unchanged")
 
 
+def test_launch_refuses_a_profile_path_that_does_not_exist(tmp_path, hgx_file):
+    """A --profile that names no file is a typo: one error line, exit 2, and nothing runs (the
+    other profiles given with it exist)."""
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    for profiles in ([tmp_path / "nope.json"], [hgx_file, tmp_path / "nope.json"]):
+        r = advisor("launch", *[x for p in profiles for x in ("-p", p)], *LLAMA_TP4, "--", *cmd)
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert lines == [f"error: --profile {tmp_path / 'nope.json'}: no such profile file "
+                         f"(leave --profile out to launch unplaced)"], r.stderr
+        assert not marker.exists()
+
+
 def test_launch_keeps_the_commands_exit_code_and_existing_env(tmp_path):
-    r = advisor("launch", "-p", tmp_path / "nope.json", "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    r = advisor("launch", "-p", bad, "--", sys.executable, "-c", "import sys; sys.exit(3)")
     assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1
     env = dict(CLEAN, CUDA_VISIBLE_DEVICES="0,1")
-    r = advisor("launch", "-p", tmp_path / "nope.json", "--", *SHOW_ENV, env=env)
+    r = advisor("launch", "-p", bad, "--", *SHOW_ENV, env=env)
     assert _launched(r)["CUDA_VISIBLE_DEVICES"] == "0,1"
 
 

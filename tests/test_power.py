@@ -4,6 +4,7 @@ limits, the recommend / predict / place / launch surfaces, and the fits on commi
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 import subprocess
@@ -71,7 +72,10 @@ def test_throughput_falls_less_than_the_cap_and_energy_at_70pct_tdp_is_lower(mod
     token of a compute-bound layout is at most what it is at the TDP (DVFS: P ~ f V^2)."""
     m = load_model(model)
     g = next(x for x in NVIDIA if x.name == gpu)
-    cluster = load_cluster(f"{g.name}x{g.gpus_per_node * max(1, 512 // g.gpus_per_node)}")
+    # a power-of-two number of nodes, at least 512 GPUs: 64 x 8, or 8 NVL72 racks (576 GPUs; with
+    # 7 racks, 504 = 2^3 x 63 GPUs, TP 8 leaves PP 1 and TP 4 PP 2, and the largest models fit nowhere)
+    nodes = 1 << max(0, math.ceil(math.log2(512 / g.gpus_per_node)))
+    cluster = load_cluster(f"{g.name}x{g.gpus_per_node * nodes}")
     cfg = _fitting_layout(m, cluster)
     if cfg is None:
         pytest.skip(f"{model} fits on no TP8 / TP4 layout of {cluster.name}")
