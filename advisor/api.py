@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
 from advisor.models import DEFAULT, Constants, Prediction, predict
-from advisor.models.memory import peak_memory_gib
 from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.search_spaces.layout import IllegalLayout, violations
-from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
+from advisor.search_spaces.space import SpaceOptions, Workload
 
 OBJECTIVES = ("throughput", "energy", "balanced")
 
@@ -279,7 +280,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
 
     st = get_stack(stack)
     if options is None:
-        options = SpaceOptions(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
+        options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:
@@ -299,70 +300,123 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
     wl = default_workload(m, c, seq, gbs, precision)
     capacity = c.gpu.memory_gib * screen.memory_usable_fraction
-    evaluated = feasible = 0
-    min_mem = (math.inf, None)
-    preds: list[tuple[TrainConfig, Prediction]] = []
-    fits_with = (None, math.inf)  # (layout but recompute, the cheapest recompute that fits it)
-    for cfg in enumerate_layouts(m, c, wl, options):
-        evaluated += 1
-        key, cost = _but_recompute(cfg), RECOMPUTE_COST[cfg.recompute]
-        if key == fits_with[0] and cost > fits_with[1]:
-            # recompute only costs time: with a cheaper mode fitting, this one fits and is slower
-            feasible += 1
-            continue
-        mem = peak_memory_gib(m, cfg, screen)
-        if mem > capacity:
-            if mem < min_mem[0]:
-                min_mem = (mem, cfg)
-            continue
-        feasible += 1
-        fits_with = (key, cost)
-        preds.append((cfg, predict(m, c, cfg, rank_constants, check_legal=False)))
+    from advisor.models import vectorized as vz
+
+    from advisor.search_spaces.columns import enumerate_columns
+
+    L_all = enumerate_columns(m, c, wl, options)  # enumerate_layouts' layouts, as columns
+    evaluated = len(L_all)
     if evaluated == 0:
         raise NoFeasibleLayout(
             f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
             f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
-    if not preds:
-        need, cfg = min_mem
+    mems = vz.peak_memory_gib(m, L_all, screen, c).tolist()
+    # the layout but its recompute mode (_but_recompute): a new group where any other column changes
+    but = np.stack([L_all.tp, L_all.pp, L_all.dp, L_all.cp, L_all.ep, L_all.etp, L_all.vp, L_all.mbs,
+                    L_all.dist_opt, L_all.split], 1)
+    group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
+    costs = np.array([RECOMPUTE_COST[r] for r in ("none", "selective", "full")])[L_all.recompute].tolist()
+    feasible = 0
+    min_mem = (math.inf, None)
+    keep: list[int] = []
+    fits_with = (None, math.inf)  # (layout but recompute, the cheapest recompute that fits it)
+    for i in range(evaluated):
+        key, cost = group[i], costs[i]
+        if key == fits_with[0] and cost > fits_with[1]:
+            # recompute only costs time: with a cheaper mode fitting, this one fits and is slower
+            feasible += 1
+            continue
+        mem = mems[i]
+        if mem > capacity:
+            if mem < min_mem[0]:
+                min_mem = (mem, i)
+            continue
+        feasible += 1
+        fits_with = (key, cost)
+        keep.append(i)
+    if not keep:
+        need, cfg = min_mem[0], L_all.config(min_mem[1])
         raise NoFeasibleLayout(
             f"{m.name} fits nowhere on {c.name}: the smallest layout needs {need:.1f} GiB per GPU "
             f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB usable "
             f"({screen.memory_usable_fraction:.0%} of {c.gpu.memory_gib:.1f}); use more GPUs or a bigger GPU")
-    best_tps = max(p.tokens_per_s_per_gpu for _, p in preds)
-    best_e = min(p.energy_j_per_token for _, p in preds)
-    ranked = sorted(preds, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
-    rank_scores = [_score(p, objective, best_tps, best_e) for _, p in ranked]
+    L = L_all.take(np.array(keep))
+    R = vz.evaluate(m, c, L, rank_constants, memory=False)
+    tps_a, e_a, risk_a = R.tokens_per_s_per_gpu, R.energy_j_per_token, R.throttle_risk
+    best_tps, best_e = float(tps_a.max()), float(e_a.min())
+    score = _scores(tps_a, e_a, risk_a, objective, best_tps, best_e)
+    order = _order(score, L)
+    rank_scores = score[order].tolist()
     best_tps0, best_e0 = best_tps, best_e
-    if cal is not None:  # full calibrated predictions (surrogates, intervals) for the head only
-        head = cal.rescore(m, c, ranked[:max(4 * top, 20)], with_constants=rank_constants is cal.constants)
+    # the Predictions of the rows shown (and of every row for the HTML report, on demand)
+    preds = _LazyPredictions(R)
+    calv = cal is not None and vz.vectorizable(cal) and rank_constants is cal.constants
+    if cal is not None:  # full calibrated predictions (intervals) for the head only
+        hidx = order[:max(4 * top, 20)]
+        if calv:
+            Rh = vz.evaluate(m, c, L.take(hidx), rank_constants)
+            C = vz.Calibrated(cal, Rh)
+            rows = [j for j in range(len(hidx)) if C.feasible[j]] or list(range(len(hidx)))
+            head = [(L.config(int(hidx[j])), C.prediction(j)) for j in rows]
+        else:
+            head = cal.rescore(m, c, [(L.config(int(i)), preds[int(i)][1]) for i in hidx],
+                               with_constants=rank_constants is cal.constants)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+    else:
+        ranked = _LazyRanked(preds, order)
     grid: list[float] = []
     chosen: dict[str, tuple[float, CapSweep | None]] = {}
     if objective != "throughput":  # choose each head layout's cap, then rank again
         grid = cap_grid(c.gpu, power_caps)
         pick = "min_energy" if objective == "energy" else "min_energy_within"
-        cfgs = [cfg for cfg, _ in ranked[:max(2 * top, 10)]]
+        n_sweep = max(2 * top, 10)
+        cfgs = [cfg for cfg, _ in ranked[:n_sweep]]
         caps = sorted(set(grid) | {float(c.power_cap_w)})
-        at_cap = {cap: _predict_many(m, with_power_cap(c, cap), cfgs, rank_constants, cal) for cap in caps}
         head = []
-        for i, cfg in enumerate(cfgs):
-            pts = {cap: CapPoint(cap, p[i].step_time_s, p[i].energy_j_per_token, p[i].mean_power_w,
-                                 p[i].sm_clock_mhz, p[i].clock_ratio) for cap, p in at_cap.items()}
-            sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
-            cap = getattr(sweep, pick).power_cap_w
-            chosen[cfg.key()] = (cap, sweep)
-            head.append((cfg, at_cap[cap][i]))
+
+        def sweep_caps(cfgs: list[TrainConfig]) -> None:
+            at_cap = _sweep_caps(m, c, cfgs, caps, rank_constants, cal, calv)
+            for i, cfg in enumerate(cfgs):
+                pts = {cap: at_cap.point(i, cap) for cap in caps}
+                sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
+                cap = getattr(sweep, pick).power_cap_w
+                chosen[cfg.key()] = (cap, sweep)
+                head.append((cfg, at_cap.prediction(i, cap)))
+
+        sweep_caps(cfgs)
+        # a second head: the layouts that rank best at the cap the first head's best layout chose
+        # (the ones that rank best at the cluster's cap can be others: a wide space has many near
+        # ties there), each with its own cap too
+        bt = max(p.tokens_per_s_per_gpu for _, p in head)
+        be = min(p.energy_j_per_token for _, p in head)
+        best_cap = chosen[min(head, key=lambda cp: (-_score(cp[1], objective, bt, be), cp[0].key()))[0].key()][0]
+        if best_cap != float(c.power_cap_w):
+            more = [cfg for cfg in _best_at_cap(m, c, L, best_cap, objective, rank_constants, cal, calv)
+                    if cfg.key() not in chosen][:n_sweep]
+            if more:
+                sweep_caps(more)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
         ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
     out = []
     first = ranked[0][1]
-    for i, (cfg, p) in enumerate(ranked[:top]):
+    # per-stage caps of the layouts shown with PP > 1 (models.power.stage_caps, on arrays), by cap
+    shown = ranked[:top]
+    per_cap: dict[float, list[int]] = {}
+    for i, (cfg, _) in enumerate(shown):
+        if cfg.pp > 1:
+            per_cap.setdefault(chosen.get(cfg.key(), (c.power_cap_w, None))[0], []).append(i)
+    scs: dict[int, Any] = {}
+    for cap, idx in per_cap.items():
+        got = vz.stage_caps_many(m, with_power_cap(c, cap), [shown[i][0] for i in idx],
+                                 cal.power_constants if cal is not None else rank_constants, base=c)
+        scs.update(zip(idx, got))
+    for i, (cfg, p) in enumerate(shown):
         cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
         at = with_power_cap(c, cap)
-        sc = stage_caps(m, at, cfg, cal.power_constants if cal is not None else rank_constants) if cfg.pp > 1 else None
+        sc = scs.get(i)
         out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
                                   reason=explain(m, at, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e), power_cap_w=cap,
@@ -375,6 +429,138 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
                            candidates=preds, calibrated_with=cal, power_caps=grid,
                            warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
+
+
+def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, constants: Constants, cal,
+                 calv: bool) -> list[TrainConfig]:
+    """The layouts of `L` (rows that fit) in the order of their score at one per-GPU cap (as
+    recommend predicts them: calibrated when a calibration is in use; a layout the calibrated
+    memory says does not fit is left out)."""
+    from advisor.models import vectorized as vz
+
+    at = with_power_cap(c, cap)
+    if cal is None or calv:  # (the cluster as it is, with the cap per row: the same arrays, its memos)
+        R = vz.evaluate(m, c, L, constants, caps=cap, memory=cal is not None)
+        A = vz.Calibrated(cal, R) if cal is not None else R
+        ok = np.asarray(A.feasible, bool) if cal is not None else np.ones(len(L), bool)
+        tps, e, risk = A.tokens_per_s_per_gpu, A.energy_j_per_token, A.throttle_risk
+    else:
+        preds = _predict_many(m, at, [L.config(i) for i in range(len(L))], constants, cal)
+        ok = np.array([p.feasible for p in preds], bool)
+        tps, e, risk = (np.array([getattr(p, k) for p in preds]) for k in
+                        ("tokens_per_s_per_gpu", "energy_j_per_token", "throttle_risk"))
+    idx = np.flatnonzero(ok)
+    if not len(idx):
+        return []
+    score = _scores(tps[idx], e[idx], risk[idx], objective, float(tps[idx].max()), float(e[idx].min()))
+    return [L.config(int(idx[j])) for j in _order(score, L.take(idx))]
+
+
+def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
+    """_score on arrays (the same formulas)."""
+    import numpy as np
+
+    if objective == "throughput":
+        return tps * (1.0 - 0.01 * risk)
+    if objective == "energy":
+        return -energy * (1.0 + 0.01 * risk)
+    return 0.5 * np.log(tps / best_tps) + 0.5 * np.log(best_e / energy) - 0.05 * risk
+
+
+def _order(score, L):
+    """Rows by descending score, equal scores by layout key (as sorted(key=(-score, key)))."""
+    import numpy as np
+
+    order = np.argsort(-score, kind="stable")
+    s = score[order]
+    out = order.copy()
+    i, n = 0, len(order)
+    while i < n:
+        j = i + 1
+        while j < n and s[j] == s[i]:
+            j += 1
+        if j - i > 1:
+            out[i:j] = sorted(order[i:j], key=L.key)
+        i = j
+    return out
+
+
+class _LazyPredictions(Sequence):
+    """(TrainConfig, Prediction) of every ranked row of a vectorized evaluation, in enumeration
+    order; each Prediction is built when first asked for (the HTML report asks for all)."""
+
+    def __init__(self, res):
+        self.res = res
+        self._cache: dict[int, tuple] = {}
+
+    def __len__(self) -> int:
+        return len(self.res.layouts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        hit = self._cache.get(i)
+        if hit is None:
+            hit = self._cache[i] = (self.res.layouts.config(i), self.res.prediction(i))
+        return hit
+
+
+class _LazyRanked(Sequence):
+    """_LazyPredictions in ranking order."""
+
+    def __init__(self, preds: _LazyPredictions, order):
+        self.preds, self.order = preds, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.preds[self.order[j]] for j in range(*i.indices(len(self)))]
+        return self.preds[self.order[i]]
+
+
+class _CapSweep:
+    """A head's predictions at every cap of a sweep, evaluated as one array (caps vary fastest)."""
+
+    def __init__(self, m, c, cfgs, caps, constants, cal, calv):
+        from advisor.models import vectorized as vz
+        import numpy as np
+
+        self.m, self.c, self.cfgs, self.caps, self.constants, self.cal = m, c, cfgs, list(caps), constants, cal
+        self.col = {cap: j for j, cap in enumerate(self.caps)}
+        L = vz.Layouts.of(m, cfgs).repeat(len(self.caps))
+        capv = np.tile(np.array(self.caps, float), len(cfgs))
+        self.capv = capv
+        if cal is None or calv:
+            R = vz.evaluate(m, c, L, constants, caps=capv, memory=cal is not None)
+            self.arr = vz.Calibrated(cal, R, caps=capv) if cal is not None else R
+            self.ref = None
+        else:  # a calibration with surrogates: the reference, cap by cap
+            self.arr = None
+            self.ref = {cap: _predict_many(m, with_power_cap(c, cap), cfgs, constants, cal) for cap in self.caps}
+
+    def point(self, i: int, cap: float) -> CapPoint:
+        if self.ref is not None:
+            p = self.ref[cap][i]
+            return CapPoint(cap, p.step_time_s, p.energy_j_per_token, p.mean_power_w, p.sm_clock_mhz, p.clock_ratio)
+        r = i * len(self.caps) + self.col[cap]
+        a = self.arr
+        sm = float(a.sm_clock_mhz[r])
+        return CapPoint(cap, float(a.step_time_s[r]), float(a.energy_j_per_token[r]), float(a.mean_power_w[r]),
+                        None if math.isnan(sm) else sm, float(a.clock_ratio[r]))
+
+    def prediction(self, i: int, cap: float) -> Prediction:
+        if self.ref is not None:
+            return self.ref[cap][i]
+        return self.arr.prediction(i * len(self.caps) + self.col[cap], with_power_cap(self.c, cap))
+
+
+def _sweep_caps(m, c, cfgs, caps, constants, cal, calv) -> _CapSweep:
+    return _CapSweep(m, c, cfgs, caps, constants, cal, calv)
 
 
 def _predict_at(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal) -> Prediction:
@@ -468,7 +654,7 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precis
 
 
 def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],
-                      stack: str | None = None) -> TrainConfig:
+                      stack: str | None = None, checked: bool = False) -> TrainConfig:
     """A TrainConfig from user flags: DP derived from the cluster; unset knobs take the defaults
     recommend uses (SP when TP > 1, distributed optimizer and overlap when DP > 1, and the stack's
     own: TP communication overlap under Transformer Engine). Values are checked by
@@ -476,7 +662,8 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
     from advisor.models.profiles import apply_layout_defaults
     from advisor.validate import layout_values
 
-    values = layout_values(values)
+    if not checked:  # (checked: the caller ran layout_values on them already)
+        values = layout_values(values)
     v = {k: values[k] for k in LAYOUT_KEYS if values.get(k) is not None}
     tp, pp, cp = int(v.get("tp", 1)), int(v.get("pp", 1)), int(v.get("cp", 1))
     for name, val in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -516,22 +703,62 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     sweep the per-GPU cap over `power_caps` (cap_grid) and give, in prediction.power_caps, the cap
     with the least J/token, the least within 5% of the fastest step, and per-stage caps for the
     stages off the critical path (PP > 1)."""
-    m, c = resolve(model, cluster, power_cap_w)
+    m, c, cfg, cal = _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack)
+    from advisor.models import vectorized as vz
+
+    calv = cal is None or vz.vectorizable(cal)
+    p = _predict_group(m, c, [cfg], constants, cal)[0] if calv else _predict_at(m, c, cfg, constants, cal)
+    if energy_caps:
+        grid = cap_grid(c.gpu, power_caps)
+        if calv:  # every cap in one array evaluation (the points cap_sweep would evaluate one by one)
+            at = _CapSweep(m, c, [cfg], sorted(set(grid) | {float(c.power_cap_w)}),
+                           cal.constants if cal is not None else constants, cal, True)
+            sweep = sweep_of([at.point(0, v) for v in grid], at.point(0, float(c.power_cap_w)))
+        else:
+            sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), grid, c.power_cap_w)
+        consts = cal.power_constants if cal is not None else constants
+        sc = (vz.stage_caps_many(m, c, [cfg], consts)[0] if calv else stage_caps(m, c, cfg, consts)) if cfg.pp > 1 else None
+        p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
+    return cfg, p
+
+
+def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrides, stack, specs=None,
+                       checked: bool = False):
+    """(model, cluster, legal layout, calibration) of a predict request; bad input raises.
+    `specs`: a dict that keeps the (model, cluster) of each (model, cluster, cap) named before
+    (predict --batch: the same names on many lines)."""
+    key = (model, cluster, power_cap_w)
+    hit = specs.get(key) if specs is not None and all(isinstance(k, (str, float, int, type(None))) for k in key) else None
+    if hit is None:
+        hit = resolve(model, cluster, power_cap_w)
+        if specs is not None and isinstance(model, str) and isinstance(cluster, str):
+            specs[key] = hit
+    m, c = hit
     if overrides:
         from advisor.models.calibrate import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
     cal = _calibration(calibration, stack)
-    cfg = layout_from_flags(m, c, values, stack)
+    cfg = layout_from_flags(m, c, values, stack, checked=checked and not overrides)
     v = violations(m, c, cfg)
     if v:
         raise IllegalLayout(f"illegal layout: {v[0]}")
-    p = _predict_at(m, c, cfg, constants, cal)
-    if energy_caps:
-        sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), cap_grid(c.gpu, power_caps), c.power_cap_w)
-        sc = stage_caps(m, c, cfg, cal.power_constants if cal is not None else constants) if cfg.pp > 1 else None
-        p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
-    return cfg, p
+    return m, c, cfg, cal
+
+
+def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], constants: Constants, cal) -> list:
+    """The predictions `_predict_at` gives, of several layouts of one model on one cluster, on
+    arrays (models.vectorized); a calibration with surrogates goes through its predict_many."""
+    from advisor.models import vectorized as vz
+
+    if cal is not None and not vz.vectorizable(cal):
+        return cal.predict_many(m, c, cfgs, check_legal=False)
+    L = vz.Layouts.of(m, cfgs)
+    R = vz.evaluate(m, c, L, cal.constants if cal is not None else constants)
+    if cal is None:
+        return [R.prediction(i) for i in range(len(cfgs))]
+    C = vz.Calibrated(cal, R)
+    return [C.prediction(i) for i in range(len(cfgs))]
 
 
 def _calibration(spec: Any, stack: str | None = None):
@@ -550,7 +777,7 @@ BATCH_KEYS = ("model", "cluster", "power_cap_w", "dp", "id") + LAYOUT_KEYS
 
 def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibration: Any = DEFAULT_CALIBRATION,
                   overrides: Iterable[str] = (), stack: str | None = None,
-                  defaults: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+                  defaults: Mapping[str, Any] | None = None, chunk: int = 4096) -> Iterator[dict[str, Any]]:
     """One output object per input line, blank lines included: every input key echoed, plus
     `prediction` (with the derived `config`) or `error` (with the `line` number). A line carries
     `model`, `cluster`, `power_cap_w`, `id` (any value, echoed) and the layout keys (LAYOUT_KEYS);
@@ -565,21 +792,21 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
     sets = validate.parse_sets(overrides)
     set_keys = {"power_cap": "power_cap_w"}
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+    specs: dict = {}
 
-    for n, line in enumerate(lines, 1):
+    def check(n: int, line: str):
+        """(output object, None) for a line that is answered already (an error), or (output
+        object, (model, cluster, layout, calibration)) for one to predict."""
         where = f"line {n}: "
         if not line.strip():
-            yield {"line": n, "error": f"{where}blank line (one JSON object per line)"}
-            continue
+            return {"line": n, "error": f"{where}blank line (one JSON object per line)"}, None
         try:
             row = validate.loads_strict(line)
         except ValueError as e:
             msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-            yield {"line": n, "error": f"{where}not JSON ({msg})"}
-            continue
+            return {"line": n, "error": f"{where}not JSON ({msg})"}, None
         if not isinstance(row, dict):
-            yield {"line": n, "error": f"{where}expected a JSON object, got {type(row).__name__}"}
-            continue
+            return {"line": n, "error": f"{where}expected a JSON object, got {type(row).__name__}"}, None
         out = dict(row)
         try:
             for k in row:
@@ -597,13 +824,45 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
             if cap is not None:
                 cap = validate.number(f"{where}power_cap_w", cap, lo=0, lo_open=True)
             values = validate.layout_values(values, where)
-            cfg, p = predict_layout(values["model"], values["cluster"], values, power_cap_w=cap,
-                                    constants=constants, calibration=calibration, overrides=overrides,
-                                    stack=stack)
-            out["config"] = cfg.to_dict()
-            out["prediction"] = p.to_dict()
+            return out, _layout_to_predict(values["model"], values["cluster"], values, cap, calibration,
+                                           overrides, stack, specs, checked=True)
         except (SpecError, ValueError, TypeError, ArithmeticError) as e:
-            msg = str(e)
-            out["line"] = n
-            out["error"] = msg if msg.startswith(where) else where + msg
-        yield out
+            return _error(out, n, e), None
+
+    def _error(out: dict, n: int, e: Exception) -> dict:
+        where = f"line {n}: "
+        msg = str(e)
+        out["line"] = n
+        out["error"] = msg if msg.startswith(where) else where + msg
+        return out
+
+    # lines are read `chunk` at a time (1: each line answered before the next is read, for a
+    # caller that writes a line and waits for its answer) and predicted together: the layouts of
+    # one model on one cluster in one array evaluation
+    it = iter(enumerate(lines, 1))
+    while True:
+        block = [x for _, x in zip(range(max(1, chunk)), it)]
+        if not block:
+            return
+        todo = [check(n, line) + (n,) for n, line in block]
+        groups: dict[tuple, list[int]] = {}
+        for j, (_, req, _) in enumerate(todo):
+            if req is not None:
+                m, c, cfg, cal = req
+                groups.setdefault((m, c, id(cal)), []).append(j)
+        for (m, c, _), js in groups.items():
+            cal = todo[js[0]][1][3]
+            try:
+                preds = _predict_group(m, c, [todo[j][1][2] for j in js], constants, cal)
+            except (SpecError, ValueError, TypeError, ArithmeticError):
+                preds = None  # one line's trouble: predicted line by line below, each with its error
+            for k, j in enumerate(js):
+                out, (m_, c_, cfg, cal_), n = todo[j]
+                try:
+                    p = preds[k] if preds is not None else _predict_at(m_, c_, cfg, constants, cal_)
+                    out["config"] = cfg.to_dict()
+                    out["prediction"] = p.to_dict(copy=False)  # made for this line alone
+                except (SpecError, ValueError, TypeError, ArithmeticError) as e:
+                    _error(out, n, e)
+        for out, _, _ in todo:
+            yield out

@@ -198,9 +198,19 @@ def predict_cmd(
         defaults = {k: v for k, v in dict(values, model=model, cluster=cluster, power_cap_w=power_cap).items()
                     if k in given or (k == "power_cap_w" and "power_cap" in given)}
         stream = sys.stdin if batch == "-" else open(batch, encoding="utf-8", errors="replace")
+        # a file is read and predicted in blocks of lines (one array evaluation per model and
+        # cluster); a pipe or terminal line by line, so that a caller that writes a line and waits
+        # for its answer gets it
+        import os
+        import stat
+
+        try:
+            regular = stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+        except (OSError, ValueError, AttributeError):
+            regular = False
         with stream:
             for row in predict_batch(stream, calibration=calibration, overrides=sets or (), stack=stack,
-                                     defaults=defaults):
+                                     defaults=defaults, chunk=4096 if regular else 1):
                 sys.stdout.write(validate.dumps(row) + "\n")
                 sys.stdout.flush()
         return

@@ -590,7 +590,10 @@ def finite_json(obj: Any) -> Any:
 
 
 def dumps(obj: Any, **kw) -> str:
-    return json.dumps(finite_json(obj), allow_nan=False, **kw)
+    try:  # all finite (the usual case): the same text without a copy of `obj`
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:
+        return json.dumps(finite_json(obj), allow_nan=False, **kw)
 
 
 def _refuse_constant(name: str):

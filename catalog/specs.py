@@ -337,7 +337,8 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """dataclasses.asdict (every field is a number, a string, a bool or None: no copies)."""
+        return {f: getattr(self, f) for f in _TRAIN_FIELDS}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
@@ -363,3 +364,6 @@ class TrainConfig:
         return ((f"-{self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" else "")
                 + ("-seqmlp" if not self.moe_grouped_gemm else "")
                 + (f"-{self.moe_router}" if self.moe_router != "aux_loss" else ""))
+
+
+_TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

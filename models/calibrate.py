@@ -102,6 +102,10 @@ def residual(target: str, measured: np.ndarray, predicted: np.ndarray) -> np.nda
 
 
 def apply_residual(target: str, predicted, r):
+    if type(predicted) is float and type(r) is float:  # one number (a prediction's interval): no numpy
+        if target in ADDITIVE:
+            return min(max(predicted + r, 0.0), 1.0)
+        return predicted * math.exp(r)
     if target in ADDITIVE:
         return np.clip(predicted + r, 0.0, 1.0)
     return predicted * np.exp(r)
@@ -554,10 +558,10 @@ class Calibration:
             return estimate_power(model, cluster, cfg, DEFAULT)
         return power_at_step(model, cluster, cfg, step_s, self.constants)
 
-    def _compose(self, model, cluster, cfg, p: Prediction, est: dict) -> CalibratedPrediction:
+    def _compose(self, model, cluster, cfg, p: Prediction, est: dict, pw=None) -> CalibratedPrediction:
         """`p`: the analytical prediction with the calibrated constants. Every power field comes
-        from one models.power evaluation (power_of); energy per token is its mean power x GPUs
-        over the tokens/s printed."""
+        from one models.power evaluation (power_of, or `pw` when the caller has evaluated it:
+        models.vectorized); energy per token is its mean power x GPUs over the tokens/s printed."""
         n = cluster.world_size
         tokens = cfg.tokens_per_step
         tps, tps_lo, tps_hi = est["tokens_per_s_per_gpu"]
@@ -569,7 +573,7 @@ class Calibration:
         feasible = mem <= cap
         reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB usable per GPU")
         d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}
-        pw = self.power_of(model, cluster, cfg, step)
+        pw = self.power_of(model, cluster, cfg, step) if pw is None else pw
         d.update(power_fields(pw))
         d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
                  tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,
@@ -723,8 +727,34 @@ _CACHE: dict[str, "Calibration"] = {}
 def _load_cached(path: str) -> "Calibration":
     """Shipped profiles are read once per process (recommend / predict --batch ask many times)."""
     if path not in _CACHE:
-        _CACHE[path] = Calibration.load(path)
+        _CACHE[path] = _load_twin(Path(path)) or Calibration.load(path)
     return _CACHE[path]
+
+
+def _load_twin(path: Path) -> "Calibration | None":
+    """A shipped profile without surrogates from the JSON twin `save` writes next to it (the
+    same payload but the surrogates' states): no joblib import, a third of a cold command's
+    start-up on a small machine. tests/test_vectorized.py checks that both files of every
+    shipped profile load to the same calibration. None when the twin is missing or the profile
+    has surrogates (their states are only in the joblib file)."""
+    import json
+
+    twin = path.with_suffix(".json")
+    if not twin.is_file():
+        return None
+    try:
+        d = json.loads(twin.read_text())
+    except ValueError:
+        return None
+    if (d.get("format") != FORMAT or d.get("version") not in READS or d.get("surrogates") != {}
+            or tuple(d.get("feature_names", ())) != FEATURE_NAMES):
+        return None
+    known = {f.name for f in dataclasses.fields(Constants)}
+    c = Constants(**{k: v for k, v in d["constants"].items() if k in known})
+    profile = d.get("profile") or ("local" if path.resolve() == DEFAULT_FILE.resolve() else "custom")
+    return Calibration(constants=c, targets=d["targets"], surrogates={t: None for t in d["targets"]},
+                       trained_on=d.get("trained_on", {}), cv=d.get("cv", {}), fit_info=d.get("fit_info", {}),
+                       source=str(path), profile=profile)
 
 
 def format_intervals(p: CalibratedPrediction) -> str:

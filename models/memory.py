@@ -37,9 +37,14 @@ class StageMemory:
                 + self.logits_gib + self.overhead_gib + self.step_transient_gib)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """dataclasses.asdict plus total_gib (the fields are numbers: no copies)."""
+        d = {f: getattr(self, f) for f in _MEMORY_FIELDS}
         d["total_gib"] = self.total_gib
         return d
+
+
+_MEMORY_FIELDS = ("stage", "layers", "params", "weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
+                  "logits_gib", "overhead_gib", "step_transient_gib")
 
 
 def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range | tuple[int, ...], stage: int) -> tuple[float, float]:

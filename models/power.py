@@ -216,6 +216,16 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         if done:
             break
     per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra, clock=x[k]) for k in range(pp)]
+    return aggregate(cluster, cfg, c, per_stage, st, base, x, extra)
+
+
+def aggregate(cluster: ClusterSpec, cfg: TrainConfig, c: Constants, per_stage: list[StagePower], st: StepTime,
+              base: StepTime, x: Sequence[float], extra: float) -> PowerEstimate:
+    """The PowerEstimate of a layout from its stages' powers at the clocks `x` they hold, the step
+    `st` at those clocks (with `extra` seconds of unexplained wait in it) and the step `base` at
+    the maximum clocks (models.vectorized builds the same from arrays and calls this too)."""
+    gpu = cluster.gpu
+    pp = len(per_stage)
     gpus_per_stage = cluster.world_size / pp
     energy = sum(s.energy_j for s in per_stage) * gpus_per_stage
     mean = energy / gpus_per_stage / pp / st.step_time_s

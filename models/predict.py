@@ -1,7 +1,8 @@
 """One prediction for one layout: memory, time, power, throttle risk, energy. Pure."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy as _copy
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
@@ -39,8 +40,25 @@ class Prediction:
     power: dict = field(default_factory=dict)  # per-stage caps, clocks and powers (models.power)
     power_caps: dict = field(default_factory=dict)  # energy-optimal caps, when asked (models.power.cap_sweep)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def to_dict(self, copy: bool = True) -> dict:
+        """dataclasses.asdict of the prediction, without its deep copy of every number (the
+        fields hold numbers, strings and dicts / lists of them: copied container by container).
+        copy=False: the fields' own dicts and lists (for a caller that only serialises them)."""
+        if not copy:
+            return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+
+def _plain(o):
+    if type(o) is dict:
+        return {k: _plain(v) for k, v in o.items()}
+    if type(o) is list:
+        return [_plain(v) for v in o]
+    if type(o) in (float, int, str, bool) or o is None:
+        return o
+    if type(o) is tuple:
+        return tuple(_plain(v) for v in o)
+    return asdict(o) if is_dataclass(o) and not isinstance(o, type) else _copy.deepcopy(o)
 
 
 def memory_only(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageMemory]:
@@ -58,6 +76,17 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
 
             raise IllegalLayout(f"illegal layout: {v[0]}")
     mem = stage_memory(model, cfg, c)
+    full = stage_times(model, cluster, cfg, c)
+    base = step_time(model, cluster, cfg, c, stages=full)
+    power = estimate_power(model, cluster, cfg, c, stages=full)
+    return assemble(model, cluster, cfg, c, mem, base, power)
+
+
+def assemble(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants, mem: list[StageMemory],
+             base: StepTime, power: PowerEstimate) -> Prediction:
+    """The Prediction of a layout from its stage memory, its step at the maximum clocks and its
+    power estimate (which holds the step at the clocks the caps hold). models.vectorized builds
+    the same three from arrays and calls this too, so both give the same fields."""
     worst = max(mem, key=lambda s: s.total_gib)
     capacity = cluster.gpu.memory_gib
     usable = capacity * c.memory_usable_fraction
@@ -65,9 +94,6 @@ def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constan
     reason = "" if feasible else (
         f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {usable:.1f} GiB usable "
         f"({c.memory_usable_fraction:.0%} of {capacity:.1f} GiB per GPU)")
-    full = stage_times(model, cluster, cfg, c)
-    base = step_time(model, cluster, cfg, c, stages=full)
-    power = estimate_power(model, cluster, cfg, c, stages=full)
     st = power.step
     tokens = cfg.tokens_per_step
     n = cluster.world_size

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Iterator
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
@@ -50,10 +51,19 @@ class SpaceOptions:
     max_cp: int = 16
     min_tokens_per_cp_rank: int = 2048
     uneven_pipeline: bool = True
-    max_layout_vp: int = 8  # explicit layouts are generated for power-of-two vp up to this
+    max_layout_vp: int = 8  # explicit layouts are generated for vp up to this that no other split allows:
+    every_layout_vp: bool = False  # every such vp (True) or the powers of two (False)
     tp_comm_overlap: bool = False  # needs Transformer Engine
     distributed_optimizer: tuple[bool, ...] = (True,)
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def wide(cls, **kw) -> "SpaceOptions":
+        """recommend's space: micro-batches up to 16 and an explicit pipeline layout for every VP
+        up to 32 that no other split allows (issue #15; the arrays of models.vectorized rank it in
+        about the time the narrower space took). The defaults stay the narrower space that
+        `advisor tune` declares to Optuna (a stored study's distributions must not change)."""
+        return cls(**{"mbs": (1, 2, 4, 8, 16), "max_layout_vp": 32, "every_layout_vp": True, **kw})
 
 
 def pipeline_splits(num_layers: int, pp: int, allow_uneven: bool) -> list[tuple[int | None, int | None]]:
@@ -75,6 +85,7 @@ def pipeline_splits(num_layers: int, pp: int, allow_uneven: bool) -> list[tuple[
     return [(first, last)]
 
 
+@lru_cache(maxsize=4096)
 def balanced_layout(num_layers: int, pp: int, vp: int) -> str | None:
     """A megatron-core pipeline layout string for pp·vp chunks in which the embedding and the loss
     count as one layer each and every chunk holds k or k - 1 of these units. The short chunks are
@@ -124,8 +135,9 @@ def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple
     it allows). An even split when it exists. Otherwise Megatron's uneven splits: the embedding
     and / or the loss counted as a layer (--account-for-*-in-pipeline-split, as NVIDIA's 405B and
     Qwen3-235B presets do), the first / last stage trimmed (--decoder-first/last-pipeline-num-
-    layers) when that accounting does not split either, and for a power-of-two vp that none of them
-    allows an explicit --pipeline-model-parallel-layout (`balanced_layout`)."""
+    layers) when that accounting does not split either, and for a vp that none of them allows
+    (up to max_layout_vp: every one with every_layout_vp, else the powers of two) an explicit
+    --pipeline-model-parallel-layout (`balanced_layout`)."""
     if pp == 1:
         return [({}, [1])]
     if num_layers < pp:
@@ -151,7 +163,8 @@ def split_choices(num_layers: int, pp: int, options: SpaceOptions) -> list[tuple
             counts = stage_layer_counts(num_layers, pp, first, last)
             out.append(({"pp_first_layers": first, "pp_last_layers": last}, vps(*counts)))
     covered = {v for _, vs in out for v in vs}
-    for v in powers_of_two_upto(min(options.max_vp, options.max_layout_vp))[1:]:
+    top = min(options.max_vp, options.max_layout_vp)
+    for v in (range(2, top + 1) if options.every_layout_vp else powers_of_two_upto(top)[1:]):
         if v not in covered:
             layout = balanced_layout(num_layers, pp, v)
             if layout is not None:
@@ -163,6 +176,14 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                       options: SpaceOptions = SpaceOptions(),
                       keep: Callable[[TrainConfig], bool] | None = None) -> Iterator[TrainConfig]:
     """Every legal layout (optionally filtered by `keep`, e.g. a memory check)."""
+    for tp, cp, pp, dp in model_parallel_choices(model, cluster, workload, options):
+        for split, vps in split_choices(model.num_layers, pp, options):
+            yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep)
+
+
+def model_parallel_choices(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
+                           options: SpaceOptions) -> Iterator[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) of the space, in enumeration order (search_spaces.columns shares it)."""
     world = cluster.world_size
     gpn = cluster.gpus_per_node
     heads, kv = model.num_attention_heads, model.kv_heads
@@ -179,16 +200,18 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 dp = world // (tp * cp * pp)
                 if workload.gbs % dp:
                     continue
-                for split, vps in split_choices(model.num_layers, pp, options):
-                    yield from _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep)
+                yield tp, cp, pp, dp
+
+
+def expert_choices(model: ModelSpec, tp: int, cp: int, dp: int) -> tuple[list[int], list[int]]:
+    """(EP sizes, expert-TP sizes) to try: divisors of the experts that divide dp·cp·tp, and 1 or TP."""
+    if model.is_moe:
+        return [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0], sorted({1, tp})
+    return [1], [1]
 
 
 def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
-    if model.is_moe:
-        eps = [e for e in divisors(model.num_experts) if (dp * cp * tp) % e == 0]
-        etps = sorted({1, tp})
-    else:
-        eps, etps = [1], [1]
+    eps, etps = expert_choices(model, tp, cp, dp)
     per_dp = workload.gbs // dp
     for mbs in options.mbs:
         if per_dp % mbs:
