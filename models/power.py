@@ -282,6 +282,11 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
         clk = f"{s.sm_clock_mhz:,.0f} MHz" if s.sm_clock_mhz else f"{s.clock_ratio:.0%} of the maximum clock"
         reason = (f"power cap: {where} would draw {busiest.demand_w:.0f} W at full clock > {cap:.0f} W; "
                   f"clock held at {clk}, step {(slowdown - 1) * 100:.1f}% slower than at full clock")
+        if busiest.busy_power_w > cap * (1.0 + 1e-3):
+            # the lowest clock the model knows (min_clock_ratio) still draws more than the cap: the
+            # driver would have to go further (clock gating, power brake), which is not modelled
+            reason += (f"; even at that clock it draws {busiest.busy_power_w:.0f} W > {cap:.0f} W: a cap this low "
+                       f"cannot be held by the clock alone (expect a slower step than predicted)")
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))
