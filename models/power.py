@@ -98,6 +98,14 @@ def busy_phases(full: StageTime, m: int, c: Constants, fp8: bool = False) -> lis
     return [p for p in out if p.seconds > 0]
 
 
+def ep_idle_phases(full: StageTime, m: int, c: Constants, fp8: bool = False) -> list[Phase]:
+    """The experts' work the busiest EP rank does beyond the mean rank, per step at the maximum
+    clocks, as DVFS phases: the mean rank spends that time waiting in the all-to-all."""
+    out = [Phase("gemm", full.moe_ep_idle_compute_s * m, utilization=full.gemm_utilization, fp8=fp8),
+           Phase("memory", full.moe_ep_idle_memory_s * m, utilization=c.memory_power_bandwidth)]
+    return [p for p in out if p.seconds > 0]
+
+
 def _waits(st: StepTime, k: int, m: int, c: Constants, extra_wait_s: float = 0.0
            ) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """Stage k's idle time in the step `st` (at its clocks), as (seconds, limiter weight): waits
@@ -141,9 +149,13 @@ def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
 
 
 def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: Constants = DEFAULT,
-                power_scale: float = 1.0, extra_wait_s: float = 0.0, clock: float | None = None) -> StagePower:
+                power_scale: float = 1.0, extra_wait_s: float = 0.0, clock: float | None = None,
+                ep_idle: list[Phase] = ()) -> StagePower:
     """Stage k's GPUs in the step `st` (at its clocks): the clock its cap holds (or `clock` when
-    given), and its power and energy. `busy`: busy_phases() of the stage."""
+    given), and its power and energy. `busy`: busy_phases() of the stage, its busiest EP rank's
+    (which sets the clock, the step and the peaks); `ep_idle`: ep_idle_phases(), the part of that
+    work the mean EP rank does not do and waits instead (its mean power and energy are the
+    stage's: the mean over the stage's GPUs)."""
     m = st.num_microbatches
     end = _step_end_phases(st, c)
     waits, gaps = _waits(st, k, m, c, extra_wait_s)
@@ -160,6 +172,9 @@ def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: C
     idle = dvfs.Load(wait_s=step_s - busy_s - gap_s, gap_s=gap_s)
     p_wait = dvfs.Load(wait_s=1.0).power(x, gpu, c, power_scale)
     e = work.power(x, gpu, c, power_scale) * busy_s + idle.power(x, gpu, c, power_scale) * idle.seconds(x)
+    if ep_idle:
+        spare = dvfs.Load.of(ep_idle, (), c)
+        e -= spare.seconds(x) * (spare.power(x, gpu, c, power_scale) - p_wait)
     mb = dvfs.Load.of(busy, (), c)
     phase_peak = busiest_stretch(mb, end, x, gpu, c, power_scale)
     stretch_demand = busiest_stretch(mb, end, 1.0, gpu, c, power_scale)
@@ -215,7 +230,9 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         st = at(x)
         if done:
             break
-    per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra, clock=x[k]) for k in range(pp)]
+    idle_ep = [ep_idle_phases(s, m, c, fp8) for s in full]
+    per_stage = [stage_power(st, k, busy[k], gpu, cap[k], c, scale[k], extra, clock=x[k], ep_idle=idle_ep[k])
+                 for k in range(pp)]
     return aggregate(cluster, cfg, c, per_stage, st, base, x, extra)
 
 
@@ -282,6 +299,11 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
         clk = f"{s.sm_clock_mhz:,.0f} MHz" if s.sm_clock_mhz else f"{s.clock_ratio:.0%} of the maximum clock"
         reason = (f"power cap: {where} would draw {busiest.demand_w:.0f} W at full clock > {cap:.0f} W; "
                   f"clock held at {clk}, step {(slowdown - 1) * 100:.1f}% slower than at full clock")
+        if busiest.busy_power_w > cap * (1.0 + 1e-3):
+            # the lowest clock the model knows (min_clock_ratio) still draws more than the cap: the
+            # driver would have to go further (clock gating, power brake), which is not modelled
+            reason += (f"; even at that clock it draws {busiest.busy_power_w:.0f} W > {cap:.0f} W: a cap this low "
+                       f"cannot be held by the clock alone (expect a slower step than predicted)")
     elif demand_peak > cap:
         r_power = c.throttle_risk_spike_base + c.throttle_risk_spike_span * min(
             1.0, (demand_peak - cap) / (c.throttle_spike_full_excess * cap))

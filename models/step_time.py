@@ -111,6 +111,12 @@ class StageTime:
     moe_permute_memory_s: float = 0.0
     moe_expert_compute_s: float = 0.0
     moe_expert_memory_s: float = 0.0
+    # the experts' work (compute, memory-bound; at the maximum clocks) the busiest EP rank does
+    # beyond the mean rank: the step follows the busiest, the other ranks of the EP group wait for
+    # it in the combine all-to-all (models/power.py: the stage's mean power and energy are the
+    # mean rank's, measured 4 x H100 EP runs draw 580-650 W per GPU where the busiest draws ~690)
+    moe_ep_idle_compute_s: float = 0.0
+    moe_ep_idle_memory_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -129,8 +135,9 @@ class StageTime:
 _MOE = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
 _MOE_PARTS = ("moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s",
               "moe_expert_memory_s")
+_EP_IDLE = ("moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
 _ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-             "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS
+             "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS + _EP_IDLE
 
 
 @dataclass
@@ -263,6 +270,9 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         st.moe_permute_memory_s += mt.permute_mem
         st.moe_expert_compute_s += mt.expert_gemm
         st.moe_expert_memory_s += mt.expert_mem
+        spare = 1.0 - 1.0 / mt.imbalance if mt.imbalance > 1.0 else 0.0
+        st.moe_ep_idle_compute_s += mt.expert_gemm * spare
+        st.moe_ep_idle_memory_s += mt.expert_mem * spare
     else:
         ffn = model.ffn_hidden_size
         if model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:

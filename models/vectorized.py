@@ -32,11 +32,12 @@ from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _extra_codes
 UNIT_FIELDS = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
                "fp8_fwd_s", "fp8_bwd_s", "moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s",
                "moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s",
-               "moe_expert_memory_s")
+               "moe_expert_memory_s", "moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
 STAGE_FIELDS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
                 "pp_p2p_s", "overhead_s", "fp8_fwd_s", "fp8_bwd_s", "forward_s", "backward_s", "gemm_utilization",
                 "moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s", "moe_router_compute_s",
-                "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s", "moe_expert_memory_s")
+                "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s", "moe_expert_memory_s",
+                "moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
 STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s")
 POWER_FIELDS = ("power_cap_w", "clock_ratio", "demand_w", "busy_power_w", "mean_power_w", "peak_power_w",
                 "throttled", "busy_s", "energy_j", "spiking", "stretch_demand_w")
@@ -888,6 +889,16 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
     step_s = np.maximum(step_r, busy_s + gap_len)
     idle_load = _Load(0.0, 0.0, 0.0, 0.0, 0.0, step_s - busy_s - gap_len, gap_len)
     e = work.power(x, idle, span, c, ps) * busy_s + idle_load.power(x, idle, span, c, ps) * idle_load.seconds(x)
+    # the mean EP rank's energy (power.stage_power): the busiest rank's extra expert work at wait power
+    spare = [("gemm", full["moe_ep_idle_compute_s"] * mf, (wg, 0.0)),
+             ("memory", full["moe_ep_idle_memory_s"] * mf, (c.memory_sm_power * b, c.memory_hbm_power * b))]
+    spare_load = _Load(*_phase_sums(spare, c), 0.0, 0.0)
+    spare_s = spare_load.seconds(x)
+    if np.any(spare_s > 0):
+        p_wait = _Load(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0).power(x, idle, span, c, ps)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p_spare = spare_load.power(x, idle, span, c, ps)
+        e = np.where(spare_s > 0, e - spare_s * (p_spare - p_wait), e)
 
     def stretch_power(xx):
         v = mb_load.power(xx, idle, span, c, ps)

@@ -177,3 +177,41 @@ def test_a_measured_step_shorter_than_the_model_comes_out_of_launch_gaps(runs, l
     # the work stays, less idle: mean power rises by the gap energy it no longer averages in
     e0 = power_at_step(r.model, r.cluster, r.cfg, model_step, c, stages=full)
     assert e.mean_power_w > e0.mean_power_w and busy < target
+
+
+def test_ep_ranks_wait_for_the_busiest_at_wait_power():
+    """4 x H100 MoE runs at EP 2 / 4 (never fitted): the step follows the busiest EP rank, the
+    other ranks wait for it in the all-to-all. With their mean power taken as the busiest rank's
+    the 32 runs were 6.5% off (Mixtral proxy +10 to +16%); as the mean rank's, under 5%."""
+    import bench.moe_check as B
+
+    c = B.local_base()
+    rows = [r["rec"] for r in B.moe_rows() if r["rec"].cfg.world_size > 1 and r["rec"].cfg.ep > 1]
+    assert len(rows) >= 25
+    errs = [abs(B.predict(r.model, r.cluster, r.cfg, c, check_legal=False).mean_power_w / r.y["mean_power_w"] - 1)
+            for r in rows]
+    assert sum(errs) / len(errs) < 0.05, sum(errs) / len(errs)
+
+
+def test_ep_idle_leaves_ep1_and_the_step_alone():
+    """The mean-rank correction only moves mean power and energy of EP > 1 layouts: EP 1 has no
+    busier rank, and the step, clocks and peaks stay the busiest rank's."""
+    from advisor.api import resolve
+    from advisor.catalog.specs import TrainConfig
+    from advisor.models import step_time as ST
+    from advisor.models.power import estimate_power
+
+    m, cl = resolve("mixtral-8x7b", "h100x8")
+    one = TrainConfig(tp=1, pp=1, dp=8, ep=1, mbs=1, gbs=64, seq=4096)
+    st1 = ST.stage_times(m, cl, one)
+    assert st1[0].moe_ep_idle_compute_s == 0.0 and st1[0].moe_ep_idle_memory_s == 0.0
+    ep = TrainConfig(tp=1, pp=1, dp=8, ep=8, mbs=1, gbs=64, seq=4096)
+    full = ST.stage_times(m, cl, ep)
+    assert full[0].moe_ep_idle_compute_s > 0
+    with_idle = estimate_power(m, cl, ep, stages=full)
+    import dataclasses
+    none = [dataclasses.replace(s, moe_ep_idle_compute_s=0.0, moe_ep_idle_memory_s=0.0) for s in full]
+    busiest = estimate_power(m, cl, ep, stages=none)
+    assert with_idle.step.step_time_s == busiest.step.step_time_s and with_idle.clock_ratio == busiest.clock_ratio
+    assert with_idle.peak_power_w == busiest.peak_power_w
+    assert with_idle.mean_power_w < busiest.mean_power_w and with_idle.energy_j_per_token < busiest.energy_j_per_token

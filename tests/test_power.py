@@ -283,3 +283,15 @@ def test_measured_runs_power_and_energy_within_the_issue_bounds():
     e = chk.errors(rows, [chk.power_model(r, c) for r in rows])
     assert e["mean_w"][1] == len(rows) >= 47 and e["mean_w"][0] <= 5.0
     assert e["j_per_token"][1] >= 13 and e["j_per_token"][0] <= 10.0
+
+
+def test_a_cap_the_lowest_clock_cannot_hold_is_said():
+    """Below what the floor clock draws, the model cannot say how the driver holds the cap: the
+    reason says so (and only there)."""
+    from advisor.api import predict_layout
+
+    flags = dict(tp=4, pp=4, cp=2, vp=5, mbs=1, gbs=128, seq=8192)
+    _, low = predict_layout("llama3-70b", "h100x64", flags, power_cap_w=200)
+    _, mid = predict_layout("llama3-70b", "h100x64", flags, power_cap_w=500)
+    assert "cannot be held by the clock alone" in low.throttle_reason
+    assert "cannot be held" not in mid.throttle_reason and "power cap" in mid.throttle_reason
