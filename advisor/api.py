@@ -106,8 +106,9 @@ class RecommendResult:
     recommendations: list[Recommendation] = field(default_factory=list)
     calibration: str | None = None  # the calibration file used, None = analytical model only
     warnings: list[str] = field(default_factory=list)  # about the top layout: cause and fix
-    # every layout that fits, with the prediction it was ranked by (the HTML report plots them),
-    # and the Calibration object itself; neither is in to_dict()
+    # every layout that fits, with the prediction it was ranked by (the HTML report plots them), in
+    # the search space's order, not the ranking's (`recommendations` are ranked; `rank_scores` are
+    # the scores alone, sorted); and the Calibration object itself; neither is in to_dict()
     candidates: list[tuple[TrainConfig, Prediction]] = field(default_factory=list, repr=False)
     calibrated_with: Any = field(default=None, repr=False)
     stack: str = "te"  # the software stack the layouts are predicted for

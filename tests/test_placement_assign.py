@@ -220,7 +220,7 @@ def test_planner_predicts_the_measured_placed_vs_identity_gain():
     assert abs(p.predicted_gain_pct - measured) < 0.3
 
 
-def test_paper_cases_planner_takes_llama_split_and_declines_gpt3_split():
+def test_paper_cases_planner_gains_on_llama_and_declines_gpt3_split():
     sim = load_bench("thermal_sim")
     hgx = sim.hgx8()
     label, model, cluster, cfg, _ = sim.CASES[0]  # Llama3-70B PP4
