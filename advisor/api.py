@@ -255,12 +255,6 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # extra work per step, in this order
 
 
-def _but_recompute(cfg: TrainConfig) -> tuple:
-    return (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.vp, cfg.mbs, cfg.distributed_optimizer,
-            cfg.pp_first_layers, cfg.pp_last_layers, cfg.account_for_embedding, cfg.account_for_loss,
-            cfg.pipeline_layout)
-
-
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
@@ -312,7 +306,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
             f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
             f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
     mems = vz.peak_memory_gib(m, L_all, screen, c).tolist()
-    # the layout but its recompute mode (_but_recompute): a new group where any other column changes
+    # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
     but = np.stack([L_all.tp, L_all.pp, L_all.dp, L_all.cp, L_all.ep, L_all.etp, L_all.vp, L_all.mbs,
                     L_all.dist_opt, L_all.split], 1)
     group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
@@ -378,7 +372,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         head = []
 
         def sweep_caps(cfgs: list[TrainConfig]) -> None:
-            at_cap = _sweep_caps(m, c, cfgs, caps, rank_constants, cal, calv)
+            at_cap = _CapSweep(m, c, cfgs, caps, rank_constants, cal, calv)
             for i, cfg in enumerate(cfgs):
                 pts = {cap: at_cap.point(i, cap) for cap in caps}
                 sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
@@ -459,8 +453,6 @@ def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, co
 
 def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
     """_score on arrays (the same formulas)."""
-    import numpy as np
-
     if objective == "throughput":
         return tps * (1.0 - 0.01 * risk)
     if objective == "energy":
@@ -470,8 +462,6 @@ def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
 
 def _order(score, L):
     """Rows by descending score, equal scores by layout key (as sorted(key=(-score, key)))."""
-    import numpy as np
-
     order = np.argsort(-score, kind="stable")
     s = score[order]
     out = order.copy()
@@ -529,13 +519,11 @@ class _CapSweep:
 
     def __init__(self, m, c, cfgs, caps, constants, cal, calv):
         from advisor.models import vectorized as vz
-        import numpy as np
 
         self.m, self.c, self.cfgs, self.caps, self.constants, self.cal = m, c, cfgs, list(caps), constants, cal
         self.col = {cap: j for j, cap in enumerate(self.caps)}
         L = vz.Layouts.of(m, cfgs).repeat(len(self.caps))
         capv = np.tile(np.array(self.caps, float), len(cfgs))
-        self.capv = capv
         if cal is None or calv:
             R = vz.evaluate(m, c, L, constants, caps=capv, memory=cal is not None)
             self.arr = vz.Calibrated(cal, R, caps=capv) if cal is not None else R
@@ -558,10 +546,6 @@ class _CapSweep:
         if self.ref is not None:
             return self.ref[cap][i]
         return self.arr.prediction(i * len(self.caps) + self.col[cap], with_power_cap(self.c, cap))
-
-
-def _sweep_caps(m, c, cfgs, caps, constants, cal, calv) -> _CapSweep:
-    return _CapSweep(m, c, cfgs, caps, constants, cal, calv)
 
 
 def _predict_at(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal) -> Prediction:

@@ -28,13 +28,8 @@ from advisor.models import profile_fit as F  # noqa: E402
 from advisor.models import published as P  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 
-
-def in_fit(r: P.PublishedRun) -> bool:
-    """The te profile's fit rows (the rule of bench/fit_profiles.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from fit_profiles import in_fit as rule
-
-    return rule(r)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fit_profiles import in_fit  # noqa: E402  (the te profile's fit rows: --fit-set)
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -7,7 +7,7 @@ s x s score matrix is stored; this is what Megatron runs with TE or SDPA attenti
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from advisor.catalog.specs import ModelSpec, TrainConfig
@@ -43,8 +43,7 @@ class StageMemory:
         return d
 
 
-_MEMORY_FIELDS = ("stage", "layers", "params", "weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                  "logits_gib", "overhead_gib", "step_transient_gib")
+_MEMORY_FIELDS = tuple(f.name for f in fields(StageMemory))
 
 
 def stage_params(model: ModelSpec, cfg: TrainConfig, layers: range | tuple[int, ...], stage: int) -> tuple[float, float]:

@@ -150,7 +150,7 @@ def peak(phase_peak_w: float, throttled: bool, c: Constants) -> float:
 
 def stage_power(st: StepTime, k: int, busy: list[Phase], gpu, cap_w: float, c: Constants = DEFAULT,
                 power_scale: float = 1.0, extra_wait_s: float = 0.0, clock: float | None = None,
-                ep_idle: list[Phase] = ()) -> StagePower:
+                ep_idle: Sequence[Phase] = ()) -> StagePower:
     """Stage k's GPUs in the step `st` (at its clocks): the clock its cap holds (or `clock` when
     given), and its power and energy. `busy`: busy_phases() of the stage, its busiest EP rank's
     (which sets the clock, the step and the peaks); `ep_idle`: ep_idle_phases(), the part of that

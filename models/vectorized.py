@@ -19,6 +19,7 @@ row r at `start[r] : start[r] + pp[r]` (ragged; segment reductions with numpy's 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -26,21 +27,18 @@ import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
+from advisor.models.power import _STAGE_FIELDS as _POWER_STAGE_FIELDS
+from advisor.models.step_time import _ADDITIVE, StageTime
 from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _extra_codes, _unique_rows  # noqa: F401 (Layouts: API)
 
-# StageTime fields that are sums over a stage's layers of one layer's forward costs
-UNIT_FIELDS = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-               "fp8_fwd_s", "fp8_bwd_s", "moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s",
-               "moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s",
-               "moe_expert_memory_s", "moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
-STAGE_FIELDS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
-                "pp_p2p_s", "overhead_s", "fp8_fwd_s", "fp8_bwd_s", "forward_s", "backward_s", "gemm_utilization",
-                "moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s", "moe_router_compute_s",
-                "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s", "moe_expert_memory_s",
-                "moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
+# StageTime fields that are sums over a stage's layers of one layer's forward costs (the ones
+# step_time.stage_times adds up per layer kind), and every StageTime field after `stage`, in its
+# order (a stage row is StageTime(stage, *row)); the StagePower fields the arrays hold (stage and
+# the SM clock in MHz are derived when a row becomes a StagePower)
+UNIT_FIELDS = _ADDITIVE
+STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageTime) if f.name != "stage")
 STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s")
-POWER_FIELDS = ("power_cap_w", "clock_ratio", "demand_w", "busy_power_w", "mean_power_w", "peak_power_w",
-                "throttled", "busy_s", "energy_j", "spiking", "stretch_demand_w")
+POWER_FIELDS = tuple(f for f in _POWER_STAGE_FIELDS if f not in ("stage", "sm_clock_mhz"))
 
 
 # ------------------------------------------------------------------------------------------------
