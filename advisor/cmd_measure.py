@@ -104,7 +104,8 @@ def measure_cmd(
         for i, e in enumerate(entries):
             print(json.dumps({"id": e.id, "model": e.model.name, "config": e.config.key(),
                               "refused": e.refused,
-                              "megatron_lm_args": None if e.refused else megatron_lm_args_string(e.model, e.config, runner=True)}))
+                              "stack": e.stack,
+                              "megatron_lm_args": None if e.refused else megatron_lm_args_string(e.model, e.config, runner=e.stack == "local")}))
         print(" ".join(M.torchrun_command(nproc, run_dir or "RUN_DIR")))
         return
     n_run = sum(1 for e in entries if not e.refused)

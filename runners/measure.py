@@ -52,12 +52,19 @@ WORKER = Path(__file__).with_name("megatron_worker.py")
 # for GQA, batched p2p for the interleaved schedule); see megatron_worker.py.
 RUNNER_ENV = ("attention", "interleaved_p2p", "grouped_mm")
 # What the launcher keeps of the workers' hello events for the records' `env`.
-HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "python", "hostname") + RUNNER_ENV
+HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "transformer_engine", "python",
+             "hostname") + RUNNER_ENV
 # Kept set in the workers too (KINDS.md: NVLink multicast off on shared hosts).
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
              "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
              "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "4"}
-RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag")
+RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag", "stack", "fp8_recipe")
+# Set for a batch with a Transformer Engine job: one CUDA work queue, so TP / SP communication is
+# issued in program order (Megatron-LM asserts it for sequence parallelism; NVIDIA's recipes set it).
+TE_CHILD_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+TE_MISSING = ("Transformer Engine is not installed here, so the te stack cannot run: "
+              "pip install 'advisor[gpu,te]' (or see docs/measurement.md for bringing TE to a "
+              "machine without a package index)")
 GPU_PEAK_FALLBACK_TFLOPS = {"h100": 989.0, "h200": 989.0}  # only if the catalog lacks the GPU
 
 
@@ -191,12 +198,16 @@ class Entry:
     save_trace: bool = False
     id: str = field(default_factory=lambda: uuidlib.uuid4().hex[:12])
     refused: str | None = None
+    # the runner's software stack: "local" (megatron-core's local layers) or "te" (Transformer
+    # Engine layer spec), and the FP8 recipe of a te job in fp8 ("delayed" / "tensorwise")
+    stack: str = "local"
+    fp8_recipe: str = "delayed"
 
 
 def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | None = None,
                steps: int = 10, warmup: int = 3, min_seconds: float = 0.0,
                max_steps: int | None = None, save_trace: bool = False, id: str | None = None,
-               **layout: Any) -> Entry:
+               stack: str = "local", fp8_recipe: str = "delayed", **layout: Any) -> Entry:
     """Resolve a model name / config.json path / ModelSpec and layout keys into an Entry. dp
     defaults to world_size / (tp*pp*cp); gbs defaults to 8 microbatches. Illegal or unrunnable
     layouts come back with ``refused`` set (a one-line reason)."""
@@ -210,6 +221,10 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
             raise SpecError(f"layers must be >= 1, got {layers}")
         if layers != spec.num_layers:
             spec = spec.with_layers(layers)
+    if stack not in MA.RUNNER_STACKS:
+        raise SpecError(f"stack must be one of {', '.join(MA.RUNNER_STACKS)}, got {stack!r}")
+    if fp8_recipe not in MA.FP8_RECIPES:
+        raise SpecError(f"fp8_recipe must be one of {', '.join(MA.FP8_RECIPES)}, got {fp8_recipe!r}")
     for k in ("steps", "warmup"):
         v = locals()[k]
         if not isinstance(v, int) or v < (1 if k == "steps" else 0):
@@ -224,11 +239,13 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
             cfg = TrainConfig.from_dict(_with_gbs(lay))
             return Entry(name, spec, layers, MA.effective_config(cfg), steps, warmup, min_seconds,
                          max_steps, save_trace, id or uuidlib.uuid4().hex[:12],
-                         refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}")
+                         refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}",
+                         stack=stack, fp8_recipe=fp8_recipe)
         lay["dp"] = world_size // mp
     cfg = MA.effective_config(TrainConfig.from_dict(_with_gbs(lay)))
     return Entry(name, spec, layers, cfg, steps, warmup, min_seconds, max_steps, save_trace,
-                 id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size))
+                 id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size, stack),
+                 stack=stack, fp8_recipe=fp8_recipe)
 
 
 def _with_gbs(lay: dict[str, Any]) -> dict[str, Any]:
@@ -259,9 +276,11 @@ def job_for(entry: Entry, index: int) -> dict[str, Any]:
         "mbs": c.mbs, "gbs": c.gbs, "seq": c.seq, "num_microbatches": c.num_microbatches,
         "warmup": entry.warmup, "steps": entry.steps, "min_seconds": entry.min_seconds,
         "max_steps": entry.max_steps,
-        "tc": MA.transformer_config_kwargs(m, c), "model_kw": MA.model_kwargs(m, c),
-        "ddp": MA.ddp_kwargs(c), "opt": MA.optimizer_kwargs(c),
-        **MA.moe_job_keys(m, c),
+        "stack": entry.stack,
+        "tc": MA.transformer_config_kwargs(m, c, entry.stack, entry.fp8_recipe),
+        "model_kw": MA.model_kwargs(m, c),
+        "ddp": MA.ddp_kwargs(c, entry.stack), "opt": MA.optimizer_kwargs(c),
+        **MA.moe_job_keys(m, c, entry.stack),
     }
 
 
@@ -339,10 +358,13 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
     rec: dict[str, Any] = {
         "schema": SCHEMA, "id": entry.id, "timestamp": timestamp or time.time(),
         "status": status, "error": error or None, "model_name": entry.model_name,
+        "stack": entry.stack,
         "model": model.to_dict(), "layers": model.num_layers, "config": cfg.to_dict(),
         "cluster": {"gpu": gpu, "num_nodes": 1, "gpus_per_node": gpus_per_node or world},
         "env": {"gpu_name": gpu_name, "driver": env.get("driver"),
                 **{k: env.get(k, hello0.get(k)) for k in ("cuda", "torch", "megatron_core", "python", "hostname")},
+                **({"transformer_engine": env.get("transformer_engine", hello0.get("transformer_engine"))}
+                   if entry.stack == "te" else {}),
                 **{k: env.get(k, hello0.get(k)) for k in RUNNER_ENV if env.get(k, hello0.get(k))}},
         "steps": None, "throughput": None, "memory": None, "telemetry": None, "rank_map": [],
     }
@@ -706,6 +728,8 @@ class BatchRunner:
         for f in followers.values():  # skip what earlier attempts wrote
             f.read()
         env = dict(os.environ, **CHILD_ENV)
+        if any(e.stack == "te" for e in runnable):
+            env.update(TE_CHILD_ENV)
         cmd = torchrun_command(self.nproc, self.run_dir, start, self.python)
         self.kill_reason = None
         launched_at = time.time()
@@ -925,13 +949,14 @@ def entry_to_dict(e: Entry) -> dict[str, Any]:
     return {"model_name": e.model_name, "model": e.model.to_dict(), "layers": e.layers,
             "config": e.config.to_dict(), "steps": e.steps, "warmup": e.warmup,
             "min_seconds": e.min_seconds, "max_steps": e.max_steps, "save_trace": e.save_trace,
-            "id": e.id}
+            "id": e.id, "stack": e.stack, "fp8_recipe": e.fp8_recipe}
 
 
 def entry_from_dict(d: Mapping[str, Any]) -> Entry:
     return Entry(d["model_name"], ModelSpec.from_dict(d["model"]), d.get("layers"),
                  TrainConfig.from_dict(d["config"]), d["steps"], d["warmup"], d.get("min_seconds", 0.0),
-                 d.get("max_steps"), d.get("save_trace", False), d["id"])
+                 d.get("max_steps"), d.get("save_trace", False), d["id"],
+                 stack=d.get("stack", "local"), fp8_recipe=d.get("fp8_recipe", "delayed"))
 
 
 def _owner_alive(meta: Mapping[str, Any]) -> bool:
@@ -1152,10 +1177,25 @@ def local_gpu_count() -> int:
         return 0
 
 
+def te_available() -> bool:
+    """Can this Python import Transformer Engine's PyTorch API (without importing it)?"""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformer_engine.pytorch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def run_batch(entries: list[Entry], dataset: str | Path | None, nproc: int, **kw: Any) -> list[dict[str, Any]]:
+    te_ok = None
     for e in entries:
         if not e.refused and e.config.world_size != nproc:
             e.refused = f"world size {nproc} != tp*pp*cp*dp = {e.config.world_size}"
+        if not e.refused and e.stack == "te":
+            te_ok = te_available() if te_ok is None else te_ok
+            if not te_ok:
+                e.refused = TE_MISSING
     return BatchRunner(entries, dataset, nproc, **kw).run()
 
 

@@ -1,7 +1,8 @@
 """A (model, layout) pair in megatron-core's terms: TransformerConfig keyword arguments, the
 Megatron-LM command line (production arguments for a run with Transformer Engine, or exactly
-what this repo's runner runs), and the rules for what megatron-core can run WITHOUT Transformer
-Engine (the only way our GPU machines run it). Pure: no torch, no megatron import.
+what this repo's runner runs), and the rules for what the runner can run with each of its stacks:
+megatron-core's local layers (no Transformer Engine) or the Transformer Engine layer spec.
+Pure: no torch, no megatron import.
 
 The kwargs are plain JSON values; the worker turns the few non-JSON ones into torch objects
 (``params_dtype`` / ``pipeline_dtype`` names, ``activation_func`` name).
@@ -35,25 +36,41 @@ def moe_layer_pattern(model: ModelSpec) -> list[int] | None:
     return [1 if model.is_moe_layer(i) else 0 for i in range(model.num_layers)]
 
 
-def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> str | None:
+RUNNER_STACKS = ("local", "te")  # what this repo's runner builds: megatron-core's local or TE layer spec
+
+
+def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None,
+                   stack: str = "local") -> str | None:
     """Why this (model, layout) cannot run here, in one line; None if it can.
 
-    The rules are: what megatron-core cannot do WITHOUT Transformer Engine (this runner's own),
-    the world size of this machine, then the layout legality rules shared with the advisor
-    (``advisor.search_spaces.layout.violations`` with no cluster: the first rule broken)."""
+    The rules are: what the runner's stack cannot do (``local``: megatron-core WITHOUT Transformer
+    Engine; ``te``: the TE layer spec, which runs SP, CP, FP8 and MoE with TP but not TP
+    communication overlap), the world size of this machine, then the layout legality rules shared
+    with the advisor (``advisor.search_spaces.layout.violations`` with no cluster: the first rule
+    broken)."""
+    if stack not in RUNNER_STACKS:
+        return f"unknown runner stack {stack!r} (known: {', '.join(RUNNER_STACKS)})"
     cfg = effective_config(cfg)
-    # What megatron-core cannot do without Transformer Engine (seen on megatron-core 0.19.2).
-    if cfg.precision == "fp8":
-        return "fp8 needs Transformer Engine, which is not installed (bf16 only)"
-    if cfg.sequence_parallel:
-        return "sequence_parallel fails without Transformer Engine ('sequence parallel not supported by torch LayerNorm')"
-    if cfg.cp > 1:
-        return "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"
-    if cfg.tp_comm_overlap:
-        return "tp_comm_overlap needs Transformer Engine userbuffers"
-    if model.is_moe and cfg.tp > 1:
-        return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
-                "which needs Transformer Engine")
+    if stack == "local":
+        # What megatron-core cannot do without Transformer Engine (seen on megatron-core 0.19.2).
+        if cfg.precision == "fp8":
+            return "fp8 needs Transformer Engine, which is not installed (bf16 only)"
+        if cfg.sequence_parallel:
+            return "sequence_parallel fails without Transformer Engine ('sequence parallel not supported by torch LayerNorm')"
+        if cfg.cp > 1:
+            return "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"
+        if cfg.tp_comm_overlap:
+            return "tp_comm_overlap needs Transformer Engine userbuffers"
+        if model.is_moe and cfg.tp > 1:
+            return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
+                    "which needs Transformer Engine")
+    else:
+        if cfg.tp_comm_overlap:
+            # TE's userbuffers can map NVLink multicast, which the lent machines must not use
+            # (KINDS.md); the te profile predicts the layout with and without it.
+            return "tp_comm_overlap (TE userbuffers) is not run by this runner; measure it with --runner command"
+        if model.is_moe and cfg.tp > 1 and not cfg.sequence_parallel:
+            return "MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise)"
     # This machine.
     if world_size is not None and cfg.world_size != world_size:
         return (f"world size {world_size} != tp*pp*cp*dp = {cfg.tp}*{cfg.pp}*{cfg.cp}*{cfg.dp} "
@@ -65,8 +82,9 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
     return None
 
 
-def check_runnable(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> None:
-    reason = refusal_reason(model, cfg, world_size)
+def check_runnable(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None,
+                   stack: str = "local") -> None:
+    reason = refusal_reason(model, cfg, world_size, stack)
     if reason:
         raise RefusedError(reason)
 
@@ -82,10 +100,15 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
 _ACTIVATION = {"swiglu": ("silu", True), "gelu": ("gelu", False), "relu2": ("squared_relu", False)}
 
 
-def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig) -> dict[str, Any]:
-    """megatron.core.transformer.TransformerConfig(**kwargs) for the local (non-TE) layer spec.
-    ``params_dtype`` / ``pipeline_dtype`` are dtype names and ``activation_func`` a function name;
-    the worker maps them to torch objects."""
+FP8_RECIPES = ("delayed", "tensorwise")  # Hopper FP8 recipes the runner runs (tensorwise: current scaling)
+
+
+def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "local",
+                              fp8_recipe: str = "delayed") -> dict[str, Any]:
+    """megatron.core.transformer.TransformerConfig(**kwargs) for the local (non-TE) layer spec, or
+    with ``stack="te"`` for the Transformer Engine spec with the fusions NVIDIA's recipes turn on
+    (see ``_te_config``). ``params_dtype`` / ``pipeline_dtype`` are dtype names and
+    ``activation_func`` a function name; the worker maps them to torch objects."""
     act, gated = _ACTIVATION[model.activation]
     kw: dict[str, Any] = {
         "num_layers": model.num_layers,
@@ -159,6 +182,37 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig) -> dict[str, A
         pattern = moe_layer_pattern(model)
         if pattern is not None and not all(pattern):
             kw["moe_layer_freq"] = pattern
+    if stack == "te":
+        kw.update(_te_config(model, cfg, fp8_recipe))
+    return kw
+
+
+def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str, Any]:
+    """What the TE stack changes in the TransformerConfig: TE layers and the fusions Megatron-LM /
+    NeMo turn on by default (bias-activation, RoPE through TE, the native fused cross entropy),
+    FP8 through TE (hybrid E4M3 / E5M2, amax history 1024 as in NVIDIA's recipes), and grouped
+    GEMM experts through TE's GroupedLinear. gradient_accumulation_fusion stays off: the output
+    layer's fused wgrad kernel is apex's (fused_weight_gradient_mlp_cuda), which the lent
+    machines lack; Megatron-LM turns it off the same way when apex is missing."""
+    if fp8_recipe not in FP8_RECIPES:
+        raise SpecError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {fp8_recipe!r}")
+    kw: dict[str, Any] = {
+        "transformer_impl": "transformer_engine",
+        "bias_activation_fusion": model.activation in ("swiglu", "gelu"),
+        "masked_softmax_fusion": True,
+        "apply_rope_fusion": model.position_embedding == "rope" and model.mla is None,
+        "persist_layer_norm": True,
+        "cross_entropy_loss_fusion": True,
+        "cross_entropy_fusion_impl": "native",
+        "gradient_accumulation_fusion": False,
+    }
+    if cfg.precision == "fp8":
+        kw.update(fp8="hybrid", fp8_recipe=fp8_recipe, fp8_amax_history_len=1024,
+                  fp8_amax_compute_algo="max")
+    if model.is_moe:
+        kw["moe_grouped_gemm"] = cfg.moe_grouped_gemm
+        if cfg.precision == "fp8":  # FP8 grouped GEMMs want each expert's token count padded to 16
+            kw["moe_router_padding_for_quantization"] = True
     return kw
 
 
@@ -172,11 +226,12 @@ def model_kwargs(model: ModelSpec, cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
-def ddp_kwargs(cfg: TrainConfig) -> dict[str, Any]:
-    """DistributedDataParallelConfig(**kwargs)."""
+def ddp_kwargs(cfg: TrainConfig, stack: str = "local") -> dict[str, Any]:
+    """DistributedDataParallelConfig(**kwargs). The TE stack reduces gradients in bf16, as NVIDIA's
+    recipes do (grad_reduce_in_fp32 off); the local runner in fp32."""
     cfg = effective_config(cfg)
     return {
-        "grad_reduce_in_fp32": True,
+        "grad_reduce_in_fp32": stack != "te",
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "overlap_param_gather": cfg.overlap_param_gather,
         "use_distributed_optimizer": cfg.distributed_optimizer,
@@ -396,12 +451,16 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
 MOE_PROFILE_STEPS = 2
 
 
-def moe_job_keys(model: ModelSpec, cfg: TrainConfig) -> dict[str, Any]:
+def moe_job_keys(model: ModelSpec, cfg: TrainConfig, stack: str = "local") -> dict[str, Any]:
     """What a MoE job tells the worker besides the TransformerConfig: which experts module
-    ("grouped": torch._grouped_mm, "sequential": megatron-core's SequentialMLP) and how many
-    steps to time the MoE sub-steps for."""
+    ("grouped": torch._grouped_mm, "sequential": megatron-core's SequentialMLP, "te_grouped":
+    TE's GroupedLinear, chosen by megatron-core itself) and how many steps to time the MoE
+    sub-steps for."""
     if not model.is_moe:
         return {}
+    if stack == "te":
+        kind = "te_grouped" if cfg.moe_grouped_gemm else "sequential"
+        return {"moe_experts": kind, "moe_profile_steps": MOE_PROFILE_STEPS}
     return {"moe_experts": "grouped" if cfg.moe_grouped_gemm else "sequential",
             "moe_profile_steps": MOE_PROFILE_STEPS}
 

@@ -1,5 +1,7 @@
 """One torchrun worker of a measurement batch: trains the real architecture with megatron-core
-(GPTModel, local non-TE layer spec, SDPA core attention) for each job of a batch and reports
+(GPTModel; per job the local non-TE layer spec with SDPA core attention, or with job["stack"] ==
+"te" the Transformer Engine layer spec: TE layers and fused attention, sequence / context
+parallelism, FP8 through TE, TE grouped-GEMM experts) for each job of a batch and reports
 events to ``<run_dir>/rank<R>.jsonl``. Needs torch + megatron-core; never imports ``advisor``:
 the launcher (``advisor.runners.measure``) writes fully resolved jobs to ``<run_dir>/jobs.jsonl``.
 
@@ -125,8 +127,14 @@ def versions():
         mc = version("megatron-core")
     except Exception:
         mc = None
+    try:
+        from importlib.metadata import version
+        te = version("transformer-engine")
+    except Exception:
+        te = None
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "megatron_core": mc,
-            "python": sys.version.split()[0], "hostname": socket.gethostname()}
+            "transformer_engine": te, "python": sys.version.split()[0],
+            "hostname": socket.gethostname()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +149,20 @@ def _patch_attention(layer_spec):
     layer_spec.submodules.self_attention.submodules.core_attention = SDPAttention
 
 
+def te_layer_spec(job, config, vp_stage):
+    """megatron-core's Transformer Engine spec: TE linear / norm layers and TEDotProductAttention
+    (fused attention; context parallelism), MoE experts through TE's GroupedLinear when
+    moe_grouped_gemm is set (megatron-core picks the module from the config)."""
+    if job["tc"].get("num_moe_experts") or job["tc"].get("multi_latent_attention"):
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                          normalization=config.normalization, vp_stage=vp_stage)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    return get_gpt_layer_with_transformer_engine_spec()
+
+
 def layer_spec(job, config, vp_stage):
+    if job.get("stack") == "te":
+        return te_layer_spec(job, config, vp_stage)
     if job["tc"].get("num_moe_experts") or job["tc"].get("multi_latent_attention"):
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                           normalization=config.normalization, vp_stage=vp_stage)
@@ -207,7 +228,9 @@ def build(job):
 
 
 def synthetic_batches(job):
-    mbs, seq, vocab = job["mbs"], job["seq"], job["model_kw"]["vocab_size"]
+    """Random tokens of this rank's share of the sequence: seq / cp with context parallelism
+    (each CP rank holds 2 of the 2*cp load-balanced chunks; RoPE is sliced to them by megatron)."""
+    mbs, seq, vocab = job["mbs"], job["seq"] // job.get("cp", 1), job["model_kw"]["vocab_size"]
     dev = torch.cuda.current_device()
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, vocab, (mbs, seq + 1), device=dev, generator=g)
@@ -285,7 +308,12 @@ def run_job(job, ev, rank, state):
              "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
     extra = {}
     if job.get("moe_profile_steps") and job["tc"].get("num_moe_experts"):
-        extra["moe_probe"] = profile_moe(job, config, model, optimizer, iters)
+        try:
+            extra["moe_probe"] = profile_moe(job, config, model, optimizer, iters)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # the measured steps stand; the sub-step timing is extra
+            extra["moe_probe"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     ev("done", cfg=i, bounds=bounds, **peaks, **extra)
 
 
@@ -378,6 +406,12 @@ def release(state):
         RotaryEmbedding.forward.cache_clear()
     except Exception:
         pass
+    for mod in ("transformer_engine.pytorch.quantization", "transformer_engine.pytorch.fp8"):
+        try:  # TE's global FP8 state (amax histories, scaling buffers of this job's layers)
+            __import__(mod, fromlist=["FP8GlobalStateManager"]).FP8GlobalStateManager.reset()
+            break
+        except Exception:
+            continue
     try:  # the MoE metrics tracker keeps per-layer tensors sized by this job's layer count
         from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, set_moe_metrics_tracker
         set_moe_metrics_tracker(MoEMetricsTracker())
@@ -400,6 +434,12 @@ def cleanup(state):
     torch.cuda.reset_peak_memory_stats()
 
 
+def attention_impl(jobs):
+    """The core attention of this batch's jobs, as recorded in env.attention."""
+    kinds = {"te-fused" if j.get("stack") == "te" else f"sdpa-{GQA}-kv" for j in jobs}
+    return "+".join(sorted(kinds)) if kinds else f"sdpa-{GQA}-kv"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")
@@ -420,11 +460,11 @@ def main(argv=None):
         jobs = [json.loads(line) for line in f if line.strip()]
     global GROUPED_MM
     moe = {}
-    if any(j.get("moe_experts") for j in jobs):
+    if any(j.get("moe_experts") == "grouped" for j in jobs):
         GROUPED_MM = probe_grouped_mm()
         moe["grouped_mm"] = GROUPED_MM
     ev("hello", rank=rank, local_rank=local_rank, world=world, **device_identity(local_rank),
-       **versions(), attention=f"sdpa-{GQA}-kv", interleaved_p2p=INTERLEAVED_P2P, **moe)
+       **versions(), attention=attention_impl(jobs), interleaved_p2p=INTERLEAVED_P2P, **moe)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     for job in jobs:
         if job["index"] < a.start:

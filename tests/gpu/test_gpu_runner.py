@@ -106,3 +106,24 @@ M.run_batch([e], None, {n}, run_dir={str(run_dir)!r}, timeout=300, telemetry="of
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def test_te_stack_on_local_gpus(tmp_path):
+    """The te stack (Transformer Engine layer spec): BF16 and FP8 (delayed and current scaling),
+    sequence parallelism and context parallelism where there are GPUs for them; every record names
+    its stack and the TE version."""
+    pytest.importorskip("transformer_engine.pytorch")
+    n = torch.cuda.device_count()
+    layouts = [dict(mbs=1), dict(mbs=1, precision="fp8"),
+               dict(mbs=1, precision="fp8", fp8_recipe="tensorwise")]
+    if n >= 2:
+        layouts += [dict(tp=2, mbs=1, sequence_parallel=True), dict(cp=2, mbs=1)]
+    entries = [M.make_entry(TINY, n, seq=1024, warmup=1, steps=3, stack="te",
+                            gbs=8 * (n // (l.get("tp", 1) * l.get("cp", 1))), **l) for l in layouts]
+    assert not [e.refused for e in entries if e.refused]
+    recs = M.run_batch(entries, tmp_path / "te.jsonl", n, run_dir=tmp_path / "run", timeout=180)
+    assert [r["status"] for r in recs] == ["ok"] * len(entries), [r.get("error") for r in recs]
+    for r in recs:
+        assert r["stack"] == "te" and r["env"]["transformer_engine"]
+        assert r["env"]["attention"] == "te-fused"
+        assert r["throughput"]["tokens_per_s"] > 0

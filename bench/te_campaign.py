@@ -1,0 +1,281 @@
+"""The Transformer Engine campaign (issue #22): the stack users run (TE layers and fused attention,
+sequence parallelism, context parallelism, FP8, MoE with TP), measured on one 4-GPU node.
+
+    python bench/te_campaign.py write            # bench/campaign_configs/x4-te-*.jsonl
+    python bench/te_campaign.py rehearse         # CPU: every job's TransformerConfig is built
+                                                 # by megatron-core (needs $REHEARSAL_PYTHON:
+                                                 # Python 3.12 with torch + megatron-core)
+    python bench/te_campaign.py run --budget 520 --out DIR   # on the GPUs, after TE is installed:
+                                                 # the canary batch, then the main batches minus
+                                                 # the features whose canary failed
+    python bench/te_campaign.py table DATASET.jsonl ...
+
+Every job is a batch line with "stack": "te". Its id names the model and the feature it covers
+(te-<model>-<feature>-<n>), so a failed canary drops the jobs of its feature.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from campaign import GPT3_2_7B, MIXTRAL_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
+
+CONFIGS = HERE / "campaign_configs"
+RUN = {"warmup": 2, "steps": 5, "stack": "te"}
+
+
+def _jobs(model, tag, rows, **common):
+    out = []
+    for n, (feature, kw) in enumerate(rows):
+        out.append({"model": model, **common, **RUN, **kw, "id": f"te-{tag}-{feature}-{n:02d}"})
+    return out
+
+
+def llama8b() -> list[dict]:
+    """llama3-8b at full width, 8 layers, seq 4096, gbs 32: the dense grid and FP8."""
+    rows = [
+        ("dp", dict(dp=4, mbs=1)), ("dp", dict(dp=4, mbs=2)), ("dp", dict(dp=4, mbs=4)),
+        ("cp", dict(cp=2, dp=2, mbs=2)), ("cp", dict(cp=2, dp=2, mbs=4)), ("cp", dict(cp=4, dp=1, mbs=4)),
+        ("sp", dict(tp=2, dp=2, mbs=2, sequence_parallel=True)),
+        ("sp", dict(tp=2, dp=2, mbs=4, sequence_parallel=True)),
+        ("sp", dict(tp=4, dp=1, mbs=4, sequence_parallel=True)),
+        ("tp", dict(tp=2, dp=2, mbs=2)),
+        ("spcp", dict(tp=2, cp=2, dp=1, mbs=4, sequence_parallel=True)),
+        ("pp", dict(pp=2, dp=2, mbs=2)), ("pp", dict(pp=2, vp=2, dp=2, mbs=1)),
+        ("pp", dict(pp=4, vp=2, dp=1, mbs=1)),
+        ("rc", dict(dp=4, mbs=4, recompute="selective")), ("rc", dict(dp=4, mbs=4, recompute="full")),
+        ("fp8", dict(dp=4, mbs=2, precision="fp8")), ("fp8", dict(dp=4, mbs=4, precision="fp8")),
+        ("fp8", dict(tp=2, dp=2, mbs=4, sequence_parallel=True, precision="fp8")),
+        ("fp8", dict(cp=2, dp=2, mbs=4, precision="fp8")),
+        ("fp8", dict(pp=2, dp=2, mbs=2, precision="fp8")),
+        ("fp8", dict(tp=4, dp=1, mbs=4, sequence_parallel=True, precision="fp8")),
+        ("fp8cs", dict(dp=4, mbs=4, precision="fp8", fp8_recipe="tensorwise")),
+        ("dp", dict(dp=4, mbs=2, seq=8192, gbs=16)),
+        ("cp", dict(cp=2, dp=2, mbs=1, seq=8192, gbs=16)),
+    ]
+    return _jobs("llama3-8b", "l8b", rows, layers=8, seq=4096, gbs=32)
+
+
+def llama70b() -> list[dict]:
+    """llama3-70b at full width (hidden 8192, 64 / 8 heads, FFN 28672), 4 layers, seq 4096, gbs 16."""
+    rows = [
+        ("sp", dict(tp=4, dp=1, mbs=1, sequence_parallel=True)),
+        ("sp", dict(tp=4, dp=1, mbs=2, sequence_parallel=True)),
+        ("sp", dict(tp=2, dp=2, mbs=1, sequence_parallel=True)),
+        ("sp", dict(tp=2, dp=2, mbs=2, sequence_parallel=True)),
+        ("spcp", dict(tp=2, cp=2, dp=1, mbs=1, sequence_parallel=True)),
+        ("dp", dict(dp=4, mbs=1)),
+        ("pp", dict(tp=2, pp=2, dp=1, mbs=1, sequence_parallel=True)),
+        ("fp8", dict(tp=4, dp=1, mbs=2, sequence_parallel=True, precision="fp8")),
+        ("fp8", dict(tp=2, dp=2, mbs=1, sequence_parallel=True, precision="fp8")),
+        ("fp8", dict(dp=4, mbs=1, precision="fp8")),
+    ]
+    return _jobs("llama3-70b", "l70b", rows, layers=4, seq=4096, gbs=16)
+
+
+def gpt3() -> list[dict]:
+    """GPT-3 2.7B whole (32 layers; gelu, LayerNorm, MHA, learned positions), seq 2048, gbs 64."""
+    rows = [
+        ("dp", dict(dp=4, mbs=2)), ("dp", dict(dp=4, mbs=4)), ("dp", dict(dp=4, mbs=8)),
+        ("sp", dict(tp=2, dp=2, mbs=4, sequence_parallel=True)),
+        ("sp", dict(tp=4, dp=1, mbs=8, sequence_parallel=True)),
+        ("pp", dict(pp=2, dp=2, mbs=4)),
+        ("cp", dict(cp=2, dp=2, mbs=4)),
+        ("fp8", dict(dp=4, mbs=4, precision="fp8")),
+        ("fp8", dict(tp=2, dp=2, mbs=8, sequence_parallel=True, precision="fp8")),
+    ]
+    return _jobs(GPT3_2_7B, "gpt3", rows, seq=2048, gbs=64)
+
+
+def nemotron() -> list[dict]:
+    """nemotron4-15b at full width (squared ReLU, LayerNorm, 256K vocabulary), 8 layers, seq 4096."""
+    rows = [
+        ("dp", dict(dp=4, mbs=1)), ("dp", dict(dp=4, mbs=2)),
+        ("sp", dict(tp=2, dp=2, mbs=2, sequence_parallel=True)),
+        ("sp", dict(tp=4, dp=1, mbs=4, sequence_parallel=True)),
+        ("pp", dict(pp=2, dp=2, mbs=2)),
+        ("fp8", dict(dp=4, mbs=2, precision="fp8")),
+    ]
+    return _jobs("nemotron4-15b", "nem15", rows, layers=8, seq=4096, gbs=32)
+
+
+def moe() -> list[dict]:
+    """MoE proxies (full width, vocabulary 32000): Mixtral 8x7B (4 layers) and Qwen3-30B-A3B
+    (6 layers): EP, MoE with TP (sequence parallel, expert TP), FP8, the allgather dispatcher."""
+    mix = [
+        ("ep", dict(dp=4, ep=4, mbs=1)), ("ep", dict(dp=4, ep=4, mbs=2)), ("ep", dict(dp=4, ep=2, mbs=1)),
+        ("moetp", dict(tp=2, dp=2, ep=2, mbs=1, sequence_parallel=True)),
+        ("moetp", dict(tp=2, dp=2, ep=2, etp=2, mbs=1, sequence_parallel=True)),
+        ("moetp", dict(tp=4, dp=1, ep=1, etp=4, mbs=2, sequence_parallel=True)),
+        ("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8")),
+        ("ag", dict(dp=4, ep=4, mbs=1, moe_dispatcher="allgather")),
+        ("cp", dict(cp=2, dp=2, ep=2, mbs=1)),
+    ]
+    qw = [
+        ("ep", dict(dp=4, ep=4, mbs=1)), ("ep", dict(dp=4, ep=4, mbs=2)), ("ep", dict(dp=4, ep=2, mbs=2)),
+        ("moetp", dict(tp=2, dp=2, ep=2, mbs=2, sequence_parallel=True)),
+        ("fp8", dict(dp=4, ep=4, mbs=2, precision="fp8")),
+    ]
+    return (_jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32))
+
+
+BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3() + nemotron(),
+           "x4-te-moe": moe}
+# One job per feature, first: a feature whose canary fails is not tried again in the call.
+CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
+              "te-mix-ep-00", "te-mix-moetp-03"]
+
+
+def all_jobs() -> list[dict]:
+    return [j for f in BATCHES.values() for j in f()]
+
+
+def feature(job_id: str) -> str:
+    return job_id.split("-")[2]
+
+
+def write() -> None:
+    CONFIGS.mkdir(exist_ok=True)
+    jobs = {j["id"]: j for j in all_jobs()}
+    assert len(jobs) == len(all_jobs()), "duplicate ids"
+    batches = {"x4-te-canary": [jobs[i] for i in CANARY_IDS]}
+    for name, f in BATCHES.items():
+        batches[name] = [j for j in f() if j["id"] not in CANARY_IDS]
+    for name, rows in batches.items():
+        p = CONFIGS / f"{name}.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{p.relative_to(HERE.parent)}: {len(rows)} jobs")
+    print(f"{len(jobs)} distinct TE jobs")
+
+
+def rehearse() -> int:
+    """Resolve every job as the launcher does, then have megatron-core build its TransformerConfig
+    (its __post_init__ checks) in $REHEARSAL_PYTHON, without GPUs or Transformer Engine."""
+    from advisor.runners import measure as M
+
+    jobs = []
+    for line in all_jobs():
+        e = M.entry_from_line(line, 4)
+        if e.refused:
+            print(f"{e.id}: REFUSED {e.refused}")
+            continue
+        jobs.append(M.job_for(e, len(jobs)))
+    code = r'''
+import json, sys, torch, torch.nn.functional as F
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+from megatron.core.activations import squared_relu
+bad = 0
+for job in map(json.loads, sys.stdin):
+    tc = dict(job["tc"])
+    for k in ("params_dtype", "pipeline_dtype"):
+        tc[k] = getattr(torch, tc[k])
+    tc["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[tc["activation_func"]]
+    tc = {k: v for k, v in tc.items() if v is not None}
+    tc.pop("apply_rope_fusion", None)  # megatron-core checks TE's fused RoPE is importable: not on CPU
+    try:
+        (MLATransformerConfig if tc.get("multi_latent_attention") else TransformerConfig)(**tc)
+    except Exception as ex:
+        bad += 1
+        print(job["id"], "FAILS", type(ex).__name__, str(ex)[:300])
+print(f"{bad} of the jobs fail their TransformerConfig")
+sys.exit(1 if bad else 0)
+'''
+    py = os.environ.get("REHEARSAL_PYTHON", "python3")
+    r = subprocess.run([py, "-c", code], input="".join(json.dumps(j) + "\n" for j in jobs), text=True)
+    print(f"{len(jobs)} jobs resolved")
+    return r.returncode
+
+
+def _statuses(ds: Path) -> dict[str, str]:
+    out = {}
+    if ds.exists():
+        for line in ds.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                out[r["id"]] = r["status"]
+    return out
+
+
+def run(budget: float, out: Path, batches: list[str], canary: bool) -> int:
+    """On the GPU machine: `advisor measure --batch` for the canary batch, then each main batch
+    without the jobs already measured (ok) and those of a feature whose canary failed, while the
+    time budget lasts. Records land in DIR/<batch>.jsonl."""
+    t0 = time.time()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def measure(name: str, lines: list[dict]) -> None:
+        left = budget - (time.time() - t0)
+        if left < 25 or not lines:
+            print(f"== skip {name}: {len(lines)} jobs, {left:.0f} s left", flush=True)
+            return
+        path = Path(tempfile.gettempdir()) / f"{name}.in.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        print(f"== {name}: {len(lines)} jobs, {left:.0f} s left", flush=True)
+        subprocess.run([sys.executable, "-m", "advisor", "measure", "--batch", str(path),
+                        "--dataset", str(out / f"{name}.jsonl"), "--max-seconds", str(int(left - 15)),
+                        "--run-dir", str(Path(tempfile.gettempdir()) / f"{name}.runs"),
+                        "--timeout", "150"], check=False)
+
+    if canary:
+        measure("x4-te-canary", [json.loads(x) for x in (CONFIGS / "x4-te-canary.jsonl").read_text().splitlines() if x])
+    st = _statuses(out / "x4-te-canary.jsonl")
+    failed = {feature(i) for i, s in st.items() if s not in ("ok", "oom")}
+    if "te-l8b-dp-00" in st and st["te-l8b-dp-00"] != "ok":
+        print("== the plain data-parallel canary failed: stopping", flush=True)
+        return 1
+    if failed:
+        print(f"== features whose canary failed, skipped: {sorted(failed)}", flush=True)
+    for name in batches:
+        done = {i for f in out.glob("*.jsonl") for i, s in _statuses(f).items() if s in ("ok", "oom")}
+        lines = [json.loads(x) for x in (CONFIGS / f"{name}.jsonl").read_text().splitlines() if x]
+        measure(name, [j for j in lines if j["id"] not in done and feature(j["id"]) not in failed])
+    return 0
+
+
+def table(paths: list[str]) -> None:
+    for p in paths:
+        for line in open(p, encoding="utf-8"):
+            r = json.loads(line)
+            c, th, m = r["config"], r.get("throughput") or {}, r.get("memory") or {}
+            lay = f"TP{c['tp']}{'sp' if c.get('sequence_parallel') else ''} PP{c['pp']}v{c['vp']} CP{c['cp']} EP{c['ep']}/{c['etp']} DP{c['dp']}"
+            print(f"{r['id']:<18} {r['status']:<7} {lay:<28} mbs{c['mbs']} {c['precision']:<4} {c['recompute']:<9} "
+                  f"{th.get('tokens_per_s_per_gpu') or 0:>9,.0f} tok/s/GPU  {m.get('max_gib') or 0:5.1f} GiB  "
+                  f"{(r.get('error') or '')[:120]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("write")
+    sub.add_parser("rehearse")
+    r = sub.add_parser("run")
+    r.add_argument("--budget", type=float, default=520.0)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--batches", nargs="*", default=list(BATCHES))
+    r.add_argument("--no-canary", action="store_true")
+    t = sub.add_parser("table")
+    t.add_argument("paths", nargs="+")
+    a = ap.parse_args(argv)
+    if a.cmd == "write":
+        write()
+    elif a.cmd == "rehearse":
+        return rehearse()
+    elif a.cmd == "run":
+        return run(a.budget, a.out, a.batches, not a.no_canary)
+    else:
+        table(a.paths)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
