@@ -146,7 +146,7 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "account_for_loss_in_pipeline_split": cfg.account_for_loss,
         "pipeline_model_parallel_layout": cfg.pipeline_layout,
         # Precision.
-        "bf16": cfg.precision == "bf16",
+        "bf16": cfg.precision in ("bf16", "fp8"),  # fp8 layers keep bf16 params
         "params_dtype": "bfloat16",
         "pipeline_dtype": "bfloat16",
     }
@@ -243,7 +243,7 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     cfg = effective_config(cfg)
     return {
         "optimizer": "adam", "lr": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0,
-        "bf16": cfg.precision == "bf16", "params_dtype": "bfloat16",
+        "bf16": cfg.precision in ("bf16", "fp8"), "params_dtype": "bfloat16",
         "use_distributed_optimizer": cfg.distributed_optimizer,
         "overlap_param_gather": cfg.overlap_param_gather,
     }
