@@ -359,6 +359,7 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
         "schema": SCHEMA, "id": entry.id, "timestamp": timestamp or time.time(),
         "status": status, "error": error or None, "model_name": entry.model_name,
         "stack": entry.stack,
+        **({"fp8_recipe": entry.fp8_recipe} if entry.stack == "te" and cfg.precision == "fp8" else {}),
         "model": model.to_dict(), "layers": model.num_layers, "config": cfg.to_dict(),
         "cluster": {"gpu": gpu, "num_nodes": 1, "gpus_per_node": gpus_per_node or world},
         "env": {"gpu_name": gpu_name, "driver": env.get("driver"),
