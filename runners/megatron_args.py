@@ -14,6 +14,7 @@ from typing import Any
 
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.search_spaces.layout import violations
+from advisor.search_spaces.runnable import refusal
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -35,25 +36,20 @@ def moe_layer_pattern(model: ModelSpec) -> list[int] | None:
     return [1 if model.is_moe_layer(i) else 0 for i in range(model.num_layers)]
 
 
-def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> str | None:
+def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None,
+                   stack: str = "local") -> str | None:
     """Why this (model, layout) cannot run here, in one line; None if it can.
 
-    The rules are: what megatron-core cannot do WITHOUT Transformer Engine (this runner's own),
+    The rules are: what the stack's runner cannot do (`stack` "local": megatron-core WITHOUT
+    Transformer Engine, advisor.search_spaces.runnable; "te": nothing of that is refused),
     the world size of this machine, then the layout legality rules shared with the advisor
     (``advisor.search_spaces.layout.violations`` with no cluster: the first rule broken)."""
     cfg = effective_config(cfg)
-    # What megatron-core cannot do without Transformer Engine (seen on megatron-core 0.19.2).
-    if cfg.precision == "fp8":
-        return "fp8 needs Transformer Engine, which is not installed (bf16 only)"
-    if cfg.sequence_parallel:
-        return "sequence_parallel fails without Transformer Engine ('sequence parallel not supported by torch LayerNorm')"
-    if cfg.cp > 1:
-        return "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"
-    if cfg.tp_comm_overlap:
-        return "tp_comm_overlap needs Transformer Engine userbuffers"
-    if model.is_moe and cfg.tp > 1:
-        return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
-                "which needs Transformer Engine")
+    # What megatron-core cannot do without Transformer Engine (seen on megatron-core 0.19.2): the
+    # local stack's rule, shared with recommend and tune (advisor.search_spaces.runnable).
+    reason = refusal(model, cfg, stack)
+    if reason:
+        return reason
     # This machine.
     if world_size is not None and cfg.world_size != world_size:
         return (f"world size {world_size} != tp*pp*cp*dp = {cfg.tp}*{cfg.pp}*{cfg.cp}*{cfg.dp} "
