@@ -134,10 +134,11 @@ def fit(rs: list[dict]) -> dict:
             continue
         stacks[stack] = {**s, "outside_gib": max(outside) if outside else 0.0, "records": f"{len(ok)} ok runs, "
                          f"{len(outside)} OOM messages"}
-    if "local" in stacks and "te" not in stacks:
-        stacks["te"] = {"borrow": "local", "outside_gib": 0.0,
-                        "why": "no Transformer Engine run with a memory peak in data/measurements/ yet; the te "
-                               "profile counts memory outside torch's allocator in its runtime_overhead_gib term"}
+    if "te" not in stacks:
+        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0} for k in MB.CLASSES}, "outside_gib": 0.0,
+                        "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
+                                      "no interval (width 0); the te profile counts memory outside torch's "
+                                      "allocator in its runtime_overhead_gib term"}
     return {"format": MB.FORMAT, "command": COMMAND,
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "data": sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "data/measurements/*.jsonl"))),

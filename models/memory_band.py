@@ -7,8 +7,9 @@ predicted over the measured runs of the stack (separately dense and MoE: the rec
 data/measurements/, `python bench/memory_edge.py --fit`, written to models/data/memory_band.json
 with the command), and `outside` the memory the runner's process holds outside torch's allocator
 (CUDA context, kernels, library handles), read from the OOM messages of those records (what the
-process had in use minus what torch had reserved); a stack with no OOM message of its own counts it
-in its runtime-overhead term instead (0 here).
+process had in use minus what torch had reserved). A stack with no measured run (te, until its
+runs are in data/) has the band [1, 1] + 0 and says so: its prediction counts that memory in its
+runtime-overhead term.
 
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
 (`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
@@ -57,16 +58,14 @@ def _load(path: str) -> dict:
 
 
 def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
-    """The band of a stack's dense or MoE predictions; a stack (or a custom profile) without its
-    own measurements gets the band of the stack it borrows from (`borrow` in the file)."""
+    """The band of a stack's dense or MoE predictions (a custom profile: the default stack's). A
+    stack without measured runs in data/ has the width-0 band [1, 1] and says so (`unmeasured`):
+    another stack's residuals measure another model's error, not this one's."""
     d = _load(str(path))
     stacks = d["stacks"]
     name = stack if stack in stacks else d["default_stack"]
     s = stacks[name]
-    src = f"measured runs of the {name} stack ({s['records']})"
-    if "borrow" in s:
-        src = f"{s['borrow']} stack's band ({s['why']})"
-        s = {**stacks[s["borrow"]], "outside_gib": s["outside_gib"]}
+    src = f"measured runs of the {name} stack ({s['records']})" if "unmeasured" not in s else s["unmeasured"]
     k = CLASSES[bool(is_moe)]
     b = s[k]
     return Band(lo=b["lo"], hi=b["hi"], outside_gib=s["outside_gib"], stack=name, kind=k, source=src)
@@ -77,8 +76,8 @@ def default_margin(memory_usable_fraction: float) -> float:
 
 
 def check_margin(margin: float) -> float:
-    if not (isinstance(margin, (int, float)) and np.isfinite(margin) and 0.0 <= margin < 0.5):
-        raise SpecError(f"--memory-margin must be a fraction of the GPU's memory in [0, 0.5), got {margin!r}")
+    if not (isinstance(margin, (int, float)) and np.isfinite(margin) and 0.0 <= margin <= 0.5):
+        raise SpecError(f"--memory-margin must be a fraction of the GPU's memory in [0, 0.5], got {margin!r}")
     return float(margin)
 
 
@@ -107,5 +106,5 @@ def memory_fit(predicted_gib: float, per_stage_gib, b: Band, gpu_memory_gib: flo
 def fit_line(mf: dict) -> str:
     """One line for the terminal."""
     lo, hi = mf["interval_gib"]
-    return (f"memory {mf['predicted_gib']:.1f} GiB ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
+    return (f"{mf['predicted_gib']:.1f} GiB ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
             f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")
