@@ -45,12 +45,18 @@ def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo) -> dict:
             "moe_tp": model.is_moe & (tp > 1)}
 
 
-def refusal(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
-    """Why the stack's runner cannot run this layout, in one line; None if it can."""
+def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
+    """The key (LOCAL_RULES) of the first rule of the stack's runner this layout breaks; None if none."""
     if stack not in RESTRICTED_STACKS:
         return None
     broken = _broken(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision == "fp8", cfg.tp_comm_overlap)
-    return next((text for key, text in LOCAL_RULES if broken[key]), None)
+    return next((key for key, _ in LOCAL_RULES if broken[key]), None)
+
+
+def refusal(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
+    """Why the stack's runner cannot run this layout, in one line; None if it can."""
+    key = first_broken_rule(model, cfg, stack)
+    return dict(LOCAL_RULES)[key] if key else None
 
 
 def refused(model: ModelSpec, L, stack: str) -> tuple[np.ndarray, dict[str, int]]:

@@ -95,3 +95,14 @@ def test_cli_margin_and_left_out_line():
     assert "left out" in r.stdout and "#1 memory:" in r.stdout and "headroom" in r.stdout
     bad = subprocess.run(run + ["--memory-margin", "-0.1"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --memory-margin")
+
+
+def test_tune_megatron_never_samples_a_refused_layout(tmp_path):
+    from advisor.study import TuneSettings, make_plan
+
+    s = TuneSettings(model="qwen3-30b-a3b", cluster="h100x4", layers=2, runner="megatron", trials=4,
+                     storage=str(tmp_path / "s.journal"), dataset=str(tmp_path / "s.jsonl"), calibration=None)
+    plan = make_plan(s)
+    assert "MoE with TP > 1" in plan.left_out
+    assert plan.layouts and all(refusal(plan.model, c, "local") is None for c in plan.layouts)
+    assert plan.to_dict()["space"]["left_out"] == plan.left_out
