@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -15,9 +16,11 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
-from advisor.models import DEFAULT, Constants, Prediction, predict
+from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
 from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
+from advisor.screen import RECOMPUTE_COST, NoFeasibleLayout, screen
 from advisor.search_spaces.layout import IllegalLayout, violations
+from advisor.search_spaces.runnable import runs_sequence_parallel
 from advisor.search_spaces.space import SpaceOptions, Workload
 
 OBJECTIVES = ("throughput", "energy", "balanced")
@@ -26,10 +29,6 @@ OBJECTIVES = ("throughput", "energy", "balanced")
 # (the CLI's --calibration reads it): "default" = the calibration shipped in models/data (or the
 # analytical model when none is shipped), "none" = the analytical model, or a calibration file.
 DEFAULT_CALIBRATION = "default"
-
-
-class NoFeasibleLayout(SpecError):
-    """The model fits nowhere on the cluster."""
 
 
 # Default global batch (sequences), as public recipes scale it: about 8K tokens per GPU per step,
@@ -87,11 +86,12 @@ class Recommendation:
     power_cap_w: float = 0.0          # the per-GPU cap this layout is recommended at
     power_caps: dict = field(default_factory=dict)   # models.power.CapSweep.to_dict() (energy / balanced)
     stage_caps: dict = field(default_factory=dict)   # models.power.StageCaps.to_dict() (PP > 1)
+    memory: dict = field(default_factory=dict)  # models.memory_band.memory_fit: interval, headroom, tightest stage
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
                 "power_cap_w": self.power_cap_w, "power_caps": self.power_caps, "stage_caps": self.stage_caps,
-                "megatron_args": self.megatron_args, "reason": self.reason}
+                "memory": self.memory, "megatron_args": self.megatron_args, "reason": self.reason}
 
 
 @dataclass
@@ -118,6 +118,8 @@ class RecommendResult:
     rank_basis: tuple[float, float] = (1.0, 1.0)  # the best tokens/s and J/token the scores used
     compared: list["Comparison"] = field(default_factory=list)
     power_caps: list[float] = field(default_factory=list)  # the caps tried (energy / balanced)
+    memory_margin: float = 0.05  # the share of the GPU's memory a layout's upper bound leaves free
+    left_out: dict = field(default_factory=dict)  # what the stack's runner cannot run (advisor.screen)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -128,6 +130,8 @@ class RecommendResult:
                          "power_caps_w": self.power_caps},
             "candidates_evaluated": self.candidates_evaluated,
             "feasible": self.feasible,
+            "left_out": self.left_out,
+            "memory_margin": self.memory_margin,
             "elapsed_s": self.elapsed_s,
             "calibration": self.calibration,
             "stack": self.stack,
@@ -252,17 +256,17 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
     return megatron_lm_args_string(model, cfg)
 
 
-RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # extra work per step, in this order
-
-
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
               constants: Constants = DEFAULT, options: SpaceOptions | None = None,
               calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
-              stack: str | None = None, power_caps: str | Sequence[float] | None = None) -> RecommendResult:
-    """Rank every legal layout that fits in memory by the objective (a layout with more
-    recompute than the cheapest mode that fits it is counted as fitting, not ranked). `stack`: the
+              stack: str | None = None, power_caps: str | Sequence[float] | None = None,
+              memory_margin: float | None = None) -> RecommendResult:
+    """Rank every legal layout the stack's runner can run that fits in memory by the objective (a
+    layout with more recompute than the cheapest mode that fits it is counted as fitting, not
+    ranked; a layout fits when its memory interval's upper bound is under the GPU's memory less
+    `memory_margin`, advisor.screen). `stack`: the
     software stack ("te": Megatron-Core with Transformer Engine, the default; "local": this
     project's runner; see advisor.models.profiles); `calibration`: "default" (the stack's shipped
     profile), a Calibration, a file or None (the analytical model with `constants`); `overrides`: what-if
@@ -285,7 +289,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     cal = _calibration(calibration, st.name)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
-    screen = cal.screening_constants if cal is not None else constants
+    screen_constants = cal.screening_constants if cal is not None else constants
     rank_constants = cal.constants if cal is not None else constants
     if overrides:
         from advisor.models.calibrate import override_workload
@@ -294,7 +298,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     if precision == "fp8" and not c.gpu.fp8_tflops:
         raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
     wl = default_workload(m, c, seq, gbs, precision)
-    capacity = c.gpu.memory_gib * screen.memory_usable_fraction
+    if not runs_sequence_parallel(st.name) and options.sequence_parallel:  # as the stack's runner runs them
+        options = dataclasses.replace(options, sequence_parallel=False)
     from advisor.models import vectorized as vz
 
     from advisor.search_spaces.columns import enumerate_columns
@@ -305,37 +310,9 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise NoFeasibleLayout(
             f"no legal layout of {m.name} on {c.name} with seq={wl.seq} gbs={wl.gbs} "
             f"(gbs must be a multiple of the data-parallel size; try another --gbs)")
-    mems = vz.peak_memory_gib(m, L_all, screen, c).tolist()
-    # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
-    but = np.stack([L_all.tp, L_all.pp, L_all.dp, L_all.cp, L_all.ep, L_all.etp, L_all.vp, L_all.mbs,
-                    L_all.dist_opt, L_all.split], 1)
-    group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
-    costs = np.array([RECOMPUTE_COST[r] for r in ("none", "selective", "full")])[L_all.recompute].tolist()
-    feasible = 0
-    min_mem = (math.inf, None)
-    keep: list[int] = []
-    fits_with = (None, math.inf)  # (layout but recompute, the cheapest recompute that fits it)
-    for i in range(evaluated):
-        key, cost = group[i], costs[i]
-        if key == fits_with[0] and cost > fits_with[1]:
-            # recompute only costs time: with a cheaper mode fitting, this one fits and is slower
-            feasible += 1
-            continue
-        mem = mems[i]
-        if mem > capacity:
-            if mem < min_mem[0]:
-                min_mem = (mem, i)
-            continue
-        feasible += 1
-        fits_with = (key, cost)
-        keep.append(i)
-    if not keep:
-        need, cfg = min_mem[0], L_all.config(min_mem[1])
-        raise NoFeasibleLayout(
-            f"{m.name} fits nowhere on {c.name}: the smallest layout needs {need:.1f} GiB per GPU "
-            f"({cfg.key()}) but a {c.gpu.name} has {capacity:.1f} GiB usable "
-            f"({screen.memory_usable_fraction:.0%} of {c.gpu.memory_gib:.1f}); use more GPUs or a bigger GPU")
-    L = L_all.take(np.array(keep))
+    scr = screen(m, c, L_all, screen_constants, st.name, memory_margin)
+    feasible, sc_margin = scr.feasible, scr.margin
+    L = L_all.take(scr.keep)
     R = vz.evaluate(m, c, L, rank_constants, memory=False)
     tps_a, e_a, risk_a = R.tokens_per_s_per_gpu, R.energy_j_per_token, R.throttle_risk
     best_tps, best_e = float(tps_a.max()), float(e_a.min())
@@ -408,6 +385,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         got = vz.stage_caps_many(m, with_power_cap(c, cap), [shown[i][0] for i in idx],
                                  cal.power_constants if cal is not None else rank_constants, base=c)
         scs.update(zip(idx, got))
+    band = memory_band.band(st.name, m.is_moe)
     for i, (cfg, p) in enumerate(shown):
         cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
         at = with_power_cap(c, cap)
@@ -416,13 +394,16 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   reason=explain(m, at, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e), power_cap_w=cap,
                                   power_caps=sweep.to_dict() if sweep else {},
-                                  stage_caps=sc.to_dict() if sc else {}))
+                                  stage_caps=sc.to_dict() if sc else {},
+                                  memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib, band,
+                                                                c.gpu.memory_gib, sc_margin)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,
                            stack=st.name, profile=cal.profile if cal is not None else None,
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
-                           candidates=preds, calibrated_with=cal, power_caps=grid,
+                           candidates=preds, calibrated_with=cal, power_caps=grid, memory_margin=sc_margin,
+                           left_out=scr.left_out,
                            warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
 
 

@@ -39,6 +39,9 @@ def recommend_cmd(
     compare: Optional[List[str]] = typer.Option(
         None, "--compare", help="another layout to place next to #1, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1' "
                                 "(repeatable): its ratio to #1, its rank and where the time differs"),
+    memory_margin: Optional[float] = typer.Option(
+        None, "--memory-margin", help="share of the GPU's memory a layout's memory upper bound must leave free "
+                                      "[default: 1 - the profile's memory_usable_fraction, 0.05]"),
     as_json: AsJson = False,
     html: Html = None,
 ) -> None:
@@ -56,7 +59,7 @@ def recommend_cmd(
     layouts = [parse_layout(x) for x in compare or ()]
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack,
-                    power_caps=power_caps)
+                    power_caps=power_caps, memory_margin=memory_margin)
     res.compared = [compare_layout(res, v, calibration) for v in layouts]
     if as_json:
         from advisor.validate import finite_json

@@ -122,6 +122,8 @@ def _print_plan(plan) -> None:
               f"runner {plan.settings.runner}; {plan.cluster.world_size} GPUs per trial")
     con.print(f"space: {sp['layouts']} legal layouts; pruned by memory (never launched): {sp['pruned_by_memory']}; "
               f"refused by the runner: {sp['refused_by_runner']}; runnable: {sp['runnable']}")
+    if sp.get("left_out"):
+        con.print(sp["left_out"] + " (never sampled)")
     con.print("params: " + "; ".join(f"{k} {v}" for k, v in sp["params"].items()))
     con.print(f"trials to measure: {plan.settings.trials}, {plan.settings.batch} per launch; dataset: {plan.dataset}")
     con.print(_calibration_line(plan), markup=False, highlight=False, soft_wrap=True)

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from advisor.catalog import TrainConfig
 from advisor.models import Prediction
+from advisor.models.memory_band import fit_line
 
 
 def make_console() -> Console:
@@ -92,6 +93,8 @@ def print_recommendations(res, console: Console | None = None) -> None:
            else "analytical model, no profile")
     console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
                   f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
+    if res.left_out.get("line"):
+        console.print(res.left_out["line"])
     t = Table(show_lines=False, pad_edge=False, box=None)
     for col, just in RECOMMEND_COLUMNS:
         t.add_column(col, justify=just, no_wrap=True)
@@ -103,6 +106,8 @@ def print_recommendations(res, console: Console | None = None) -> None:
         console.print(f"[bold]#1 power cap:[/] {cap_line(best.power_caps, res.objective)}")
     if best.stage_caps:
         console.print(f"[bold]#1 per-stage caps:[/] {stage_caps_line(best.stage_caps)}")
+    if best.memory:
+        console.print(f"[bold]#1 memory:[/] {fit_line(best.memory)}", highlight=False)
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
     console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)

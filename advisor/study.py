@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.search_spaces.runnable import first_broken_rule, left_out_line
 from advisor.search_spaces.space import (SpaceOptions, Workload, enumerate_layouts, layout_key,
                                          layout_params, optuna_space, optuna_suggest)
 
@@ -117,6 +118,7 @@ class Plan:
     enqueue: list[TrainConfig]
     calibration: Any = None  # the models.calibrate.Calibration predictions come from; None: analytical
     calibration_info: dict = field(default_factory=dict)  # what calibration_info() says of it
+    left_out: str = ""  # the layouts the runner's stack cannot run, left out of the space (one line)
 
     @property
     def runnable(self) -> int:
@@ -136,7 +138,7 @@ class Plan:
             "gpus_per_trial": self.cluster.world_size,
             "space": {"layouts": len(self.layouts), "params": {k: v for k, v in self.space.items()},
                       "pruned_by_memory": by.get("memory", 0), "refused_by_runner": by.get("runs", 0),
-                      "runnable": self.runnable},
+                      "runnable": self.runnable, "left_out": self.left_out},
             "calibration": self.calibration_info,
             "enqueued": [{"key": layout_key(c), "config": c.to_dict()} for c in self.enqueue],
         }
@@ -206,13 +208,18 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         model = model.with_layers(s.layers)
     wl = default_workload(model, cluster, s.seq, s.gbs, s.precision)
     cap = cluster.gpu.memory_gib
-    layouts, screened, seen = [], {}, set()
+    layouts, screened, seen, left_out = [], {}, set(), {}
+    stack = "local" if s.runner == "megatron" else None  # the stack the runner runs (search_spaces.runnable)
     for cfg in enumerate_layouts(model, cluster, wl, options):
         cfg, refusal = prepare(s.runner, model, cluster, cfg)
         key = layout_key(cfg)
         if key in seen:
             continue
         seen.add(key)
+        rule = stack and first_broken_rule(model, cfg, stack)
+        if rule:  # never sampled: left out of the space, counted
+            left_out[rule] = left_out.get(rule, 0) + 1
+            continue
         layouts.append(cfg)
         mem = max(st.total_gib for st in stage_memory(model, cfg))
         if mem > cap:
@@ -246,7 +253,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     storage = s.storage or DEFAULT_STORAGE
     dataset = Path(s.dataset or f"data/measurements/tune-{_safe(name)}.jsonl")
     return Plan(s, model, cluster, wl, name, storage, dataset, layouts, optuna_space(layouts), screened, enq,
-                cal, calibration_info(s.calibration, cal))
+                cal, calibration_info(s.calibration, cal), left_out_line(stack, left_out) if stack else "")
 
 
 # ------------------------------------------------------------------------------------ storage

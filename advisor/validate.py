@@ -74,7 +74,8 @@ NUMBERS: dict[str, Callable[[str, Any], Any]] = {
                         "--min-seconds", "--telemetry-hz", "--node-rank")},
     **{f: GT0 for f in ("--power-cap", "--timeout", "--trial-timeout", "--seconds", "--rate", "--max-seconds")},
     "--folds": _range(2),
-    "--sim-sigma": _range(0, 1),  # log-normal sigma: 1 is already a factor e (2.7x) of spread
+    "--sim-sigma": _range(0, 1),
+    "--memory-margin": _range(0, 0.5),  # a share of the GPU's memory left free (models.memory_band)  # log-normal sigma: 1 is already a factor e (2.7x) of spread
 }
 
 

@@ -143,7 +143,7 @@ def _number(d: Any, path: str, required: bool = True, lo: float = 0.0, hi: float
     return v
 
 
-def _legacy_moe_config(config: dict, model: ModelSpec) -> dict:
+def legacy_moe_config(config: dict, model: ModelSpec) -> dict:
     """MoE records written before TrainConfig had MoE knobs ran megatron-core's SequentialMLP (one
     GEMM per expert) with the alltoall dispatcher and the aux-loss router: say so."""
     if model.is_moe and "moe_grouped_gemm" not in config:
@@ -151,7 +151,7 @@ def _legacy_moe_config(config: dict, model: ModelSpec) -> dict:
     return config
 
 
-def _cluster(rec: dict) -> ClusterSpec:
+def cluster_of(rec: dict) -> ClusterSpec:
     from advisor.catalog import load_cluster
 
     gpu = _get(rec, "cluster.gpu", str)
@@ -246,10 +246,10 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
     if layers is not None and layers != model.num_layers:
         raise _Bad(f"layers = {layers} but the model has {model.num_layers}")
     try:
-        cfg = TrainConfig.from_dict(_legacy_moe_config(_get(rec, "config", dict), model))
+        cfg = TrainConfig.from_dict(legacy_moe_config(_get(rec, "config", dict), model))
     except (SpecError, TypeError, ValueError) as e:
         raise _Bad(f"config: {e}") from None
-    cluster = _cluster(rec)
+    cluster = cluster_of(rec)
     if cfg.world_size != cluster.world_size:
         raise _Bad(f"config uses {cfg.world_size} GPUs but the cluster has {cluster.world_size}")
     y = {

@@ -15,6 +15,7 @@ from typing import Any
 
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.search_spaces.layout import violations
+from advisor.search_spaces.runnable import refusal
 
 VOCAB_DIVISIBLE_BY = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
@@ -43,28 +44,19 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
                    stack: str = "local") -> str | None:
     """Why this (model, layout) cannot run here, in one line; None if it can.
 
-    The rules are: what the runner's stack cannot do (``local``: megatron-core WITHOUT Transformer
-    Engine; ``te``: the TE layer spec, which runs SP, CP, FP8 and MoE with TP but not TP
+    The rules are: what the stack's runner cannot do (`stack` "local": megatron-core WITHOUT
+    Transformer Engine, advisor.search_spaces.runnable, the rule recommend and tune share; "te":
+    the TE layer spec runs SP, CP, FP8 and MoE with TP, but this runner does not run TP
     communication overlap), the world size of this machine, then the layout legality rules shared
     with the advisor (``advisor.search_spaces.layout.violations`` with no cluster: the first rule
     broken)."""
     if stack not in RUNNER_STACKS:
         return f"unknown runner stack {stack!r} (known: {', '.join(RUNNER_STACKS)})"
     cfg = effective_config(cfg)
-    if stack == "local":
-        # What megatron-core cannot do without Transformer Engine (seen on megatron-core 0.19.2).
-        if cfg.precision == "fp8":
-            return "fp8 needs Transformer Engine, which is not installed (bf16 only)"
-        if cfg.sequence_parallel:
-            return "sequence_parallel fails without Transformer Engine ('sequence parallel not supported by torch LayerNorm')"
-        if cfg.cp > 1:
-            return "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"
-        if cfg.tp_comm_overlap:
-            return "tp_comm_overlap needs Transformer Engine userbuffers"
-        if model.is_moe and cfg.tp > 1:
-            return ("MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
-                    "which needs Transformer Engine")
-    else:
+    reason = refusal(model, cfg, stack)
+    if reason:
+        return reason
+    if stack == "te":
         if cfg.tp_comm_overlap:
             # TE's userbuffers can map NVLink multicast, which the lent machines must not use
             # (KINDS.md); the te profile predicts the layout with and without it.

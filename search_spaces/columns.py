@@ -71,7 +71,7 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
     tp1 = col["tp"] > 1
     L = Layouts(model=model, tp=col["tp"], pp=col["pp"], dp=col["dp"], cp=col["cp"], ep=col["ep"], etp=col["etp"],
                 vp=col["vp"], mbs=col["mbs"], gbs=np.full(n, workload.gbs, np.int64),
-                seq=np.full(n, workload.seq, np.int64), recompute=col["rc"], sp=tp1, dist_opt=col["dist"].astype(bool),
+                seq=np.full(n, workload.seq, np.int64), recompute=col["rc"], sp=tp1 & bool(options.sequence_parallel), dist_opt=col["dist"].astype(bool),
                 overlap_grad=dpcp, overlap_param=col["dist"].astype(bool) & dpcp,
                 tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, workload.precision == "fp8"),
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,

@@ -54,6 +54,7 @@ class SpaceOptions:
     max_layout_vp: int = 8  # explicit layouts are generated for vp up to this that no other split allows:
     every_layout_vp: bool = False  # every such vp (True) or the powers of two (False)
     tp_comm_overlap: bool = False  # needs Transformer Engine
+    sequence_parallel: bool = True  # whenever TP > 1 (off where the stack's runner cannot run it)
     distributed_optimizer: tuple[bool, ...] = (True,)
     extra: dict = field(default_factory=dict)
 
@@ -231,7 +232,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                             cfg = TrainConfig(
                                 tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs,
                                 gbs=workload.gbs, seq=workload.seq, precision=workload.precision,
-                                recompute=rc, sequence_parallel=tp > 1,
+                                recompute=rc, sequence_parallel=options.sequence_parallel and tp > 1,
                                 distributed_optimizer=dist and dp * cp > 1,
                                 overlap_grad_reduce=dp * cp > 1,
                                 overlap_param_gather=dist and dp * cp > 1,

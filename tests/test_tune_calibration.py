@@ -105,7 +105,8 @@ def test_seeds_follow_the_calibrated_ranking(tmp_path):
     assert any(c.tp > 1 for c in plain.enqueue[:4]) and all(c.tp == 1 for c in calibrated.enqueue[:4])
     # the throughput seeds are the calibrated top by throughput, in its order
     top = [layout_key(r.config) for r in recommend("llama3-8b", "h100x8", seq=calibrated.workload.seq,
-                                                   gbs=calibrated.workload.gbs, top=4, calibration=cal).recommendations]
+                                                   gbs=calibrated.workload.gbs, top=4, calibration=cal,
+                                                   stack="local").recommendations]
     assert b[:4] == top
     tps = [cal.predict(calibrated.model, calibrated.cluster, c, check_legal=False).tokens_per_s_per_gpu
            for c in calibrated.enqueue[:4]]

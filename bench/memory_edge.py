@@ -1,0 +1,196 @@
+"""Memory at the edge (issue #27): every OOM record of data/measurements/ against the predicted
+peak, its upper bound and the usable memory; and on the runs that fit, predicted vs measured peak
+memory, leave-one-architecture-out, dense and MoE apart.
+
+    python bench/memory_edge.py [--margin 0.05] [--fit]      # --fit writes models/data/memory_band.json
+
+Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
+allocated when the trial started (a trial batched after another in one process starts with the
+previous trial's leftovers: 7.5 GiB on the h100x1-moe-a/b batches). Predicted: models.memory's
+fullest stage with the stack's profile constants (recommend's memory screen). A record's stack is
+its own `stack` key, else `te` when its env names Transformer Engine, else `local`.
+
+The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted ratio of
+the stack's dense or MoE runs. Leave-one-architecture-out: for each architecture, the band of the
+other architectures of its class, and how many of the held-out runs fall under its upper end;
+MAPE "LOAO" divides each prediction by the median ratio of the other architectures (a scale fitted
+without the run's architecture), "as shipped" is the profile as it is (its memory constants were
+fitted on 3 of these architectures: docs/calibration.md).
+Memory outside torch's allocator: each OOM message's "this process has X GiB memory in use" minus
+what torch had reserved (allocated + reserved but unallocated).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from advisor.catalog.specs import ModelSpec, TrainConfig  # noqa: E402
+from advisor.models import memory_band as MB  # noqa: E402
+from advisor.models.calibrate import resolve_calibration  # noqa: E402
+from advisor.models.dataset import cluster_of, legacy_moe_config, shape_key  # noqa: E402
+from advisor.models.memory import peak_memory_gib  # noqa: E402
+
+COMMAND = "python bench/memory_edge.py --fit"
+GIB_UNITS = {"GiB": 1.0, "MiB": 1.0 / 1024}
+
+
+def record_stack(rec: dict) -> str:
+    env = rec.get("env") or {}
+    return rec.get("stack") or ("te" if env.get("transformer_engine") else "local")
+
+
+def outside_allocator_gib(error: str) -> float | None:
+    """Process memory in use minus torch's reserved memory, from an OOM message (None: not one)."""
+    used = re.search(r"this process has ([\d.]+) (GiB|MiB) memory in use", error or "")
+    alloc = re.search(r"([\d.]+) (GiB|MiB) is allocated by PyTorch", error or "")
+    free = re.search(r"([\d.]+) (GiB|MiB) is reserved by PyTorch but unallocated", error or "")
+    if not (used and alloc and free):
+        return None
+    g = [float(m.group(1)) * GIB_UNITS[m.group(2)] for m in (used, alloc, free)]
+    return g[0] - g[1] - g[2]
+
+
+def measured_gib(mem: dict) -> float | None:
+    peak = mem.get("peak_reserved_gib_per_rank") or mem.get("peak_allocated_gib_per_rank")
+    if not peak:
+        v = mem.get("max_reserved_gib") or mem.get("max_gib")
+        return float(v) if v else None
+    start = mem.get("start_allocated_gib_per_rank") or [0.0] * len(peak)
+    own = [p - s for p, s in zip(peak, start) if p is not None]
+    return max(own) if own else None
+
+
+def rows(paths: list[str]) -> list[dict]:
+    cals: dict = {}
+    out = []
+    for path in paths:
+        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec.get("status") not in ("ok", "oom"):
+                continue
+            mem = rec.get("memory") or {}
+            meas = measured_gib(mem) if mem else None
+            if rec["status"] == "ok" and meas is None:
+                continue
+            model = ModelSpec.from_dict(rec["model"])
+            cfg = TrainConfig.from_dict(legacy_moe_config(rec["config"], model))
+            cluster = cluster_of(rec)
+            stack = record_stack(rec)
+            if stack not in cals:
+                cals[stack] = resolve_calibration("default", stack).screening_constants
+            c = cals[stack]
+            start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
+            out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
+                        "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
+                        "gpu_gib": cluster.gpu.memory_gib, "predicted": peak_memory_gib(model, cfg, c),
+                        "measured": meas, "start": start, "outside": outside_allocator_gib(rec.get("error") or "")})
+    return out
+
+
+def loao(ok: list[dict]) -> dict:
+    """Per class: the band, its leave-one-architecture-out coverage and MAPE."""
+    out = {}
+    for k, kind in enumerate(MB.CLASSES):
+        rs = [r for r in ok if bool(r["moe"]) == bool(k)]
+        if not rs:
+            continue
+        ratio = np.array([r["measured"] / r["predicted"] for r in rs])
+        arch = np.array([r["arch"] for r in rs])
+        covered, scaled_err = 0, []
+        for a in sorted(set(arch)):
+            held, rest = arch == a, arch != a
+            if not rest.any():
+                continue
+            covered += int((ratio[held] <= ratio[rest].max()).sum())
+            scale = float(np.median(ratio[rest]))
+            scaled_err += list(np.abs(ratio[held] / scale - 1.0))
+        out[kind] = {"lo": float(ratio.min()), "hi": float(ratio.max()), "n": len(rs),
+                     "architectures": len(set(arch)), "loao_covered": covered,
+                     "mape_as_shipped_pct": float(np.mean(np.abs(1.0 / ratio - 1.0)) * 100),
+                     "mape_loao_pct": float(np.mean(scaled_err) * 100) if scaled_err else float("nan")}
+    return out
+
+
+def fit(rs: list[dict]) -> dict:
+    stacks = {}
+    for stack in sorted({r["stack"] for r in rs}):
+        mine = [r for r in rs if r["stack"] == stack]
+        ok = [r for r in mine if r["status"] == "ok"]
+        outside = [r["outside"] for r in mine if r["outside"] is not None]
+        s = loao(ok)
+        if set(s) != set(MB.CLASSES):
+            continue
+        stacks[stack] = {**s, "outside_gib": max(outside) if outside else 0.0, "records": f"{len(ok)} ok runs, "
+                         f"{len(outside)} OOM messages"}
+    if "te" not in stacks:
+        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0} for k in MB.CLASSES}, "outside_gib": 0.0,
+                        "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
+                                      "no interval (width 0); the te profile counts memory outside torch's "
+                                      "allocator in its runtime_overhead_gib term"}
+    return {"format": MB.FORMAT, "command": COMMAND,
+            "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "data": sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "data/measurements/*.jsonl"))),
+            "measured": "max over ranks of torch's peak reserved memory less the allocated memory at the trial's start",
+            "default_stack": "local", "stacks": stacks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*")
+    ap.add_argument("--margin", type=float, default=None, help="memory margin (default: the profile's)")
+    ap.add_argument("--fit", action="store_true", help=f"write {MB.BAND_FILE.relative_to(ROOT)}")
+    a = ap.parse_args()
+    paths = a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))
+    rs = rows(paths)
+    if a.fit:
+        MB.BAND_FILE.write_text(json.dumps(fit(rs), indent=1) + "\n", encoding="utf-8")
+        MB._load.cache_clear()
+        print(f"wrote {MB.BAND_FILE.relative_to(ROOT)}")
+    margins = {}
+    for stack in {r["stack"] for r in rs}:
+        c = resolve_calibration("default", stack).screening_constants
+        margins[stack] = MB.check_margin(a.margin) if a.margin is not None else MB.default_margin(c.memory_usable_fraction)
+    print("OOM records: predicted peak, the band's upper bound and the usable memory (GiB)")
+    print(f"{'id':18} {'stack':5} {'model':28} {'pred':>6} {'upper':>6} {'usable':>6} {'had':>6}  predicted")
+    fit_oom = 0
+    for r in (r for r in rs if r["status"] == "oom"):
+        b = MB.band(r["stack"], r["moe"])
+        up = b.interval(r["predicted"])[1]
+        usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
+        ok = bool(MB.fits(r["predicted"], b, r["gpu_gib"], margins[r["stack"]]))
+        fit_oom += ok
+        had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
+        print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {up:6.1f} {usable:6.1f} "
+              f"{had}  {'FITS (wrong)' if ok else 'does not fit'}")
+    print(f"OOM records predicted to fit: {fit_oom} of {sum(r['status'] == 'oom' for r in rs)} "
+          f"('had': the GPU's memory less the memory outside torch's allocator and the trial's start allocation)")
+    print()
+    print("Runs that fit: measured / predicted peak (leave-one-architecture-out)")
+    print(f"{'stack':5} {'class':5} {'runs':>4} {'archs':>5} {'lo':>6} {'hi':>6} {'LOAO under hi':>13} "
+          f"{'MAPE shipped':>12} {'MAPE LOAO':>9} {'rejected':>8}")
+    for stack in sorted({r["stack"] for r in rs}):
+        ok = [r for r in rs if r["stack"] == stack and r["status"] == "ok"]
+        for kind, s in loao(ok).items():
+            b = MB.band(stack, kind == "moe")
+            mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
+            rejected = sum(not MB.fits(r["predicted"], b, r["gpu_gib"], margins[stack]) for r in mine)
+            print(f"{stack:5} {kind:5} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
+                  f"{s['loao_covered']:6d} of {s['n']:<4d} {s['mape_as_shipped_pct']:11.1f}% "
+                  f"{s['mape_loao_pct']:8.1f}% {rejected:8d}")
+    print("(rejected: runs that ran but whose upper bound is over the usable memory)")
+
+
+if __name__ == "__main__":
+    main()

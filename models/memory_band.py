@@ -1,0 +1,110 @@
+"""The stated uncertainty of a memory prediction and the rule that says a layout fits (issue #27).
+
+A memory prediction is the fullest pipeline stage's peak per GPU (models.memory / models.vectorized,
+what torch's caching allocator reserves, plus the profile's runtime-overhead term). Its interval is
+[lo * predicted, hi * predicted + outside], with lo / hi the smallest and largest ratio measured /
+predicted over the measured runs of the stack (separately dense and MoE: the records of
+data/measurements/, `python bench/memory_edge.py --fit`, written to models/data/memory_band.json
+with the command), and `outside` the memory the runner's process holds outside torch's allocator
+(CUDA context, kernels, library handles), read from the OOM messages of those records (what the
+process had in use minus what torch had reserved). A stack with no measured run (te, until its
+runs are in data/) has the band [1, 1] + 0 and says so: its prediction counts that memory in its
+runtime-overhead term.
+
+A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
+(`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
+Works on floats and on numpy arrays alike (recommend's array path and the per-layout path use the
+same function, so they cannot disagree).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from advisor.catalog.specs import SpecError
+
+BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
+FORMAT = "advisor.memory_band/1"
+CLASSES = ("dense", "moe")
+
+
+@dataclass(frozen=True)
+class Band:
+    lo: float  # smallest measured / predicted
+    hi: float  # largest measured / predicted
+    outside_gib: float  # memory outside torch's allocator added to the upper bound
+    stack: str
+    kind: str  # dense / moe
+    source: str  # where the numbers come from (the stack's own records, or another stack's)
+
+    def interval(self, predicted_gib):
+        """(lower, upper) GiB of a predicted peak (a float or an array)."""
+        return predicted_gib * self.lo, predicted_gib * self.hi + self.outside_gib
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"{p}: no memory band file (make it: python bench/memory_edge.py --fit)")
+    d = json.loads(p.read_text(encoding="utf-8"))
+    if d.get("format") != FORMAT:
+        raise SpecError(f"{p}: format {d.get('format')!r}, expected {FORMAT!r}")
+    return d
+
+
+def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
+    """The band of a stack's dense or MoE predictions (a custom profile: the default stack's). A
+    stack without measured runs in data/ has the width-0 band [1, 1] and says so (`unmeasured`):
+    another stack's residuals measure another model's error, not this one's."""
+    d = _load(str(path))
+    stacks = d["stacks"]
+    name = stack if stack in stacks else d["default_stack"]
+    s = stacks[name]
+    src = f"measured runs of the {name} stack ({s['records']})" if "unmeasured" not in s else s["unmeasured"]
+    k = CLASSES[bool(is_moe)]
+    b = s[k]
+    return Band(lo=b["lo"], hi=b["hi"], outside_gib=s["outside_gib"], stack=name, kind=k, source=src)
+
+
+def default_margin(memory_usable_fraction: float) -> float:
+    return 1.0 - memory_usable_fraction
+
+
+def check_margin(margin: float) -> float:
+    if not (isinstance(margin, (int, float)) and np.isfinite(margin) and 0.0 <= margin <= 0.5):
+        raise SpecError(f"--memory-margin must be a fraction of the GPU's memory in [0, 0.5], got {margin!r}")
+    return float(margin)
+
+
+def usable_gib(gpu_memory_gib: float, margin: float) -> float:
+    """The memory a layout's upper bound must stay under."""
+    return gpu_memory_gib * (1.0 - margin)
+
+
+def fits(predicted_gib, b: Band, gpu_memory_gib: float, margin: float):
+    """True (or a boolean array) where the upper bound of the prediction is under usable memory."""
+    return b.interval(predicted_gib)[1] <= usable_gib(gpu_memory_gib, margin)
+
+
+def memory_fit(predicted_gib: float, per_stage_gib, b: Band, gpu_memory_gib: float, margin: float) -> dict:
+    """What recommend / predict say about one layout's memory: the interval, the usable memory, the
+    headroom (usable - upper bound; negative: does not fit), the tightest stage."""
+    lo, hi = b.interval(predicted_gib)
+    usable = usable_gib(gpu_memory_gib, margin)
+    stages = list(per_stage_gib) or [predicted_gib]
+    return {"predicted_gib": float(predicted_gib), "interval_gib": [float(lo), float(hi)],
+            "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
+            "fits": bool(hi <= usable), "tightest_stage": int(np.argmax(stages)),
+            "band": {"lo": b.lo, "hi": b.hi, "outside_gib": b.outside_gib, "kind": b.kind, "source": b.source}}
+
+
+def fit_line(mf: dict) -> str:
+    """One line for the terminal."""
+    lo, hi = mf["interval_gib"]
+    return (f"{mf['predicted_gib']:.1f} GiB ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
+            f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")

@@ -1,0 +1,85 @@
+"""What a software stack's runner can run: the one place the rule lives (issue #27, "rank only
+what can run"). A function of the stack and the layout, per layout (`refusal`) and on the columns
+of search_spaces.columns / models.vectorized (`refused`); runners/megatron_args.py refuses with it,
+`recommend` and `advisor tune` leave out what it refuses.
+
+Stacks (advisor.models.profiles):
+  local  this project's runner, megatron-core's local layers without Transformer Engine (seen on
+         megatron-core 0.19.2): no FP8, no sequence parallelism (torch LayerNorm), no context
+         parallelism (the local attention spec asserts cp == 1), no TP communication overlap
+         (TE userbuffers), and no MoE with TP > 1 (megatron-core needs sequence parallelism there).
+         The runner turns sequence parallelism off itself (`runs_sequence_parallel`), so a dense
+         layout with TP > 1 runs without it.
+  te     Megatron-Core with Transformer Engine: none of the above is refused.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from advisor.catalog.specs import ModelSpec, TrainConfig
+
+# (key, one-line reason) in the order they are checked; the text is what the runner prints
+LOCAL_RULES = (
+    ("fp8", "fp8 needs Transformer Engine, which is not installed (bf16 only)"),
+    ("sequence_parallel",
+     "sequence_parallel fails without Transformer Engine ('sequence parallel not supported by torch LayerNorm')"),
+    ("cp", "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"),
+    ("tp_comm_overlap", "tp_comm_overlap needs Transformer Engine userbuffers"),
+    ("moe_tp", "MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
+               "which needs Transformer Engine"),
+)
+# short labels of the rules for the one line that counts what was left out
+LABELS = {"fp8": "FP8", "sequence_parallel": "sequence parallelism", "cp": "CP > 1",
+          "tp_comm_overlap": "TP comm overlap", "moe_tp": "MoE with TP > 1"}
+RESTRICTED_STACKS = ("local",)
+
+
+def runs_sequence_parallel(stack: str) -> bool:
+    """Whether the stack's runner runs sequence parallelism (the local runner turns it off)."""
+    return stack not in RESTRICTED_STACKS
+
+
+def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo) -> dict:
+    """Each rule of the local stack: True (or a boolean array) where the layout breaks it."""
+    return {"fp8": fp8, "sequence_parallel": sp, "cp": cp > 1, "tp_comm_overlap": tpo,
+            "moe_tp": model.is_moe & (tp > 1)}
+
+
+def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
+    """The key (LOCAL_RULES) of the first rule of the stack's runner this layout breaks; None if none."""
+    if stack not in RESTRICTED_STACKS:
+        return None
+    broken = _broken(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision == "fp8", cfg.tp_comm_overlap)
+    return next((key for key, _ in LOCAL_RULES if broken[key]), None)
+
+
+def refusal(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
+    """Why the stack's runner cannot run this layout, in one line; None if it can."""
+    key = first_broken_rule(model, cfg, stack)
+    return dict(LOCAL_RULES)[key] if key else None
+
+
+def refused(model: ModelSpec, L, stack: str) -> tuple[np.ndarray, dict[str, int]]:
+    """On columns (models.vectorized.Layouts): a boolean per row, True where the stack's runner
+    refuses the layout, and how many rows each rule refuses first (in LOCAL_RULES' order)."""
+    n = len(L.tp)
+    out = np.zeros(n, bool)
+    counts: dict[str, int] = {}
+    if stack not in RESTRICTED_STACKS:
+        return out, counts
+    broken = _broken(model, L.tp, L.cp, L.sp, L.fp8, L.tp_overlap)
+    for key, _ in LOCAL_RULES:
+        b = np.broadcast_to(np.asarray(broken[key], bool), (n,)) & ~out
+        if b.any():
+            counts[key] = int(b.sum())
+        out |= b
+    return out, counts
+
+
+def left_out_line(stack: str, counts: dict[str, int]) -> str:
+    """One line: how many layouts the stack's runner refuses, by rule ("" when none)."""
+    total = sum(counts.values())
+    if not total:
+        return ""
+    parts = ", ".join(f"{LABELS[k]} {v:,}" for k, v in counts.items())
+    return f"left out {total:,} layout(s) the {stack} stack's runner cannot run ({parts})"

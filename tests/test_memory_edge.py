@@ -1,0 +1,108 @@
+"""Issue #27: rank only what the stack's runner can run; a memory interval and a margin."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from advisor.api import default_workload, recommend
+from advisor.catalog import SpecError, TrainConfig, load_cluster, load_model
+from advisor.models import memory_band as MB
+from advisor.runners import megatron_args as MA
+from advisor.search_spaces.columns import enumerate_columns
+from advisor.search_spaces.runnable import refusal, refused
+from advisor.search_spaces.space import SpaceOptions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rule_per_layout_and_on_columns_agree():
+    m, c = load_model("qwen3-30b-a3b"), load_cluster("h100x32")
+    L = enumerate_columns(m, c, default_workload(m, c), SpaceOptions(sequence_parallel=False))
+    for stack in ("local", "te"):
+        bad, counts = refused(m, L, stack)
+        per_row = [refusal(m, L.config(i), stack) is not None for i in range(len(L))]
+        assert bad.tolist() == per_row
+        assert sum(counts.values()) == int(bad.sum())
+    assert refused(m, L, "local")[0].any() and not refused(m, L, "te")[0].any()
+
+
+def test_runner_refuses_with_the_shared_rule():
+    moe = load_model("qwen3-30b-a3b")
+    cfg = TrainConfig(tp=2, dp=2, mbs=1, gbs=8)
+    assert MA.refusal_reason(moe, cfg) == refusal(moe, cfg, "local")
+    assert "MoE with tp > 1" in MA.refusal_reason(moe, cfg)
+    assert MA.refusal_reason(moe, cfg, stack="te") is None
+    cp = TrainConfig(cp=2, dp=2, mbs=1, gbs=8)
+    assert "context parallelism" in MA.refusal_reason(load_model("llama3-8b"), cp)
+
+
+def test_local_recommend_ranks_only_runnable_layouts():
+    m = load_model("qwen3-30b-a3b")
+    res = recommend(m, "h100x32", stack="local", top=10)
+    assert res.left_out["count"] > 0 and "cannot run" in res.left_out["line"]
+    for r in res.recommendations:
+        assert MA.refusal_reason(m, r.config, 32) is None, r.config.key()
+    te = recommend(m, "h100x32", stack="te", top=3)
+    assert te.left_out["count"] == 0 and te.left_out["line"] == ""
+
+
+def test_memory_fit_of_the_top_layout_and_the_margin():
+    res = recommend("llama3-8b", "h100x4", stack="local", top=3)
+    mf = res.recommendations[0].memory
+    lo, hi = mf["interval_gib"]
+    assert lo < mf["predicted_gib"] < hi <= mf["usable_gib"]
+    assert mf["headroom_gib"] == pytest.approx(mf["usable_gib"] - hi)
+    p = res.recommendations[0].prediction
+    assert mf["tightest_stage"] == int(np.argmax(p.memory_per_stage_gib))
+    wider = recommend("llama3-8b", "h100x4", stack="local", top=3, memory_margin=0.15)
+    assert wider.feasible < res.feasible
+    assert all(r.memory["interval_gib"][1] <= 0.85 * 79.65 + 1e-9 for r in wider.recommendations)
+    with pytest.raises(SpecError):
+        recommend("llama3-8b", "h100x4", stack="local", memory_margin=float("nan"))
+
+
+def test_fits_on_arrays_is_fits_on_floats():
+    b = MB.band("local", True)
+    x = np.linspace(40, 80, 41)
+    assert MB.fits(x, b, 79.65, 0.05).tolist() == [bool(MB.fits(float(v), b, 79.65, 0.05)) for v in x]
+
+
+def test_no_oom_record_is_predicted_to_fit():
+    spec = importlib.util.spec_from_file_location("memory_edge", ROOT / "bench" / "memory_edge.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rs = mod.rows(sorted(str(p) for p in (ROOT / "data" / "measurements").glob("*.jsonl")))
+    oom = [r for r in rs if r["status"] == "oom"]
+    assert len(oom) >= 8
+    for r in oom:
+        assert not MB.fits(r["predicted"], MB.band(r["stack"], r["moe"]), r["gpu_gib"], 0.05), r["id"]
+    # the shipped band is what the command makes of the data
+    shipped = json.loads(MB.BAND_FILE.read_text())
+    assert shipped["stacks"]["local"]["moe"]["hi"] == pytest.approx(mod.fit(rs)["stacks"]["local"]["moe"]["hi"])
+
+
+def test_cli_margin_and_left_out_line():
+    run = [sys.executable, "-m", "advisor", "recommend", "--model", "qwen3-30b-a3b", "--cluster", "h100x32",
+           "--stack", "local", "--top", "2"]
+    r = subprocess.run(run, capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "left out" in r.stdout and "#1 memory:" in r.stdout and "headroom" in r.stdout
+    bad = subprocess.run(run + ["--memory-margin", "-0.1"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --memory-margin")
+
+
+def test_tune_megatron_never_samples_a_refused_layout(tmp_path):
+    from advisor.study import TuneSettings, make_plan
+
+    s = TuneSettings(model="qwen3-30b-a3b", cluster="h100x4", layers=2, runner="megatron", trials=4,
+                     storage=str(tmp_path / "s.journal"), dataset=str(tmp_path / "s.jsonl"), calibration=None)
+    plan = make_plan(s)
+    assert "MoE with TP > 1" in plan.left_out
+    assert plan.layouts and all(refusal(plan.model, c, "local") is None for c in plan.layouts)
+    assert plan.to_dict()["space"]["left_out"] == plan.left_out
