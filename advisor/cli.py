@@ -26,6 +26,7 @@ _COMMAND_MODULES = (
     "advisor.cmd_fit",
     "advisor.cmd_place",
     "advisor.cmd_report",
+    "advisor.cmd_plan",
 )
 
 

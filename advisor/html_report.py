@@ -926,3 +926,7 @@ def input_kind(path: str) -> str:
                     return "dataset"
                 break
     raise SpecError(f"{path}: neither an Optuna journal (advisor tune --storage) nor measurement JSONL")
+
+
+# the figure helpers, public for report pages built in other modules (advisor.plan_html)
+styled, new_figure = _styled, _figure

@@ -27,6 +27,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
@@ -72,7 +73,9 @@ NUMBERS: dict[str, Callable[[str, Any], Any]] = {
                         "--steps", "--gpus")},
     **{f: GE0 for f in ("--top-k", "--seed", "--warmup", "--margin", "--leak-per-c", "--idle", "--cool",
                         "--min-seconds", "--telemetry-hz", "--node-rank")},
-    **{f: GT0 for f in ("--power-cap", "--timeout", "--trial-timeout", "--seconds", "--rate", "--max-seconds")},
+    **{f: GT0 for f in ("--power-cap", "--timeout", "--trial-timeout", "--seconds", "--rate", "--max-seconds",
+                        "--storage-bw")},
+    **{f: GE0 for f in ("--gpu-hour-price", "--failures-per-gpu-hour", "--restart-min")},
     "--folds": _range(2),
     "--sim-sigma": _range(0, 1),
     "--memory-margin": _range(0, 0.5),  # a share of the GPU's memory left free (models.memory_band)  # log-normal sigma: 1 is already a factor e (2.7x) of spread
@@ -317,6 +320,69 @@ PATHS: dict[str, Callable[[str, Any], Any]] = {
 }
 
 
+# ---------------------------------------------------------------- quantities with units (plan)
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_TOKEN_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+_DURATION_UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_ENERGY_UNITS = {"wh": 3600.0, "kwh": 3.6e6, "mwh": 3.6e9, "gwh": 3.6e12, "j": 1.0, "mj": 1e6, "gj": 1e9,
+                 "tj": 1e12}
+
+
+def _quantity(flag: str, text: Any, units: Mapping[str, float], example: str) -> float:
+    """A positive finite number with a unit of `units` (case-insensitive), in base units."""
+    m = _QUANTITY.match(str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in units:
+        raise InputError(f"{flag} {text!r}: expected a number and a unit ({', '.join(u or '(none)' for u in units)}), "
+                         f"e.g. {example}")
+    v = float(m.group(1)) * units[unit]
+    if not math.isfinite(v) or v <= 0:
+        raise InputError(f"{flag} {text!r}: must be a positive finite amount, e.g. {example}")
+    return v
+
+
+def tokens(flag: str, text: Any) -> int:
+    """A token count: 15T, 15.6e12, 2.5e12, 900B, 16M (k/M/B or G/T = 1e3/1e6/1e9/1e12)."""
+    return int(round(_quantity(flag, text, _TOKEN_UNITS, "15T or 2.5e12")))
+
+
+def duration_s(flag: str, text: Any) -> float:
+    """A duration in seconds: 60d, 1440h, 90min, 3600s, 8w (a bare number is refused: which unit?)."""
+    return _quantity(flag, text, _DURATION_UNITS, "60d or 1440h")
+
+
+def energy_j(flag: str, text: Any) -> float:
+    """An energy in joules: 2.5GWh, 900MWh, 500kWh, 3.6e12J (a bare number is refused)."""
+    return _quantity(flag, text, _ENERGY_UNITS, "2.5GWh or 900MWh")
+
+
+def gpus_spec(flag: str, text: Any) -> tuple[str, int, bool]:
+    """GPU:N (exactly N GPUs), GPU:<=N (any whole number of nodes up to N GPUs) or GPU (up to the
+    plan's default limit, returned as 0): (catalog GPU name, N, exact)."""
+    from advisor.catalog import load_gpu
+
+    name, sep, rest = str(text).partition(":")
+    gpu = load_gpu(name.strip())
+    if not sep:
+        return gpu.name, 0, False
+    exact = not rest.strip().startswith("<=")
+    count = rest.strip()[0 if exact else 2:].strip()
+    if not count.isdigit() or int(count) < 1:
+        raise InputError(f"{flag} {text!r}: expected GPU:N or GPU:<=N with N a positive integer, e.g. h100:<=4096")
+    n = int(count)
+    if exact and n % gpu.gpus_per_node and n > gpu.gpus_per_node:
+        raise InputError(f"{flag} {text!r}: {n} GPUs is not a whole number of {gpu.gpus_per_node}-GPU "
+                         f"{gpu.name} nodes")
+    return gpu.name, n, exact
+
+
+# flag -> check of a string option that carries a quantity
+STRINGS: dict[str, Callable[[str, Any], Any]] = {
+    "--tokens": tokens, "--max-gbs-tokens": tokens, "--deadline": duration_s, "--budget": energy_j,
+    "--gpus": gpus_spec,
+}
+
+
 # --------------------------------------------------------------------------------- layouts
 LAYOUT_INTS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "pp_first_layers", "pp_last_layers")
 LAYOUT_BOOLS = ("sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
@@ -495,7 +561,20 @@ def _check_launch(p: dict, given: set[str]) -> None:
             raise InputError(f"--profile {f}: no such profile file (leave --profile out to launch unplaced)")
 
 
+def _check_plan(p: dict, given: set[str]) -> None:
+    """plan: the GPU of --gpus is the cluster's when both are given."""
+    if p.get("cluster") and p.get("gpus"):
+        from advisor.catalog import load_cluster
+
+        gpu = gpus_spec("--gpus", p["gpus"])[0]
+        c = load_cluster(p["cluster"])
+        if c.gpu.name != gpu:
+            raise _conflict(f"--gpus {p['gpus']}", f"--cluster {p['cluster']}",
+                            f"the cluster's nodes hold {c.gpu.name}, not {gpu}")
+
+
 COMMAND_CHECKS: dict[str, Callable[[dict, set], None]] = {
+    "plan": _check_plan,
     "tune": _check_tune, "fit": _check_fit, "thermal-profile": _check_thermal,
     "recommend": _check_recommend, "predict": _check_predict, "launch": _check_launch,
 }
@@ -530,6 +609,8 @@ def check_params(command: str, params: Mapping[str, Any], flags: Mapping[str, st
                     NUMBERS[flag](flag, v)
             elif isinstance(v, (str, os.PathLike)) and flag in PATHS:
                 PATHS[flag](flag, v)
+            elif isinstance(v, str) and flag in STRINGS:
+                STRINGS[flag](flag, v)
     if check is not None:
         check(dict(params), given)
 

@@ -22,12 +22,12 @@ from advisor.catalog.errors import CatalogError
 from advisor.catalog.hf import model_from_hf_config
 from advisor.catalog.specs import ClusterSpec, GPUSpec, MLASpec, ModelSpec, MoESpec, SpecError
 
-_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} | {"aliases"}
+_MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} | {"aliases", "recipe"}
 _MOE_KEYS = {f.name for f in dataclasses.fields(MoESpec)}
 _MLA_KEYS = {f.name for f in dataclasses.fields(MLASpec)}
 _GPU_KEYS = {f.name for f in dataclasses.fields(GPUSpec)} | {"aliases"}
 _CLUSTER_KEYS = {"name", "gpu", "nodes", "gpus_per_node", "intra_node_bw_gbs", "inter_node_bw_gbs",
-                 "power_cap_w", "source", "description"}
+                 "power_cap_w", "storage_bw_gbs", "source", "description"}
 
 CLUSTER_FORMS = ("<gpu>x<count> (e.g. h100x64), <gpu>x<per-node>x<nodes> (e.g. h100x8x16), "
                  "a catalog cluster name, or a path to a cluster YAML file")
@@ -194,6 +194,23 @@ def load_model(name_or_path: str) -> ModelSpec:
     raise _unknown("model", s, list(specs), "advisor catalog models")
 
 
+@lru_cache(maxsize=None)
+def _recipes() -> dict[str, dict]:
+    out = {}
+    for f in sorted(_data_dir("models").iterdir(), key=lambda p: p.name):
+        if f.name.endswith(".yaml"):
+            data = _read_yaml(f, f"catalog models/{f.name}")
+            if data.get("recipe"):
+                out[str(data.get("name"))] = dict(data["recipe"])
+    return out
+
+
+def model_recipe(model: ModelSpec) -> dict | None:
+    """The published pre-training recipe of a catalog model ({"gbs", "seq", "source"}: its global
+    batch), or None where the catalog has none (an HF config, or no published batch)."""
+    return _recipes().get(model.name)
+
+
 def list_models() -> list[ModelSpec]:
     return list(_models()[0].values())
 
@@ -235,7 +252,7 @@ def with_power_cap(cluster: ClusterSpec, cap: float, what: str = "power cap") ->
 
 
 def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
-                  inter: float | None, cap: float | None, what: str) -> ClusterSpec:
+                  inter: float | None, cap: float | None, what: str, storage: float | None = None) -> ClusterSpec:
     cap = _power_cap(gpu, cap, what)
     return ClusterSpec(
         name=name,
@@ -245,6 +262,7 @@ def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: flo
         intra_node_bw_gbs=float(gpu.intra_node_bw_gbs if intra is None else intra),
         inter_node_bw_gbs=float(gpu.network_bw_gbs if inter is None else inter),
         power_cap_w=cap,
+        storage_bw_gbs=None if storage is None else float(storage),
     )
 
 
@@ -260,7 +278,7 @@ def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | Non
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise CatalogError(f"{what}: {k} must be a positive integer, got {v!r}")
         ints[k] = v
-    for k in ("intra_node_bw_gbs", "inter_node_bw_gbs", "power_cap_w"):
+    for k in ("intra_node_bw_gbs", "inter_node_bw_gbs", "power_cap_w", "storage_bw_gbs"):
         v = data.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or v <= 0):
@@ -268,7 +286,7 @@ def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | Non
     name = str(data.get("name") or what)
     cap = power_cap_w if power_cap_w is not None else data.get("power_cap_w")
     return _make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], data.get("intra_node_bw_gbs"),
-                         data.get("inter_node_bw_gbs"), cap, what)
+                         data.get("inter_node_bw_gbs"), cap, what, data.get("storage_bw_gbs"))
 
 
 def _cluster_from_string(s: str, power_cap_w: float | None) -> ClusterSpec | None:
@@ -313,7 +331,7 @@ def load_cluster(spec: str, power_cap_w: float | None = None) -> ClusterSpec:
         if normalize_name(c.name) == key:
             return c if power_cap_w is None else _make_cluster(
                 c.name, c.gpu, c.num_nodes, c.gpus_per_node, c.intra_node_bw_gbs, c.inter_node_bw_gbs,
-                power_cap_w, f"cluster {c.name!r}")
+                power_cap_w, f"cluster {c.name!r}", c.storage_bw_gbs)
     c = _cluster_from_string(s, power_cap_w)
     if c is not None:
         return c

@@ -227,6 +227,9 @@ class ClusterSpec:
     intra_node_bw_gbs: float
     inter_node_bw_gbs: float
     power_cap_w: float  # per GPU; the GPU's TDP unless a lower cap is set
+    # aggregate write / read bandwidth of the checkpoint storage, GB/s (None: not given; `advisor
+    # plan` then takes models.goodput.DEFAULT_STORAGE_BW_GBS, with its source)
+    storage_bw_gbs: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:

@@ -68,12 +68,13 @@ def files(tmp_path_factory):
         (t / f"{name}.json").write_text(json.dumps({**hf, **change}))
     (t / "inf.yaml").write_text("name: c\ngpu: h100\nnodes: 2\nintra_node_bw_gbs: .inf\n")
     (t / "nan.yaml").write_text("name: c\ngpu: h100\nnodes: 2\ninter_node_bw_gbs: .nan\n")
+    (t / "storage.yaml").write_text("name: c\ngpu: h100\nnodes: 2\nstorage_bw_gbs: -1\n")
     (t / "dir").mkdir()
     with gzip.open(t / "lines.jsonl.gz", "wt") as f:
         f.write('{"model": "llama3-8b", "cluster": "h100x8"}\n')
     shutil.copy(dataset, t / "cal.json")  # measurements named like a calibration's summary
     out = {k: str(t / k) for k in ("dir", "missing")}
-    out.update(inf_yaml=str(t / "inf.yaml"), nan_yaml=str(t / "nan.yaml"))
+    out.update(inf_yaml=str(t / "inf.yaml"), nan_yaml=str(t / "nan.yaml"), storage_yaml=str(t / "storage.yaml"))
     out.update({k: str(t / f"{k}.json") for k in ("hf_frac", "hf_bool", "hf_heads", "hf_tie", "hf_hdim")})
     ro = _read_only_dir(t)
     out.update(tmp=str(t), journal=str(journal), dataset=str(dataset), gz=str(t / "lines.jsonl.gz"),
@@ -97,6 +98,7 @@ F = ["fit", "--no-surrogates"]
 TH = ["thermal-profile", "--from-trace", "{trace}"]
 PL = ["place", "-m", "llama3-8b", "-c", "h200x4", "-p", "{profile}", "--pp", "4"]
 M = ["measure", "--model", "llama3-8b", "--dry-run"]
+PN = ["plan", "-m", "llama3-70b", "--tokens", "15T"]
 
 # (args, a piece of the error line); {name} is a path of the `files` fixture
 CASES = [
@@ -142,6 +144,25 @@ CASES = [
     (["predict", "-m", "{hf_tie}", "-c", "h100x8"], "tie_word_embeddings must be true or false"),
     (["predict", "-m", "{hf_hdim}", "-c", "h100x8"], "hidden_size 4095 is not a multiple of num_attention_heads 32"),
     (["predict", "-m", "llama3-8b"], "--model and --cluster are required"),
+    # plan: quantities with units, GPU specs, rates
+    (["plan", "-m", "llama3-70b", "--tokens", "15X"], "--tokens '15X': expected a number and a unit"),
+    (["plan", "-m", "llama3-70b", "--tokens", "-2.5e12"], "--tokens '-2.5e12': expected a number and a unit"),
+    (["plan", "-m", "llama3-70b", "--tokens", "0T"], "--tokens '0T': must be a positive finite amount"),
+    (PN + ["--deadline", "60"], "--deadline '60': expected a number and a unit (s, min, h, d, w)"),
+    (PN + ["--deadline", "nand"], "--deadline 'nand': expected a number and a unit"),
+    (PN + ["--budget", "2.5GW"], "--budget '2.5GW': expected a number and a unit"),
+    (PN + ["--gpus", "h100:<=0"], "expected GPU:N or GPU:<=N with N a positive integer"),
+    (PN + ["--gpus", "h100:100"], "100 GPUs is not a whole number of 8-GPU h100 nodes"),
+    (PN + ["--gpus", "h1000:<=64"], "unknown GPU 'h1000'"),
+    (PN + ["--gpus", "h100:64", "--cluster", "dgx-a100-su"], "--gpus h100:64 and --cluster dgx-a100-su conflict"),
+    (PN + ["--max-gbs-tokens", "1k"], "--max-gbs-tokens 1000 is less than one sequence of 8192 tokens"),
+    (PN + ["--gpu-hour-price", "-1"], "--gpu-hour-price must be >= 0"),
+    (PN + ["--failures-per-gpu-hour", "nan"], "--failures-per-gpu-hour must be a finite number"),
+    (PN + ["--restart-min", "-5"], "--restart-min must be >= 0"),
+    (PN + ["--storage-bw", "0"], "--storage-bw must be > 0"),
+    (PN + ["--power-caps", "100:700:25"], "--power-caps 100:700:25: power cap 100 W is below"),
+    (PN + ["--html", "{missing}/p.html"], "--html {missing}/p.html: directory {missing} does not exist"),
+    (PN + ["--cluster", "{storage_yaml}"], "storage_bw_gbs must be a positive number (finite)"),
     # catalog
     (["catalog", "planets"], "is not one of"),
     # tune: paths (the real study's files are never written by any of these)
@@ -256,7 +277,7 @@ def test_bad_input_is_one_error_line_exit_2(files, args, needle):
 def test_there_are_at_least_60_cases_over_every_command():
     assert len(CASES) >= 60
     assert {a[0] for a, _ in CASES} >= {"recommend", "predict", "catalog", "tune", "fit", "thermal-profile",
-                                         "place", "measure", "report"}
+                                         "place", "measure", "report", "plan"}
 
 
 BATCH = [
