@@ -87,11 +87,13 @@ class Recommendation:
     power_cap_w: float = 0.0          # the per-GPU cap this layout is recommended at
     power_caps: dict = field(default_factory=dict)   # models.power.CapSweep.to_dict() (energy / balanced)
     stage_caps: dict = field(default_factory=dict)   # models.power.StageCaps.to_dict() (PP > 1)
+    # what the model has that Megatron-LM's arguments cannot say (runners.megatron_args.megatron_notes)
+    megatron_notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
                 "power_cap_w": self.power_cap_w, "power_caps": self.power_caps, "stage_caps": self.stage_caps,
-                "megatron_args": self.megatron_args, "reason": self.reason}
+                "megatron_args": self.megatron_args, "megatron_notes": self.megatron_notes, "reason": self.reason}
 
 
 @dataclass
@@ -250,6 +252,12 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
     from advisor.runners.megatron_args import megatron_lm_args_string
 
     return megatron_lm_args_string(model, cfg)
+
+
+def megatron_notes(model: ModelSpec) -> list[str]:
+    from advisor.runners import megatron_args as ma
+
+    return ma.megatron_notes(model)
 
 
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}  # extra work per step, in this order
@@ -413,6 +421,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         at = with_power_cap(c, cap)
         sc = scs.get(i)
         out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
+                                  megatron_notes=megatron_notes(m),
                                   reason=explain(m, at, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e), power_cap_w=cap,
                                   power_caps=sweep.to_dict() if sweep else {},
