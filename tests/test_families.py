@@ -161,3 +161,26 @@ def test_windowed_layers_under_cp_pay_an_exposed_all_gather():
     win = stage_times(m, cl, cfg)[0].cp_comm_s
     nowin = stage_times(dataclasses.replace(m, window_size=0), cl, cfg)[0].cp_comm_s
     assert win > nowin  # the ring hides behind full attention; the all-gather does not
+
+
+def test_window_attention_check_predicts_what_step_time_prices():
+    """bench/window_attention_check.py's prediction of a TE attention case is the attention time
+    step_time gives one such layer (forward + backward), for a window and for full attention."""
+    import dataclasses
+
+    from advisor.catalog.loaders import load_cluster, load_gpu
+    from advisor.models.constants import DEFAULT
+    from advisor.models.step_time import stage_times
+    from support import load_bench
+
+    check = load_bench("window_attention_check")
+    gemma = load_model(str(HF / "gemma-2-9b.json"))
+    one = dataclasses.replace(gemma, num_layers=1, window_pattern=())  # its one layer windowed
+    cl = load_cluster("h100x8")
+    for w in (4096, 0):
+        m = dataclasses.replace(one, window_size=w)
+        row = dict(q_heads=16, kv_heads=8, head_dim=256, seq=16384, window=w, batch=1)
+        _, pred = check.predict_case(row, load_gpu("h100"), DEFAULT)
+        st = stage_times(m, cl, TrainConfig(tp=1, dp=8, gbs=8, seq=16384), DEFAULT)[0]
+        assert pred == pytest.approx(st.attention_s, rel=1e-12)
+    assert check.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
