@@ -325,7 +325,7 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
             kv_elems = T * a * (model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim + model.mla.v_head_dim) / t
         else:
             kv_elems = T * 2 * model.kv_heads * model.head_dim / t
-        if window:
+        if window and model.window_type == "sliding":  # (chunked: no TE window; the ring)
             st.cp_comm_s += collective_time("all_gather", kv_elems * e * cfg.cp, cfg.cp, cp_link.bw_gbs,
                                             cp_link.latency)
         else:
