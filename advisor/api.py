@@ -87,11 +87,14 @@ class Recommendation:
     power_caps: dict = field(default_factory=dict)   # models.power.CapSweep.to_dict() (energy / balanced)
     stage_caps: dict = field(default_factory=dict)   # models.power.StageCaps.to_dict() (PP > 1)
     memory: dict = field(default_factory=dict)  # models.memory_band.memory_fit: interval, headroom, tightest stage
+    # what the model has that Megatron-LM's arguments cannot say (runners.megatron_args.megatron_notes)
+    megatron_notes: list = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "config": self.config.to_dict(), "prediction": self.prediction.to_dict(),
                 "power_cap_w": self.power_cap_w, "power_caps": self.power_caps, "stage_caps": self.stage_caps,
-                "memory": self.memory, "megatron_args": self.megatron_args, "reason": self.reason}
+                "memory": self.memory, "megatron_args": self.megatron_args, "megatron_notes": self.megatron_notes,
+                "reason": self.reason}
 
 
 @dataclass
@@ -256,6 +259,12 @@ def megatron_args(model: ModelSpec, cfg: TrainConfig) -> str:
     return megatron_lm_args_string(model, cfg)
 
 
+def megatron_notes(model: ModelSpec) -> list[str]:
+    from advisor.runners import megatron_args as ma
+
+    return ma.megatron_notes(model)
+
+
 def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | None = None,
               gbs: int | None = None, precision: str = "bf16", top: int = 5,
               objective: str = "throughput", power_cap_w: float | None = None,
@@ -391,6 +400,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         at = with_power_cap(c, cap)
         sc = scs.get(i)
         out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
+                                  megatron_notes=megatron_notes(m),
                                   reason=explain(m, at, cfg, p, first if i else None),
                                   score=_score(p, objective, best_tps, best_e), power_cap_w=cap,
                                   power_caps=sweep.to_dict() if sweep else {},

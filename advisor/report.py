@@ -111,6 +111,8 @@ def print_recommendations(res, console: Console | None = None) -> None:
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
     console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)
+    for note in best.megatron_notes:
+        console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False)
 
 
 def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, console: Console | None = None) -> None:

@@ -110,6 +110,48 @@ def preset_layouts() -> list[dict]:
     return out
 
 
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_configs"
+# The 2025-26 families (tests/data/hf_configs): each on h100x64 at 8K, and at 32K so that the
+# top layout of the windowed ones (Gemma, gpt-oss, Phi-3) is likely to use CP (--cp-comm-type).
+FAMILIES = ("gemma-2-9b", "gemma-2-27b", "gemma-3-1b", "gemma-3-27b", "phi-3-mini-4k", "phi-4", "olmo-2-7b",
+            "olmo-2-13b", "granite-3.1-8b", "granite-3.1-3b-a800m", "glm-4-9b-0414", "glm-4.5", "llama-4-scout",
+            "llama-4-maverick", "gpt-oss-120b")
+
+
+def family_layouts(cluster: str = "h100x64", big: str = "h100x256") -> list[dict]:
+    """The top-1 layout of every family config at seq 8192 and 32768, with a CP 2 variant of it
+    for the windowed ones (Transformer Engine needs all_gather CP for their windowed layers)."""
+    from advisor.api import megatron_args, recommend
+    from advisor.catalog.specs import SpecError
+    from advisor.runners.megatron_args import megatron_lm_args
+
+    out = []
+    for fam in FAMILIES:
+        path = str(HF_CONFIGS / f"{fam}.json")
+        for seq in (8192, 32768):
+            try:
+                res = recommend(path, cluster, top=1, seq=seq)
+            except SpecError as e:  # GLM-4.5, Llama 4 Maverick: fit from 128 H100 on
+                try:
+                    res = recommend(path, big, top=1, seq=seq)
+                except SpecError:
+                    out.append({"model": fam, "cluster": f"{cluster} seq {seq}", "skipped": str(e)})
+                    continue
+            if not res.recommendations:
+                out.append({"model": fam, "cluster": f"{cluster} seq {seq}", "skipped": "no feasible layout"})
+                continue
+            m, c = res.model, res.cluster
+            cfgs = [res.recommendations[0].config]
+            if m.window_size and cfgs[0].cp == 1 and cfgs[0].dp % 2 == 0:
+                cfgs.append(cfgs[0].replace(cp=2, dp=cfgs[0].dp // 2))
+            for cfg in cfgs:
+                out.append({"model": fam, "cluster": f"{c.name} seq {seq}", "world_size": c.world_size,
+                            "arch_major": 9, "config": cfg.key(), "vocab_size": m.vocab_size,
+                            "production": shlex.split(megatron_args(m, cfg)),
+                            "runner": megatron_lm_args(m, cfg, runner=True)})
+    return out
+
+
 # Megatron-LM asserts this environment variable with TP > 1 or CP > 1 on GPUs before Blackwell
 # (its example scripts export it); the command runner sets it too (runners/command.py).
 ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -164,9 +206,10 @@ def megatron_accepts(args: list[str], world_size: int, arch_major: int = 9) -> s
                 os.environ[k] = v
 
 
-def run(clusters=None, calibration="default", presets: bool = False) -> list[dict]:
+def run(clusters=None, calibration="default", presets: bool = False, families: bool = True) -> list[dict]:
     rows = []
-    for item in catalog_top1(clusters, calibration) + (preset_layouts() if presets else []):
+    items = catalog_top1(clusters, calibration) + (preset_layouts() if presets else [])
+    for item in items + (family_layouts() if families else []):
         if "skipped" in item:
             rows.append(item)
             continue
@@ -187,12 +230,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every row (args included) here")
     ap.add_argument("--calibration", default="default")
     ap.add_argument("--no-presets", action="store_true", help="only the catalog's top-1 layouts")
+    ap.add_argument("--no-families", action="store_true", help="leave out the HF family configs (tests/data/hf_configs)")
     o = ap.parse_args(argv)
     t0 = time.time()
     import megatron.core
     import torch
 
-    rows = run(calibration=o.calibration, presets=not o.no_presets)
+    rows = run(calibration=o.calibration, presets=not o.no_presets, families=not o.no_families)
     bad = [r for r in rows if r.get("accepted") is False]
     checked = [r for r in rows if "accepted" in r]
     for r in rows:

@@ -21,6 +21,17 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # --moe-router-force-load-balancing, what NVIDIA's published MoE benchmarks run).
 MOE_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
 MOE_ROUTERS: tuple[str, ...] = ("aux_loss", "forced")
+# Attention of a layer (ModelSpec.window_type): "sliding": each query sees the `window_size` keys
+# up to itself (Mistral, Gemma 2/3, gpt-oss, Phi-3); "chunked": the keys of its own block of
+# `window_size` tokens up to itself (Llama 4's local layers).
+WINDOW_TYPES: tuple[str, ...] = ("sliding", "chunked")
+# QK normalisation (ModelSpec.qk_norm): "head": an RMSNorm over each head's q and k (Qwen3, Gemma 3,
+# GLM-4.5, Megatron's --qk-layernorm); "full": over the whole q and k projection (OLMo 2); "l2":
+# a weightless L2 norm per head (Llama 4).
+QK_NORMS: tuple[str, ...] = ("none", "head", "full", "l2")
+# Where the layer's norms sit (ModelSpec.norm_placement): "pre" (Llama), "pre+post" (Gemma 2/3,
+# GLM-4: a norm before and after attention and MLP), "post" (OLMo 2: after, none before).
+NORM_PLACEMENTS: tuple[str, ...] = ("pre", "pre+post", "post")
 
 
 class SpecError(ValueError):
@@ -80,6 +91,19 @@ class ModelSpec:
     mla: MLASpec | None = None
     family: str = "llama"
     source: str = ""
+    # Attention pattern per layer: window_size > 0 makes the layers that window_pattern marks 1
+    # local (window_type), the others full causal; window_pattern repeats over the layers (Megatron's
+    # --window-attn-skip-freq list form: 1 = windowed); empty = every layer windowed.
+    window_size: int = 0
+    window_type: str = "sliding"
+    window_pattern: tuple[int, ...] = ()
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss; TE softmax_type "learnable")
+    qk_norm: str = "none"
+    norm_placement: str = "pre"
+    attn_logit_softcap: float = 0.0  # tanh soft-capping of attention scores (Gemma 2); 0 = none
+    final_logit_softcap: float = 0.0  # of the output logits (Gemma 2); 0 = none
+    rotary_percent: float = 1.0  # share of the head dim that RoPE rotates (GLM-4: 0.5)
+    nope_pattern: tuple[int, ...] = ()  # repeating, 1 = a layer without RoPE (Llama 4's global layers)
 
     def __post_init__(self) -> None:
         for n in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
@@ -91,6 +115,19 @@ class ModelSpec:
                 f"model {self.name!r}: num_attention_heads ({self.num_attention_heads}) is not a "
                 f"multiple of num_query_groups ({self.num_query_groups})"
             )
+        for n, allowed in (("window_type", WINDOW_TYPES), ("qk_norm", QK_NORMS),
+                           ("norm_placement", NORM_PLACEMENTS)):
+            if getattr(self, n) not in allowed:
+                raise SpecError(f"model {self.name!r}: {n} must be one of {', '.join(allowed)}, "
+                                f"got {getattr(self, n)!r}")
+        if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 0:
+            raise SpecError(f"model {self.name!r}: window_size must be a non-negative integer, got {self.window_size!r}")
+        for n in ("window_pattern", "nope_pattern"):
+            v = getattr(self, n)
+            if not isinstance(v, tuple):  # YAML / JSON give lists
+                object.__setattr__(self, n, v := tuple(v))
+            if any(x not in (0, 1) or isinstance(x, bool) for x in v):
+                raise SpecError(f"model {self.name!r}: {n} must hold 0s and 1s, got {list(v)!r}")
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: the models cache per-model results (layer kinds,
@@ -111,6 +148,22 @@ class ModelSpec:
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    def layer_window(self, layer: int) -> int:
+        """Keys window of a layer's attention (0 = full causal attention over the sequence)."""
+        if not self.window_size:
+            return 0
+        p = self.window_pattern
+        return self.window_size if not p or p[layer % len(p)] else 0
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.layer_window(i) for i in range(self.num_layers))
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Hidden-size norms in one layer (2 before attention / MLP, 2 more after with pre+post)."""
+        return 4 if self.norm_placement == "pre+post" else 2
 
     @property
     def is_moe(self) -> bool:

@@ -86,6 +86,10 @@ class Constants:
     # 2 residual adds (3 each), rotary on q,k (~2), activation on ffn handled separately.
     elementwise_hidden_passes: float = 16.0
     elementwise_ffn_passes: float = 3.0  # swiglu / gelu: read gate (+up), write out
+    # One normalisation (or tanh soft-capping) kernel: reads its input and writes its output once,
+    # in units of its width x bytes_activation (as each norm counts in elementwise_hidden_passes).
+    # Priced for what the 2 pre-norms don't cover: post-norms, q / k norms, final logit capping.
+    norm_passes: float = 2.0
     # Fixed per-layer per-microbatch kernel-launch and framework overhead, seconds (fitted).
     layer_overhead_s: float = 60e-6
     # Fixed per-step overhead (optimizer bookkeeping, python, synchronisation), seconds (fitted).

@@ -37,7 +37,20 @@ def _attn_weight_params(m: ModelSpec) -> int:
         bias += (m.num_attention_heads + 2 * m.kv_heads) * hd
     if m.add_bias_linear:
         bias += h
-    return q + kv + o + bias
+    return q + kv + o + bias + qk_norm_params(m) + (m.num_attention_heads if m.attention_sinks else 0)
+
+
+def qk_norm_params(m: ModelSpec) -> int:
+    """Weights of the q and k norms of one layer: one head's width each ("head"), the whole
+    projection ("full", OLMo 2), none for a weightless L2 norm ("l2", Llama 4). MLA's norms sit on
+    its latents and are counted with them."""
+    if m.mla is not None:
+        return 0
+    if m.qk_norm == "head":
+        return 2 * m.head_dim
+    if m.qk_norm == "full":
+        return (m.num_attention_heads + m.kv_heads) * m.head_dim
+    return 0
 
 
 def _mlp_params(m: ModelSpec, ffn: int) -> int:
@@ -45,6 +58,14 @@ def _mlp_params(m: ModelSpec, ffn: int) -> int:
     mats = 3 if m.activation == "swiglu" else 2
     bias = (ffn * (2 if m.activation == "swiglu" else 1) + h) if m.add_bias_linear else 0
     return mats * h * ffn + bias
+
+
+def qk_norm_width(m: ModelSpec) -> int:
+    """Elements per token (all heads) that the q and k norms read, 0 without them (MLA: its latent
+    norms, in its own count)."""
+    if m.qk_norm == "none" or m.mla is not None:
+        return 0
+    return (m.num_attention_heads + m.kv_heads) * m.head_dim
 
 
 def _norm_params(m: ModelSpec) -> int:
@@ -84,7 +105,7 @@ _PARAMS_MEMO: dict[tuple, tuple] = {}
 
 def _layer_params(m: ModelSpec, layer: int) -> LayerParams:
     attn = _attn_weight_params(m)
-    norms = 2 * _norm_params(m)
+    norms = m.norms_per_layer * _norm_params(m)
     if m.is_moe_layer(layer):
         moe = m.moe
         experts = moe.num_experts * _mlp_params(m, moe.ffn_hidden_size)
@@ -124,15 +145,42 @@ def active_params(m: ModelSpec) -> int:
 # FLOPs
 # ------------------------------------------------------------------------------------------------
 
-def attention_core_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) -> float:
-    """Forward FLOPs per token per layer of softmax(QK^T)V (scores + weighted sum)."""
+def keys_per_query(seq: int, window: int = 0, window_type: str = "sliding", causal: bool = True) -> float:
+    """Mean number of keys a query attends to over a sequence of `seq` tokens (the count that
+    flash attention computes, up to its tile granularity):
+    - full causal: seq / 2 (the lower triangle of the seq x seq score matrix); non-causal: seq;
+    - sliding window w (query i sees keys max(0, i - w) .. i): the integral of min(x, w) over the
+      sequence, / seq = w - w^2 / (2 seq) for w < seq (seq / 2 once w >= seq: full causal);
+    - chunked by C (query i sees its own block of C tokens up to itself): C / 2 per full block,
+      r^2 / 2 over the last r = seq mod C tokens, / seq."""
+    if not causal:
+        return float(seq)
+    if window <= 0 or window >= seq:
+        return seq / 2.0
+    if window_type == "chunked":
+        full, rest = divmod(seq, window)
+        return (full * window * window / 2.0 + rest * rest / 2.0) / seq
+    return window - window * window / (2.0 * seq)
+
+
+def attention_core_flops_per_token(m: ModelSpec, seq: int, causal: bool = True, layer: int | None = None) -> float:
+    """Forward FLOPs per token of one layer's softmax(QK^T)V (scores + weighted sum); `layer`:
+    that layer's window (ModelSpec.layer_window), else full attention."""
     if m.mla is not None:
         qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
         v = m.mla.v_head_dim
     else:
         qk = v = m.head_dim
-    full = 2.0 * seq * m.num_attention_heads * (qk + v)
-    return full * (0.5 if causal else 1.0)
+    window = m.layer_window(layer) if layer is not None else 0
+    return 2.0 * keys_per_query(seq, window, m.window_type, causal) * m.num_attention_heads * (qk + v)
+
+
+@lru_cache(maxsize=1024)
+def attention_flops_all_layers(m: ModelSpec, seq: int, causal: bool = True) -> float:
+    """Forward core-attention FLOPs per token summed over the layers, each with its window."""
+    if not m.window_size:
+        return m.num_layers * attention_core_flops_per_token(m, seq, causal)
+    return sum(attention_core_flops_per_token(m, seq, causal, i) for i in range(m.num_layers))
 
 
 @lru_cache(maxsize=256)
@@ -149,7 +197,7 @@ def matmul_params_per_token(m: ModelSpec) -> int:
 
 
 def forward_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) -> float:
-    return 2.0 * matmul_params_per_token(m) + m.num_layers * attention_core_flops_per_token(m, seq, causal)
+    return 2.0 * matmul_params_per_token(m) + attention_flops_all_layers(m, seq, causal)
 
 
 def training_flops_per_token(m: ModelSpec, seq: int, causal: bool = True) -> float:
@@ -163,5 +211,5 @@ def recompute_flops_per_token(m: ModelSpec, seq: int, recompute: str, causal: bo
     if recompute == "full":
         return forward_flops_per_token(m, seq, causal) - 2.0 * m.vocab_size * m.hidden_size
     if recompute == "selective":
-        return m.num_layers * attention_core_flops_per_token(m, seq, causal)
+        return attention_flops_all_layers(m, seq, causal)
     return 0.0

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
-from advisor.models.flops import embedding_params, layer_params, output_params
+from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
 from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
                                           pipeline_plan, rank_kinds, stage_layers)
@@ -90,6 +90,12 @@ def _stage_params(model: ModelSpec, kinds: dict[int, int], embedding: bool, loss
     return dense, experts, linear
 
 
+def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT) -> float:
+    """Bytes per logit the loss stage holds: bf16 logits and the fp32 copy of the vocab-parallel
+    cross entropy, plus the uncapped logits a final soft-capping (tanh) keeps for its backward."""
+    return c.bytes_activation + c.bytes_logits_fp32 + (c.bytes_activation if model.final_logit_softcap else 0.0)
+
+
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT,
                            recompute: str | None = None) -> float:
     """Bytes of activations one transformer layer stores for one microbatch on one GPU (with
@@ -110,6 +116,11 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     # attention output, the activation output) as FP8 copies: 1 byte instead of 2 (`gemm_in`).
     elems = 2 * sbh / sp
     gemm_in = 2 * sbh / sp
+    # post-norms (Gemma 2/3, GLM-4) keep their inputs too (the attention / MLP outputs, sharded
+    # with SP), and q / k norms the unnormalised q and k. Flash attention stores no score matrix,
+    # so a window (local attention) leaves the stored activations as they are: q, k, v, output
+    # and the softmax statistics, whatever the number of keys each query saw.
+    elems += (model.norms_per_layer - 2) * sbh / sp + s * b * qk_norm_width(model) / t
     a = model.num_attention_heads
     if model.mla is not None:
         m = model.mla
@@ -204,7 +215,6 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
         logits = 0.0
         if stage == plan.loss_rank:
             # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
-            logits = (cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp
-                      * (c.bytes_activation + c.bytes_logits_fp32))
+            logits = cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp * logits_bytes_per_logit(model, c)
         yield (stage, len(layers), params, params * c.bytes_weight + linear * fp8_copy, params * c.bytes_grad, opt,
                acts, logits, transient)

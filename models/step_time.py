@@ -16,7 +16,7 @@ from typing import Sequence
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
-from advisor.models.flops import attention_core_flops_per_token
+from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.memory import plan_params
 from advisor.search_spaces.layout import pipeline_plan, rank_kinds
 from advisor.models.moe import moe_layer_time
@@ -193,6 +193,13 @@ class StepTime:
         return d
 
 
+def loss_bytes_per_logit(model: ModelSpec, c: Constants) -> float:
+    """HBM bytes per logit of the loss's memory-bound kernels, forward (the backward is 2x): the
+    softmax / cross entropy's 6, plus a read and a write of the logits for a final soft-capping
+    (tanh, Gemma 2)."""
+    return 6.0 + (c.norm_passes * c.bytes_activation if model.final_logit_softcap else 0.0)
+
+
 def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
                    st: StageTime, tp_link: Link, cp_link: Link, ep_link: Link, etp_link: Link,
                    util_acc: list[float]) -> float:
@@ -283,13 +290,17 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
     st.gemm_s += g
     # flash attention (BF16 also under fp8): each of the T local queries of a CP rank attends over
     # the whole causal context (load-balanced CP holds seq / cp queries and exchanges K, V), so the
-    # work per GPU is (work per token at the full sequence) x T / tp, whatever the CP split
-    attn_flops = attention_core_flops_per_token(model, cfg.seq) * T / t
+    # work per GPU is (work per token at the full sequence) x T / tp, whatever the CP split; a
+    # windowed layer's queries see only their window (flops.keys_per_query)
+    window = model.layer_window(layer)
+    attn_flops = attention_core_flops_per_token(model, cfg.seq, layer=layer) * T / t
     attn = attn_flops / bf16_peak / c.attention_efficiency
     st.attention_s += attn
-    # memory-bound kernels
+    # memory-bound kernels; norms beyond the two pre-norms (post-norms) and the q / k norms each
+    # read and write their input once
     sp = t if cfg.sequence_parallel else 1
     mb_bytes = e * T * (c.elementwise_hidden_passes * h / sp + c.elementwise_ffn_passes * ffn_for_elementwise)
+    mb_bytes += e * T * c.norm_passes * ((model.norms_per_layer - 2) * h / sp + qk_norm_width(model) / t)
     mb = mb_bytes / (hbm * c.hbm_efficiency)
     st.memory_bound_s += mb
     fp8_fwd = 0.0
@@ -303,14 +314,23 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
     if cfg.tp_comm_overlap:
         tp *= 1.0 - c.tp_overlap_fraction
     st.tp_comm_s += tp
-    # CP: ring exchange of K and V, overlapped with the attention compute
+    # CP: ring exchange of K and V, overlapped with the attention compute. Transformer Engine
+    # refuses a sliding window with the ring (cp_comm_type p2p: "The context parallel running
+    # configs cannot support sliding window attetnion!", attn_forward_func_with_cp in
+    # transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py): a windowed
+    # layer runs cp_comm_type all_gather, K and V of the whole sequence gathered before its
+    # attention (and dK, dV reduce-scattered after the backward), not overlapped.
     if cfg.cp > 1:
         if model.mla is not None:
             kv_elems = T * a * (model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim + model.mla.v_head_dim) / t
         else:
             kv_elems = T * 2 * model.kv_heads * model.head_dim / t
-        ring = (cfg.cp - 1) * collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
-        st.cp_comm_s += max(0.0, ring - attn)
+        if window and model.window_type == "sliding":  # (chunked: no TE window; the ring)
+            st.cp_comm_s += collective_time("all_gather", kv_elems * e * cfg.cp, cfg.cp, cp_link.bw_gbs,
+                                            cp_link.latency)
+        else:
+            ring = (cfg.cp - 1) * collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
+            st.cp_comm_s += max(0.0, ring - attn)
     st.overhead_s += c.layer_overhead_s
     return g + attn + mb + fp8_fwd
 
@@ -375,7 +395,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             # weighted like the layers' GEMMs (forward seconds, a third of their gemm_s)
             util[0] += tt * u
             util[1] += tt
-            st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * 6 / (hbm * c.hbm_efficiency)
+            st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * loss_bytes_per_logit(model, c) / (hbm * c.hbm_efficiency)
             st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
         # PP send/recv: activations to the next stage, gradients to the previous one, once per
         # virtual chunk (with interleaving the last stage also feeds stage 0's next chunk)

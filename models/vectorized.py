@@ -27,8 +27,9 @@ import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
+from advisor.models.memory import logits_bytes_per_logit
 from advisor.models.power import _STAGE_FIELDS as _POWER_STAGE_FIELDS
-from advisor.models.step_time import _ADDITIVE, StageTime
+from advisor.models.step_time import _ADDITIVE, StageTime, loss_bytes_per_logit
 from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _extra_codes, _unique_rows  # noqa: F401 (Layouts: API)
 
 # StageTime fields that are sums over a stage's layers of one layer's forward costs (the ones
@@ -228,7 +229,7 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
         acts = np.where(full & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
     last = k == L.pp[r] - 1
     T = (L.seq / L.cp * L.mbs)[r]
-    logits = np.where(last, T * model.vocab_size / L.tp[r] * (c.bytes_activation + c.bytes_logits_fp32), 0.0)
+    logits = np.where(last, T * model.vocab_size / L.tp[r] * logits_bytes_per_logit(model, c), 0.0)
     weights = total * c.bytes_weight + linear * fp8_copy
     grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation
@@ -384,7 +385,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
         backward[rows_last] = backward[rows_last] + 2 * tt
         util0[rows_last] = util0[rows_last] + tt * u
         util1[rows_last] = util1[rows_last] + tt
-        mb[rows_last] = mb[rows_last] + 3 * Tl * model.vocab_size / tpl * 6 / (hbm * c.hbm_efficiency)
+        mb[rows_last] = mb[rows_last] + 3 * Tl * model.vocab_size / tpl * loss_bytes_per_logit(model, c) / (hbm * c.hbm_efficiency)
         tpc = out["tp_comm_s"]
         tpc[rows_last] = tpc[rows_last] + ar
     # PP send/recv

@@ -299,6 +299,80 @@ def _architecture_flags(model: ModelSpec) -> list[str]:
     return a
 
 
+def pattern_expression(per_layer: list[int]) -> str:
+    """A per-layer 0/1 list as the Python list expression Megatron-LM evaluates for its pattern
+    flags (--moe-layer-freq, --window-attn-skip-freq, --no-rope-freq), e.g. ([1]*5+[0])*10+[1]*2."""
+    n = len(per_layer)
+    period = next(p for p in range(1, n + 1) if all(per_layer[i] == per_layer[i % p] for i in range(n)))
+
+    def runs(xs: list[int]) -> str:
+        return "+".join(f"[{v}]*{k}" if k > 1 else f"[{v}]" for v, k in
+                        ((v, len(list(g))) for v, g in itertools.groupby(xs)))
+    reps, tail = divmod(n, period)
+    body = runs(per_layer[:period])
+    if reps == 1:
+        return runs(per_layer)
+    return f"({body})*{reps}" + (f"+{runs(per_layer[:tail])}" if tail else "")
+
+
+def _attention_args(model: ModelSpec) -> list[str]:
+    """Per-layer attention and its details, as megatron-core's flags (megatron/training/
+    arguments.py): --window-size (TE's (left, right) window: a query sees itself and `left` keys
+    before it), --window-attn-skip-freq (1 = windowed layer), --softmax-type learnable (attention
+    sinks), --qk-layernorm (per-head q / k norm), --rotary-percent, --no-rope-freq. What Megatron-LM
+    has no flag for is listed by megatron_notes."""
+    a: list[str] = []
+    if model.window_size and model.window_type == "sliding":
+        a += ["--window-size", f"{model.window_size - 1},0"]
+        per_layer = [1 if model.layer_window(i) else 0 for i in range(model.num_layers)]
+        if not all(per_layer):
+            a += ["--window-attn-skip-freq", pattern_expression(per_layer)]
+    if model.attention_sinks:
+        a += ["--softmax-type", "learnable"]
+    if model.qk_norm == "head":
+        a.append("--qk-layernorm")
+    if model.rotary_percent != 1.0:
+        a += ["--rotary-percent", f"{model.rotary_percent:g}"]
+    if model.nope_pattern:
+        p = model.nope_pattern
+        a += ["--no-rope-freq", pattern_expression([p[i % len(p)] for i in range(model.num_layers)])]
+    return a
+
+
+def cp_comm_types(model: ModelSpec, cfg: TrainConfig) -> list[str]:
+    """--cp-comm-type for a CP run: Transformer Engine runs a sliding window with context
+    parallelism only over "a2a" or "all_gather" (attn_forward_func_with_cp asserts it,
+    transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py), so the
+    windowed layers get all_gather and the full ones keep the ring (p2p), one type per layer
+    (Megatron-LM's --cp-comm-type takes a list). This is what step_time prices."""
+    if cfg.cp <= 1 or not (model.window_size and model.window_type == "sliding"):
+        return []
+    types = ["all_gather" if model.layer_window(i) else "p2p" for i in range(model.num_layers)]
+    return ["--cp-comm-type"] + (types[:1] if len(set(types)) == 1 else types)
+
+
+def megatron_notes(model: ModelSpec) -> list[str]:
+    """What the model has that Megatron-LM's arguments cannot express: the printed arguments
+    train a model without it (its cost as the advisor prices it may differ from what they run)."""
+    notes = []
+    if model.window_size and model.window_type == "chunked":
+        notes.append(f"chunked local attention ({model.window_size}-token blocks, Llama 4): Megatron-LM has no flag "
+                     "for it; these arguments run those layers as full causal attention (slower past "
+                     f"{model.window_size} tokens than predicted)")
+    if model.norm_placement != "pre":
+        notes.append(f"{model.norm_placement} norms ({model.family}): Megatron-LM's layers have pre-norms only")
+    if model.qk_norm == "full":
+        notes.append("QK norm over the whole q / k projection (OLMo 2): Megatron-LM's --qk-layernorm normalises per head")
+    if model.qk_norm == "l2":
+        notes.append("weightless L2 QK norm (Llama 4): Megatron-LM's --qk-layernorm is a learned per-head norm")
+    if model.attn_logit_softcap or model.final_logit_softcap:
+        notes.append("logit soft-capping (Gemma 2): Megatron-LM has no flag for it, and TE's fused attention "
+                     "no soft-capping")
+    if model.family in ("gemma2", "gemma3"):
+        notes.append("GeGLU MLP (tanh-GELU gate): Megatron-LM's --swiglu gates with SiLU (same cost)")
+    return notes
+
+
 def _pipeline_args(cfg: TrainConfig) -> list[str]:
     """The split flags of megatron-core 0.19.2's megatron/training/arguments.py. A layout sets
     the virtual stages itself (its chunks / pp; Megatron-LM refuses it together with
@@ -335,7 +409,8 @@ def _moe_layer_freq(model: ModelSpec, compact: bool = False) -> list[str]:
 
 def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
     cfg = effective_config(cfg)
-    a = _shape_args(model) + _norm_position_args(model) + _architecture_flags(model)
+    a = _shape_args(model) + _norm_position_args(model) + _architecture_flags(model) + _attention_args(model)
+    a += cp_comm_types(model, cfg)
     a += [
         "--seq-length", str(cfg.seq),
         "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
@@ -515,4 +590,4 @@ def model_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
         "--vocab-size", str(model.vocab_size),
         "--make-vocab-size-divisible-by", str(VOCAB_DIVISIBLE_BY),
-    ] + _mla_args(model) + (_moe_arch_args(model) if model.is_moe else [])
+    ] + _attention_args(model) + _mla_args(model) + (_moe_arch_args(model) if model.is_moe else [])

@@ -219,18 +219,20 @@ def holds_loss(model: ModelSpec, cfg: TrainConfig, stage: int) -> bool:
 
 def layer_kind(model: ModelSpec, layer: int) -> str:
     """Layers of the same kind cost the same: 'moe', 'dense_first' (DeepSeek's leading dense
-    layers) or 'dense'."""
+    layers) or 'dense', with '/w<window>' for a windowed (local) attention layer."""
+    w = model.layer_window(layer)
+    suffix = f"/w{w}" if w else ""
     if model.is_moe_layer(layer):
-        return "moe"
+        return "moe" + suffix
     if model.moe is not None and layer < model.moe.first_dense_layers:
-        return "dense_first"
-    return "dense"
+        return "dense_first" + suffix
+    return "dense" + suffix
 
 
 def layer_kind_counts(model: ModelSpec, layers: range | tuple[int, ...]) -> dict[int, int]:
     """{representative layer index: number of layers of its kind} for a range of layers; the
     representative of a kind is its first layer in the model, the same for every range."""
-    if model.moe is None:  # one kind
+    if model.moe is None and not model.window_size:  # one kind
         return {0: len(layers)} if len(layers) else {}
     return dict(_kind_counts(model, layers if isinstance(layers, (range, tuple)) else tuple(layers)))
 

@@ -343,8 +343,12 @@ def test_every_emitted_flag_exists_in_megatron_core_wheel():
               "--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"):
         assert f in known, f
     assert "--virtual-pipeline-model-parallel-size" not in known  # excluded in arguments.py
+    hf = Path(__file__).parent / "data" / "hf_configs"
     models = [LLAMA, MIXTRAL, GPT, DEEPSEEK, load_model("nemotron4-15b").with_layers(4),
-              load_model("qwen3-30b-a3b").with_layers(4)]
+              load_model("qwen3-30b-a3b").with_layers(4)] + [
+        load_model(str(hf / f)).with_layers(12) for f in (
+            "gemma-2-9b.json", "gemma-3-27b.json", "llama-4-maverick.json", "glm-4.5.json", "gpt-oss-120b.json",
+            "phi-3-mini-4k.json", "olmo-2-7b.json", "granite-3.1-3b-a800m.json")]
     cfgs = [TrainConfig(), TrainConfig(tp=2, pp=2, vp=2, recompute="selective"),
             TrainConfig(tp=4, pp=3, precision="fp8", sequence_parallel=True, tp_comm_overlap=True,
                         recompute="full", pp_first_layers=2, pp_last_layers=2, cp=2, ep=2, etp=2),

@@ -75,8 +75,8 @@ def test_cli_recommend_json_shape():
     d = json.loads(p.stdout)
     assert set(d) >= {"model", "cluster", "workload", "candidates_evaluated", "feasible", "recommendations"}
     rec = d["recommendations"][0]
-    assert set(rec) == {"rank", "config", "prediction", "megatron_args", "reason", "power_cap_w", "power_caps",
-                        "stage_caps", "memory"}
+    assert set(rec) == {"rank", "config", "prediction", "megatron_args", "megatron_notes", "reason", "power_cap_w",
+                        "power_caps", "stage_caps", "memory"}
     assert set(rec["config"]) >= {"tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision",
                                   "recompute", "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce"}
     assert set(rec["prediction"]) >= {"tokens_per_s_per_gpu", "mfu", "memory_gib_per_gpu", "peak_power_w",

@@ -11,6 +11,7 @@ local) and the analytical model."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from advisor.search_spaces.columns import enumerate_columns
 from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
 
 RTOL = 1e-9
+HF = Path(__file__).parent / "data" / "hf_configs"
 
 
 def same(a, b, path="") -> list[str]:
@@ -64,6 +66,14 @@ SPACES = [
     ("deepseek-v3", "h100x64", {"gbs": 256}, SpaceOptions.wide(mbs=(1, 2), tp_comm_overlap=True), 3),
     ("qwen3-235b-a22b", "h100x32", {}, SpaceOptions(mbs=(1, 4), tp_comm_overlap=True), 2),
     ("mixtral-8x22b", "h200x16", {"precision": "fp8"}, SpaceOptions(mbs=(1, 2)), 1),
+    # per-layer attention: sliding windows (all-gather CP for the windowed layers), sinks, MoE
+    ("gpt-oss-120b", "h100x16", {"seq": 32768, "gbs": 32}, SpaceOptions(mbs=(1,)), 1),
+    # Gemma 3: 5 local : 1 global, QK norm, pre+post norms; Gemma 2: logit soft-capping
+    (str(HF / "gemma-3-27b.json"), "h100x32", {"seq": 32768, "gbs": 64}, SpaceOptions(mbs=(1,)), 1),
+    (str(HF / "gemma-2-9b.json"), "h100x16", {"seq": 16384, "gbs": 64}, SpaceOptions(mbs=(1, 2)), 1),
+    # OLMo 2 (post-norms, full-width QK norm); Llama 4 Maverick (chunked attention, MoE every 2nd layer)
+    (str(HF / "olmo-2-7b.json"), "h100x8", {}, SpaceOptions(mbs=(1, 2)), 1),
+    (str(HF / "llama-4-maverick.json"), "h100x64", {"seq": 16384, "gbs": 128}, SpaceOptions(mbs=(1,)), 3),
 ]
 
 
