@@ -76,6 +76,7 @@ RECOMMEND_COLUMNS = (("#", "right"), ("layout", "left"), ("mbs", "right"), ("rec
 STEP_KEYS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
              "pp_p2p_s", "layer_overhead_s", "pipeline_bubble_s", "dp_comm_exposed_s", "optimizer_s",
              "step_overhead_s")
+STEP_LABELS = {"layer_overhead_s": "per-layer overhead", "step_overhead_s": "per-step overhead"}
 
 
 # columns left out, in this order, until the ranked table fits a narrow terminal (rank, layout,
@@ -201,11 +202,9 @@ def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
     if caps.get("stage_caps"):
         rows.append(("per-stage caps", stage_caps_line(caps["stage_caps"])))
     bd = p.breakdown
-    for k in STEP_KEYS:
-        if k in ("layer_overhead_s", "step_overhead_s"):
-            continue
+    for k in STEP_KEYS:  # every term, so that they add up to the step time (as the HTML chart's)
         if bd.get(k):
-            rows.append((f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s"))
+            rows.append((f"  {STEP_LABELS.get(k, k[:-2].replace('_', ' '))}", f"{bd[k]:.3f} s"))
     return rows
 
 

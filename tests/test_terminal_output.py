@@ -67,3 +67,19 @@ def test_predict_fits_80_columns():
                   "--cp", "2", columns=80).stdout
     assert max(map(len, out.splitlines())) <= 80
     assert "…" not in out and "TP8·PP2·DP2·CP2" in out
+
+
+@pytest.mark.parametrize("args", [
+    ("-m", "deepseek-v3", "-c", "h100x1024", "--tp", "2", "--pp", "8", "--ep", "64", "--seq", "4096", "--gbs",
+     "8192", "--pipeline-layout", "Et|(tt|)*30L", "--recompute", "full"),
+    ("-m", "llama3-70b", "-c", "h100x64", "--tp", "8", "--pp", "2", "--cp", "2"),
+])
+def test_predict_breakdown_adds_up_to_the_step(args):
+    """The indented step-time terms the terminal prints sum to the printed step time (each is
+    rounded to 1 ms; the per-layer overhead, 2.9 s of DeepSeek-V3's 37.6 s, included)."""
+    out = run_cli("predict", *args, columns=140).stdout
+    cells = [[c.strip() for c in ln[1:-1].split("│")] for ln in out.splitlines() if ln.startswith("│")]
+    step = next(float(v.removesuffix(" s")) for k, v in cells if k == "step time")
+    terms = [float(v.removesuffix(" s")) for k, v in cells if k and v.endswith(" s") and k != "step time"]
+    assert len(terms) >= 6 and any(k == "per-layer overhead" for k, _ in cells)
+    assert sum(terms) == pytest.approx(step, abs=0.0005 * (len(terms) + 1))
