@@ -442,10 +442,15 @@ def _check_tune(p: dict, given: set[str]) -> None:
         raise _conflict("--storage", "--dataset", "the journal and the measurement JSONL must be two files")
     if runner == "megatron" and addr in (None, "inline", "none") and not p.get("dry_run"):
         where = "on this machine" if addr else "on this machine's local Ray"
-        for mod in ("torch", "megatron.core"):
-            if not installed(mod):
-                raise InputError(f"--runner megatron measures {where} and needs {install_hint(mod)} "
-                                 f"(--runner simulate tries a study without GPUs)")
+        megatron_runner(f"--runner megatron measures {where} and", "--runner simulate tries a study without GPUs")
+
+
+def megatron_runner(what: str, instead: str) -> None:
+    """The built-in megatron-core runner's modules (the `gpu` extra) are installed, else one line:
+    '<what> needs torch, which is not installed: pip install 'advisor[gpu]' (<instead>)'."""
+    for mod in ("torch", "megatron.core"):
+        if not installed(mod):
+            raise InputError(f"{what} needs {install_hint(mod)} ({instead})")
 
 
 def _check_fit(p: dict, given: set[str]) -> None:
