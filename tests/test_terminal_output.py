@@ -83,3 +83,22 @@ def test_predict_breakdown_adds_up_to_the_step(args):
     terms = [float(v.removesuffix(" s")) for k, v in cells if k and v.endswith(" s") and k != "step time"]
     assert len(terms) >= 6 and any(k == "per-layer overhead" for k, _ in cells)
     assert sum(terms) == pytest.approx(step, abs=0.0005 * (len(terms) + 1))
+
+
+def _commands_with(flag: str) -> list[str]:
+    import typer.main
+
+    from advisor import cli
+
+    cli._register_all()
+    group = typer.main.get_command(cli.app)
+    return sorted(n for n, c in group.commands.items() if any(flag in p.opts for p in c.params))
+
+
+def test_html_help_names_the_report_extra():
+    """rich markup took '[report]' for a tag: every --html help said pip install 'advisor'."""
+    names = _commands_with("--html")
+    assert {"recommend", "predict", "tune"} <= set(names)
+    for name in names:
+        out = run_cli(name, "--help", columns=250).stdout
+        assert "pip install 'advisor[report]'" in out, name
