@@ -55,7 +55,7 @@ def tune_cmd(
     vs peak power or energy), trials as Ray tasks, resumable storage, Pareto front at the end."""
     from advisor.cli import fail
     from advisor.runners.simulate import options_from_env
-    from advisor.study import TuneSettings, make_plan, run_study
+    from advisor.study import INTERRUPTED, TuneSettings, make_plan, run_study
 
     opts = {"sigma": sigma, **options_from_env()} if runner == "simulate" else {"steps": steps, "warmup": warmup}
     if runner == "command" or command is not None:
@@ -91,8 +91,24 @@ def tune_cmd(
     from advisor.runners.ray_exec import make_executor
 
     executor = make_executor(ray_address, s.kill_grace_s)  # Ray's start-up problems: one line, before the bar
-    with _Progress(s.runner, enabled=not as_json) as progress:
-        res = run_study(s, progress=progress.update, plan=plan, executor=executor)
+    stop, handlers = _stop_on_signals()
+    try:
+        with _Progress(s.runner, enabled=not as_json) as progress:
+            res = run_study(s, progress=progress.update, plan=plan, executor=executor, stop=stop)
+    finally:
+        _restore(handlers)
+    if res.stopped == INTERRUPTED:
+        if as_json:
+            from advisor.validate import finite_json
+
+            json.dump(finite_json(res.to_dict()), sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        import shlex
+
+        typer.echo(f"interrupted: {res.measured} of {plan.settings.trials} trials saved (study {plan.study_name!r} "
+                   f"in {plan.storage}, records in {plan.dataset}); resume with: "
+                   f"{shlex.join(['advisor', *sys.argv[1:]])}", err=True)
+        raise typer.Exit(130)
     if as_json:
         from advisor.validate import finite_json
 
@@ -104,6 +120,32 @@ def tune_cmd(
         html_report.save(html, html_report.study_page(plan.storage, plan.study_name))
     if res.broken:  # every trial of the last few failed: the set-up is broken, say so and exit 1
         fail(f"the study stopped: {res.stopped}; its records are in {plan.dataset}", code=1)
+
+
+def _stop_on_signals():
+    """(event, previous handlers): the first SIGINT / SIGTERM sets the event, so that the study
+    stops launching, writes what came back and marks the trials in flight interrupted; the
+    handlers are then the previous ones again, so a second signal stops the driver at once."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        stop.set()
+        _restore(previous)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    return stop, previous
+
+
+def _restore(handlers: dict) -> None:
+    import signal
+
+    for sig, h in handlers.items():
+        signal.signal(sig, h)
 
 
 def _sim_label(runner: str) -> str:
