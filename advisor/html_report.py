@@ -653,10 +653,10 @@ def _megatron_args(m, cfg) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def place_page(plan, model: str, cluster, command: str | None = None) -> Page:
-    from advisor.cmd_place import PLAN_COLUMNS, plan_rows
+    from advisor.cmd_place import PLAN_COLUMNS, plan_rows, plan_title
 
     c = cluster
-    page = Page(f"placement of {model} {plan.cfg.key()} on {c.name}", "place", command)
+    page = Page(plan_title(plan, model, c.name), "place", command)
     page.p(f"{'APPLIED' if plan.applied else 'NOT APPLIED'}: {plan.reason}")
     page.table(PLAN_COLUMNS, plan_rows(plan))
     page.code("environment per node", "\n".join(

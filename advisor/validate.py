@@ -20,7 +20,6 @@ and every ``predict --batch`` line; ``study_paths``: the storage and dataset of 
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import importlib.util
@@ -620,6 +619,7 @@ LONG_NAMES = {"tensor_parallel": "tp", "tensor_model_parallel_size": "tp", "pipe
 
 def unknown_key(key: str, known: Iterable[str], where: str = "") -> InputError:
     known = list(known)
-    close = [LONG_NAMES[key]] if LONG_NAMES.get(key) in known else difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    did = f"; did you mean {close[0]!r}?" if close else ""
+    from advisor.catalog.errors import did_you_mean
+
+    did = f"; did you mean {LONG_NAMES[key]!r}?" if LONG_NAMES.get(key) in known else did_you_mean(key, known)
     return InputError(f"{where}unknown key {key!r}{did} (known: {', '.join(sorted(known))})")

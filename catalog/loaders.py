@@ -189,7 +189,10 @@ def load_model(name_or_path: str) -> ModelSpec:
         return _model_from_path(p)
     key = normalize_name(s)
     if key in index:
-        return specs[index[key]]
+        spec = specs[index[key]]
+        if key != normalize_name(spec.name):  # an alias: say what it stands for
+            warnings.warn(CatalogNote(f"model {s!r} is {spec.name} (an alias in the catalog)"), stacklevel=2)
+        return spec
     if s.lower().endswith((".json", ".yaml", ".yml")):
         raise CatalogError(f"{p}: no such file")
     raise _unknown("model", s, list(specs), "advisor catalog models")

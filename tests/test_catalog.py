@@ -505,3 +505,14 @@ def test_cluster_yaml_defaults_are_noted_and_implausible_bandwidths_warned(tmp_p
     p.write_text("name: x\ngpu: h100\nnodes: 8\ngpus_per_node: 8\nintra_node_bw_gbs: 450 GB/s\n"
                  "inter_node_bw_gbs: 400Gb/s\npower_cap_w: 700\n")
     assert _cli_stderr("predict", "-m", "llama3-8b", "-c", str(p), "--tp", "8") == []
+
+
+def test_model_alias_says_what_it_resolved_to():
+    """`llama-3-405b` is an alias of llama3.1-405b: one `note:` line says so; a catalog name (in
+    any case or punctuation) says nothing."""
+    with pytest.warns(CatalogNote, match=r"'llama-3-405b' is llama3.1-405b"):
+        assert load_model("llama-3-405b").name == "llama3.1-405b"
+    err = _cli_stderr("predict", "-m", "llama-3-405b", "-c", "h100x1024", "--tp", "8", "--pp", "8",
+                      "--account-for-embedding", "--account-for-loss", "--json")
+    assert err == ["note: model 'llama-3-405b' is llama3.1-405b (an alias in the catalog)"]
+    assert _cli_stderr("predict", "-m", "Llama3-70B", "-c", "h100x64", "--tp", "8", "--json") == []

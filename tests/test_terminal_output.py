@@ -102,3 +102,19 @@ def test_html_help_names_the_report_extra():
     for name in names:
         out = run_cli(name, "--help", columns=250).stdout
         assert "pip install 'advisor[report]'" in out, name
+
+
+@pytest.mark.parametrize("args, hint", [
+    (("recommend", "-m", "llama3-70b", "-c", "h100x64", "--set", "node=16"), "did you mean 'nodes'?"),
+    (("predict", "-m", "llama3-70b", "-c", "h100x64", "--tp", "8", "--set", "node=16"), "did you mean 'nodes'?"),
+    (("recommend", "-m", "llama3-70b", "-c", "h100x64", "--compare", "tp=4,vpp=5"), "did you mean 'vp'?"),
+])
+def test_unknown_keys_suggest_the_nearest(args, hint):
+    p = subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and hint in p.stderr, p.stderr
+
+
+def test_place_spells_the_layout_as_recommend_does():
+    out = run_cli("place", "-m", "llama3-8b", "-c", "h200x4", "--tp", "2", "--pp", "2", "-p",
+                  str(ROOT / "data" / "profiles" / "h200x4-burn.json"), columns=200).stdout
+    assert "placement of llama3-8b TP2·PP2·DP1 mbs 1 none on h200x4" in out
