@@ -70,7 +70,7 @@ def layout_text(cfg: TrainConfig) -> str:
 # the ranked table's columns (header, justification) and cells: the terminal and the HTML report
 RECOMMEND_COLUMNS = (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
                      ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("cap W", "right"),
-                     ("MHz", "right"), ("peak W", "right"), ("mean W", "right"), ("throttle", "left"),
+                     ("MHz", "right"), ("peak W", "right"), ("mean W", "right"), ("throttled", "right"),
                      ("J/tok", "right"))
 # step-time components of Prediction.breakdown, in seconds per step; they add up to the step time
 STEP_KEYS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
@@ -101,8 +101,15 @@ def recommendation_cells(r) -> list[str]:
     p = r.prediction
     return [str(r.rank), layout_text(r.config), str(r.config.mbs), r.config.recompute[:4],
             f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
-            f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
+            f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", throttled(p),
             f"{p.energy_j_per_token:.3f}"]
+
+
+def throttled(p: Prediction) -> str:
+    """The one throttle figure the terminal shows: the share of the time the power cap holds the
+    clock down (NVML's power-cap clock-event reason), the quantity measured, calibrated and given
+    intervals ('throttled 94%-100%'); the ranking's 0..1 risk score stays in --json only."""
+    return f"{p.throttle_fraction:.0%}"
 
 
 def _mhz(p: Prediction) -> str:
@@ -139,8 +146,10 @@ def print_recommendations(res, console: Console | None = None) -> None:
         f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
     how = (f"profile {res.profile}: {os.path.basename(res.calibration)}" if res.calibration
            else "analytical model, no profile")
-    console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
-                  f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
+    ranked = len(res.rank_scores)
+    console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, {ranked} ranked "
+                  f"(the other {res.feasible - ranked}: a heavier recompute of a layout that fits with a lighter "
+                  f"one) in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
     rows = [recommendation_cells(r) for r in res.recommendations]
     keep = fitting_columns([c for c, _ in RECOMMEND_COLUMNS], rows, console.width, NARROW_DROP)
     t = Table(show_lines=False, pad_edge=False, box=None)
@@ -189,7 +198,7 @@ def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
         ("memory per stage", ", ".join(f"{m:.1f}" for m in p.memory_per_stage_gib) + " GiB"),
         ("peak / mean power", f"{p.peak_power_w:.0f} / {p.mean_power_w:.0f} W"),
         ("SM clock (critical stage)", f"{_mhz(p)} MHz" if p.sm_clock_mhz else f"{_mhz(p)} of the maximum"),
-        ("throttle risk", f"{p.throttle_label} ({p.throttle_risk:.2f}): {p.throttle_reason}"),
+        ("throttled (power cap)", f"{throttled(p)}: {p.throttle_reason}"),
         ("steady temperature", f"{p.steady_temp_c:.0f} °C"),
         ("energy", f"{p.energy_j_per_token:.3f} J/token"),
         ("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%"),
@@ -212,7 +221,7 @@ def print_comparison(x, console: Console | None = None) -> None:
     """One compared layout next to #1 (advisor.api.Comparison)."""
     console = console or make_console()
     p = x.prediction
-    where = f"rank {x.rank} of {x.of}" if x.rank is not None else "does not fit in memory"
+    where = f"rank {x.rank} of {x.of} ranked" if x.rank is not None else "does not fit in memory"
     console.print(f"[bold]compared[/] {layout_text(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
                   f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
     print_text(console, f"  {x.why}")

@@ -118,3 +118,24 @@ def test_place_spells_the_layout_as_recommend_does():
     out = run_cli("place", "-m", "llama3-8b", "-c", "h200x4", "--tp", "2", "--pp", "2", "-p",
                   str(ROOT / "data" / "profiles" / "h200x4-burn.json"), columns=200).stdout
     assert "placement of llama3-8b TP2·PP2·DP1 mbs 1 none on h200x4" in out
+
+
+def test_one_throttle_figure_and_named_fit_counts(recommend_80):
+    """The terminal's throttle is one quantity, the share of the time the cap holds the clock
+    (the one the intervals give): no 0..1 risk score beside it; the header names both counts
+    (fit in memory, ranked) and --compare's rank is 'of N ranked'."""
+    out, res = recommend_80
+    assert "risk" not in out
+    top = res["recommendations"][0]["prediction"]
+    row = next(ln for ln in out.splitlines() if ln.startswith("1  "))
+    assert f"{top['throttle_fraction']:.0%}" in row.split()
+    lo, hi = top["intervals"]["throttle_fraction"]
+    assert f"throttled {lo:.0%}-{hi:.0%}" in " ".join(out.split())
+    assert f"{res['feasible']} fit in memory, {res['ranked']} ranked" in " ".join(out.split())
+    cmp = run_cli("recommend", "--model", "llama3-70b", "--cluster", "h100x64", "--compare", "tp=4,pp=2,cp=4,vp=8,mbs=2",
+                  columns=200).stdout
+    assert f"of {res['ranked']} ranked" in cmp
+    pred = run_cli("predict", "-m", "deepseek-v3", "-c", "h100x1024", "--tp", "2", "--pp", "8", "--ep", "64", "--seq",
+                   "4096", "--gbs", "8192", "--pipeline-layout", "Et|(tt|)*30L", "--recompute", "full",
+                   columns=200).stdout
+    assert "risk" not in pred and "throttled (power cap)" in pred
