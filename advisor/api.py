@@ -135,6 +135,7 @@ class RecommendResult:
             "feasible": self.feasible,
             "left_out": self.left_out,
             "memory_margin": self.memory_margin,
+            "ranked": len(self.rank_scores),  # the feasible ones but heavier recomputes of a layout that fits
             "elapsed_s": self.elapsed_s,
             "calibration": self.calibration,
             "stack": self.stack,
@@ -188,7 +189,7 @@ def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predict
     parts.append(f"{p.memory_gib_per_gpu:.0f} of {cluster.gpu.memory_gib:.0f} GiB on the fullest stage")
     comm = bd["tp_comm_s"] + bd["cp_comm_s"] + bd["ep_comm_s"] + bd["pp_p2p_s"] + bd["dp_comm_exposed_s"]
     parts.append(f"exposed communication {comm / p.step_time_s * 100:.0f}% of the step")
-    parts.append(f"{p.throttle_label} throttle risk" + (f" ({p.throttle_reason})" if p.throttle_reason != "none" else ""))
+    parts.append(f"throttled {p.throttle_fraction:.0%}" + (f" ({p.throttle_reason})" if p.throttle_reason != "none" else ""))
     return "; ".join(parts)
 
 

@@ -77,8 +77,12 @@ def _one_line(text: str) -> str:
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """Python warnings (e.g. the catalog's on an HF config) as one `warning: ...` line each, once."""
-    text = f"warning: {_one_line(message)}"
+    """Python warnings (e.g. the catalog's on an HF config) as one `warning: ...` line each, once;
+    the catalog's notes (a default filled in, an alias resolved) as one `note: ...` line."""
+    from advisor.catalog.errors import CatalogNote
+
+    kind = "note" if issubclass(category, CatalogNote) else "warning"
+    text = f"{kind}: {_one_line(message)}"
     if text not in _warned:
         _warned.add(text)
         print(text, file=sys.stderr)

@@ -108,6 +108,10 @@ def measure_cmd(
                               "megatron_lm_args": None if e.refused else megatron_lm_args_string(e.model, e.config, runner=e.stack == "local")}))
         print(" ".join(M.torchrun_command(nproc, run_dir or "RUN_DIR")))
         return
+    if spec is None:  # the built-in runner, checked here: a refused layout or a dry run needs no torch
+        from advisor.validate import megatron_runner
+
+        megatron_runner("advisor measure (--runner megatron)", "--runner command measures your own training command")
     n_run = sum(1 for e in entries if not e.refused)
     print(f"measuring {n_run} job(s) on {world} GPU(s), {len(entries) - n_run} refused", file=sys.stderr)
     if spec is not None:

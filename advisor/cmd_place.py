@@ -90,11 +90,19 @@ def plan_rows(p) -> list[list[str]]:
     return rows
 
 
+def plan_title(p, model: str, cluster: str) -> str:
+    """The plan's title, its layout spelled as every other command spells it (TP·PP·DP..., mbs,
+    recompute): the terminal and the HTML report."""
+    from advisor.report import layout_text
+
+    return f"placement of {model} {layout_text(p.cfg)} mbs {p.cfg.mbs} {p.cfg.recompute} on {cluster}"
+
+
 def _print_plan(p, model: str, cluster: str) -> None:
     from advisor.report import make_console
     from rich.table import Table
 
-    t = Table(title=f"placement of {model} {p.cfg.key()} on {cluster}")
+    t = Table(title=plan_title(p, model, cluster))
     for col in PLAN_COLUMNS:
         t.add_column(col)
     for row in plan_rows(p):

@@ -69,16 +69,17 @@ def recommend_cmd(
     else:
         from advisor import report  # rich tables only when printed
 
-        report.print_recommendations(res)
+        console = report.make_console()
+        report.print_recommendations(res, console)
         first = res.recommendations[0].prediction if res.recommendations else None
         if getattr(first, "intervals", None):
             from advisor.models.calibrate import format_intervals
 
-            typer.echo("#1 " + format_intervals(first))
-        for w in res.warnings:
+            report.print_text(console, "#1 " + format_intervals(first))
+        for w in res.warnings:  # one line each, as every warning
             typer.echo(f"warning: {w}")
         for x in res.compared:
-            report.print_comparison(x)
+            report.print_comparison(x, console)
     if html:
         html_report.save(html, html_report.recommend_page(res))
 
@@ -114,6 +115,10 @@ def check_power_caps(model: str, cluster: str, power_cap: float | None, sets, po
 _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")
 
 
+_COMPARE_BOOLS = ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
+                  "account_for_loss")
+
+
 def parse_layout(text: str) -> dict:
     """'tp=4,pp=4,cp=2,vp=5,mbs=1,recompute=selective' -> layout values (one-line error if bad).
     A pipeline layout (it may hold commas) comes last: '...,pipeline_layout=Et|(tt|)*30L'."""
@@ -136,12 +141,15 @@ def parse_layout(text: str) -> dict:
                 raise SpecError(f"--compare {k}={v}: not an integer") from None
         elif k in ("recompute",):
             out[k] = v.strip()
-        elif k in ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
-                   "account_for_loss"):
+        elif k in _COMPARE_BOOLS:
             out[k] = v.strip().lower() in ("1", "true", "on", "yes")
         else:
-            raise SpecError(f"--compare {k}: unknown key (known: {', '.join(_LAYOUT_INT + ('recompute',))}, "
-                            f"account_for_embedding, account_for_loss, pipeline_layout last)")
+            from advisor.catalog.errors import did_you_mean
+
+            known = _LAYOUT_INT + ("recompute",) + _COMPARE_BOOLS + ("pipeline_layout",)
+            raise SpecError(f"--compare {k}: unknown key{did_you_mean(k, known)} (known: "
+                            f"{', '.join(_LAYOUT_INT + ('recompute',))}, account_for_embedding, account_for_loss, "
+                            f"pipeline_layout last)")
     if not out:
         raise SpecError("--compare needs a layout, e.g. 'tp=4,pp=4,cp=2,vp=5,mbs=1'")
     return out
@@ -237,10 +245,11 @@ def predict_cmd(
     else:
         from advisor import report
 
-        report.print_prediction(model, cluster, cfg, p)
+        console = report.make_console()
+        report.print_prediction(model, cluster, cfg, p, console)
         if getattr(p, "intervals", None):
             from advisor.models.calibrate import format_intervals
 
-            typer.echo(format_intervals(p))
+            report.print_text(console, format_intervals(p))
     if html:
         html_report.save(html, html_report.predict_page(model, raw_cluster, cfg, p, power_cap, sets or ()))

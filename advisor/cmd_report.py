@@ -18,7 +18,8 @@ def report_cmd(
     source: str = typer.Argument(..., metavar="STUDY|DATASET",
                                  help="an 'advisor tune' study (its journal file or RDB URL) or measurement JSONL"),
     html: Optional[str] = typer.Option(None, "--html", "-o", metavar="FILE",
-                                       help="the HTML file to write (default: <name>.html here)"),
+                                       help="the HTML file to write (default: <name>.html here; "
+                                            "needs pip install 'advisor\\[report]')"),
     study_name: Optional[str] = typer.Option(None, "--study-name", help="the study, when the storage holds several"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="DATASET: predictions from " + CAL_HELP,
                                               callback=calibration_default),

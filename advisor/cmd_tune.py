@@ -55,7 +55,7 @@ def tune_cmd(
     vs peak power or energy), trials as Ray tasks, resumable storage, Pareto front at the end."""
     from advisor.cli import fail
     from advisor.runners.simulate import options_from_env
-    from advisor.study import TuneSettings, make_plan, run_study
+    from advisor.study import INTERRUPTED, TuneSettings, make_plan, run_study
 
     opts = {"sigma": sigma, **options_from_env()} if runner == "simulate" else {"steps": steps, "warmup": warmup}
     if runner == "command" or command is not None:
@@ -91,8 +91,24 @@ def tune_cmd(
     from advisor.runners.ray_exec import make_executor
 
     executor = make_executor(ray_address, s.kill_grace_s)  # Ray's start-up problems: one line, before the bar
-    with _Progress(s.runner, enabled=not as_json) as progress:
-        res = run_study(s, progress=progress.update, plan=plan, executor=executor)
+    stop, handlers = _stop_on_signals()
+    try:
+        with _Progress(s.runner, enabled=not as_json) as progress:
+            res = run_study(s, progress=progress.update, plan=plan, executor=executor, stop=stop)
+    finally:
+        _restore(handlers)
+    if res.stopped == INTERRUPTED:
+        if as_json:
+            from advisor.validate import finite_json
+
+            json.dump(finite_json(res.to_dict()), sys.stdout, indent=1, default=str)
+            sys.stdout.write("\n")
+        import shlex
+
+        typer.echo(f"interrupted: {res.measured} of {plan.settings.trials} trials saved (study {plan.study_name!r} "
+                   f"in {plan.storage}, records in {plan.dataset}); resume with: "
+                   f"{shlex.join(['advisor', *sys.argv[1:]])}", err=True)
+        raise typer.Exit(130)
     if as_json:
         from advisor.validate import finite_json
 
@@ -106,12 +122,38 @@ def tune_cmd(
         fail(f"the study stopped: {res.stopped}; its records are in {plan.dataset}", code=1)
 
 
+def _stop_on_signals():
+    """(event, previous handlers): the first SIGINT / SIGTERM sets the event, so that the study
+    stops launching, writes what came back and marks the trials in flight interrupted; the
+    handlers are then the previous ones again, so a second signal stops the driver at once."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        stop.set()
+        _restore(previous)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    return stop, previous
+
+
+def _restore(handlers: dict) -> None:
+    import signal
+
+    for sig, h in handlers.items():
+        signal.signal(sig, h)
+
+
 def _sim_label(runner: str) -> str:
     return " (simulated)" if runner == "simulate" else ""
 
 
 def _print_plan(plan) -> None:
-    from advisor.report import _layout, make_console
+    from advisor.report import layout_text, make_console
 
     d = plan.to_dict()
     con = make_console()
@@ -130,7 +172,7 @@ def _print_plan(plan) -> None:
     what = "analytical" if plan.calibration is None else "calibrated"
     con.print(f"enqueued first ({what} top-{len(plan.enqueue)}):")
     for c in plan.enqueue:
-        con.print(f"  {_layout(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)
+        con.print(f"  {layout_text(c)} mbs{c.mbs} {c.recompute}", markup=False, highlight=False)
 
 
 def _calibration_line(plan) -> str:
@@ -156,12 +198,12 @@ def pareto_columns(objective: str) -> tuple[tuple[str, str], ...]:
 def pareto_cells(r: dict, objective: str) -> list[str]:
     """One row of study_pareto() as the cells of pareto_columns()."""
     from advisor.catalog.specs import TrainConfig
-    from advisor.report import _layout
+    from advisor.report import layout_text
 
     key = "peak_power_w" if objective == "power" else "energy_j_per_token"
     c = TrainConfig.from_dict(r["config"])
     v = r[key]
-    return [str(r["trial"]), _layout(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
+    return [str(r["trial"]), layout_text(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
             f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
             f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
             f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",

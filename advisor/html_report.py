@@ -523,9 +523,9 @@ def _wrap_label(label: str, width: int = 30) -> str:
 
 
 def _label(rank: int | str, cfg) -> str:
-    from advisor.report import _layout
+    from advisor.report import layout_text
 
-    return f"#{rank} {_layout(cfg)} mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute[:3]}")
+    return f"#{rank} {layout_text(cfg)} mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute[:3]}")
 
 
 def recommend_page(res, command: str | None = None) -> Page:
@@ -554,7 +554,7 @@ def recommend_page(res, command: str | None = None) -> Page:
         items.append(line)
     page.ul(items, "why each layout" + (" and its 80% intervals" if res.calibration else ""))
     if res.compared:  # --compare: the layouts placed next to #1, as the terminal prints them
-        from advisor.report import _layout as lay
+        from advisor.report import layout_text as lay
 
         page.table([("compared layout", "left"), "mbs", ("recompute", "left"), "tok/s/GPU", "of #1", "rank",
                     ("why", "left")],
@@ -604,14 +604,14 @@ def predict_page(model: str, cluster: str, cfg, p, power_cap_w: float | None = N
                  command: str | None = None) -> Page:
     from advisor.api import resolve
     from advisor.models.constants import DEFAULT
-    from advisor.report import _layout, prediction_rows
+    from advisor.report import layout_text, prediction_rows
 
     m, c = resolve(model, cluster, power_cap_w)
     if sets:
         from advisor.models.calibrate import apply_overrides
 
         m, c, _ = apply_overrides(m, c, {}, sets)
-    page = Page(f"{m.name} on {c.name}: {_layout(cfg)}", "predict", command)
+    page = Page(f"{m.name} on {c.name}: {layout_text(cfg)}", "predict", command)
     page.p(f"{c.num_nodes}×{c.gpus_per_node} {c.gpu.name} ({c.gpu.memory_gib:.0f} GiB, cap {c.power_cap_w:.0f} W)"
            + (f", what-if: {', '.join(sets)}" if sets else "")
            + f"; mbs {cfg.mbs}, gbs {cfg.gbs}, seq {cfg.seq}, {cfg.precision}, recompute {cfg.recompute}")
@@ -625,7 +625,7 @@ def predict_page(model: str, cluster: str, cfg, p, power_cap_w: float | None = N
         page.p(format_intervals(p))
     page.code("Megatron args", _megatron_args(m, cfg))
     page.h2("Where the step time goes")
-    page.figure(fig_breakdown([(_layout(cfg), p.breakdown, p.step_time_s)]), "breakdown",
+    page.figure(fig_breakdown([(layout_text(cfg), p.breakdown, p.step_time_s)]), "breakdown",
                 "Step time by component (seconds per step on the slowest pipeline stage, summed over its "
                 "microbatches, plus the bubble, exposed data-parallel traffic, optimizer and fixed overheads).")
     used = getattr(p, "calibration", None)  # a calibrated prediction names its file
@@ -635,7 +635,7 @@ def predict_page(model: str, cluster: str, cfg, p, power_cap_w: float | None = N
 
         consts = _power_constants(resolve_calibration(used["file"]))
     page.h2("Memory and power per pipeline stage")
-    page.figure(fig_stages(_stage_items(m, c, [(_layout(cfg), cfg, p)], consts), c.gpu.memory_gib,
+    page.figure(fig_stages(_stage_items(m, c, [(layout_text(cfg), cfg, p)], consts), c.gpu.memory_gib,
                            c.gpu.memory_gib * consts.memory_usable_fraction, c.power_cap_w), "stages",
                 "Memory per GPU of each pipeline stage against the GPU's capacity; mean (bars) and peak (ticks) "
                 "power per GPU of each stage under the cap (the analytical per-stage model).")
@@ -653,10 +653,10 @@ def _megatron_args(m, cfg) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def place_page(plan, model: str, cluster, command: str | None = None) -> Page:
-    from advisor.cmd_place import PLAN_COLUMNS, plan_rows
+    from advisor.cmd_place import PLAN_COLUMNS, plan_rows, plan_title
 
     c = cluster
-    page = Page(f"placement of {model} {plan.cfg.key()} on {c.name}", "place", command)
+    page = Page(plan_title(plan, model, c.name), "place", command)
     page.p(f"{'APPLIED' if plan.applied else 'NOT APPLIED'}: {plan.reason}")
     page.table(PLAN_COLUMNS, plan_rows(plan))
     page.code("environment per node", "\n".join(
@@ -705,7 +705,7 @@ def study_page(storage: str, study_name: str | None = None, command: str | None 
     import optuna
 
     from advisor.cmd_tune import pareto_cells, pareto_columns
-    from advisor.report import _layout
+    from advisor.report import layout_text
     from advisor.catalog.specs import TrainConfig
     from advisor.study import OBJECTIVES, _get, _open_study_storage, study_pareto
 
@@ -728,7 +728,7 @@ def study_page(storage: str, study_name: str | None = None, command: str | None 
         a = t.user_attrs
         status = a.get("status")
         cfg = a.get("layout")
-        layout = _layout(TrainConfig.from_dict(cfg)) + f" mbs{cfg['mbs']} {cfg['recompute']}" if cfg else "-"
+        layout = layout_text(TrainConfig.from_dict(cfg)) + f" mbs{cfg['mbs']} {cfg['recompute']}" if cfg else "-"
         dup = a.get("duplicate_of")
         own = a.get("record") is not None and dup is None
         if dup is not None:
@@ -848,7 +848,7 @@ def dataset_page(paths: Sequence[str], calibration: Any = "default", stack: str 
     from advisor.api import _calibration
     from advisor.models import predict
     from advisor.models import dataset as dataset_mod
-    from advisor.report import _layout
+    from advisor.report import layout_text
 
     ds = dataset_mod.load(paths)
     if not ds.records:
@@ -893,7 +893,7 @@ def dataset_page(paths: Sequence[str], calibration: Any = "default", stack: str 
     rows = []
     for r, p in zip(ds.records, preds):
         y = r.y
-        rows.append([r.source, r.model.name, r.cluster.name, _layout(r.cfg), str(r.cfg.mbs), r.cfg.recompute,
+        rows.append([r.source, r.model.name, r.cluster.name, layout_text(r.cfg), str(r.cfg.mbs), r.cfg.recompute,
                      f"{y['tokens_per_s_per_gpu']:,.0f}", f"{p.tokens_per_s_per_gpu:,.0f}",
                      f"{y['memory_gib_per_gpu']:.1f}" if math.isfinite(y["memory_gib_per_gpu"]) else "-",
                      f"{p.memory_gib_per_gpu:.1f}",

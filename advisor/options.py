@@ -68,8 +68,9 @@ Recompute = Annotated[str, typer.Option("--recompute", help="none, selective or 
                                         callback=one_of(RECOMPUTE_MODES))]
 SequenceParallel = Annotated[Optional[bool], typer.Option("--sequence-parallel/--no-sequence-parallel", help="default: on when tp > 1")]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON on stdout")]
+# help texts are rich markup: '\\[' keeps a literal '[report]' (unescaped, rich takes it for a style tag)
 Html = Annotated[Optional[str], typer.Option(
-    "--html", metavar="FILE", help="also write a self-contained HTML report with plots to FILE (pip install 'advisor[report]')")]
+    "--html", metavar="FILE", help="also write a self-contained HTML report with plots to FILE (pip install 'advisor\\[report]')")]
 Stack = Annotated[Optional[str], typer.Option(
     "--stack", help="software stack the prediction is for: te (Megatron-Core + Transformer Engine, "
                     "the default: fitted on published runs) or local (this project's runner)")]

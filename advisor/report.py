@@ -13,13 +13,43 @@ from advisor.models.memory_band import fit_line
 
 
 def make_console() -> Console:
-    """A console as wide as the terminal, and 140 columns when output goes to a file or pipe."""
+    """A console as wide as the terminal (or $COLUMNS when set, as for a terminal), and 140
+    columns when output goes to a file or pipe without $COLUMNS."""
     if os.isatty(1):
         return Console()
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return Console(width=int(columns))
     return Console(width=max(140, shutil.get_terminal_size((140, 24)).columns))
 
 
-def _layout(cfg: TrainConfig) -> str:
+def print_text(console: Console, text: str) -> None:
+    """Plain text (no markup), wrapped at spaces to the console's width."""
+    console.print(text, markup=False, highlight=False, overflow="fold")
+
+
+def print_command(console: Console, args: str) -> None:
+    """A command line (Megatron args) that still pastes into a shell: wrapped between
+    arguments, each line ending in ' \\' but the last; a flag stays with its value."""
+    words = args.split(" ")
+    groups: list[str] = []
+    for w in words:
+        if groups and not w.startswith("-") and groups[-1].startswith("-") and " " not in groups[-1]:
+            groups[-1] += " " + w
+        else:
+            groups.append(w)
+    lines, cur = [], ""
+    for g in groups:
+        if cur and len(cur) + 1 + len(g) + 2 > console.width:
+            lines.append(cur)
+            cur = g
+        else:
+            cur = f"{cur} {g}" if cur else g
+    lines.append(cur)
+    console.print(" \\\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
+def layout_text(cfg: TrainConfig) -> str:
     s = f"TP{cfg.tp}·PP{cfg.pp}·DP{cfg.dp}"
     if cfg.cp > 1:
         s += f"·CP{cfg.cp}"
@@ -41,20 +71,46 @@ def _layout(cfg: TrainConfig) -> str:
 # the ranked table's columns (header, justification) and cells: the terminal and the HTML report
 RECOMMEND_COLUMNS = (("#", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
                      ("tok/s/GPU", "right"), ("MFU", "right"), ("GiB", "right"), ("cap W", "right"),
-                     ("MHz", "right"), ("peak W", "right"), ("mean W", "right"), ("throttle", "left"),
+                     ("MHz", "right"), ("peak W", "right"), ("mean W", "right"), ("throttled", "right"),
                      ("J/tok", "right"))
 # step-time components of Prediction.breakdown, in seconds per step; they add up to the step time
 STEP_KEYS = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
              "pp_p2p_s", "layer_overhead_s", "pipeline_bubble_s", "dp_comm_exposed_s", "optimizer_s",
              "step_overhead_s")
+STEP_LABELS = {"layer_overhead_s": "per-layer overhead", "step_overhead_s": "per-step overhead"}
+
+
+# columns left out, in this order, until the ranked table fits a narrow terminal (rank, layout,
+# mbs, recompute, speed, memory and throttle always stay)
+NARROW_DROP = ("cap W", "MHz", "mean W", "peak W", "J/tok", "MFU")
+
+
+def fitting_columns(headers: list[str], rows: list[list[str]], width: int, drop: tuple[str, ...],
+                    gap: int = 2) -> list[int]:
+    """Indices of the columns kept so that the table (cells `gap` apart, no outer padding) fits
+    `width`: the columns of `drop` go first, in its order, until it does."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    keep = list(range(len(headers)))
+    for name in drop:
+        if sum(widths[i] for i in keep) + gap * (len(keep) - 1) <= width:
+            break
+        keep.remove(headers.index(name))
+    return keep
 
 
 def recommendation_cells(r) -> list[str]:
     p = r.prediction
-    return [str(r.rank), _layout(r.config), str(r.config.mbs), r.config.recompute[:4],
+    return [str(r.rank), layout_text(r.config), str(r.config.mbs), r.config.recompute[:4],
             f"{p.tokens_per_s_per_gpu:,.0f}", f"{p.mfu * 100:.1f}%", f"{p.memory_gib_per_gpu:.1f}",
-            f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", p.throttle_label,
+            f"{r.power_cap_w:.0f}", _mhz(p), f"{p.peak_power_w:.0f}", f"{p.mean_power_w:.0f}", throttled(p),
             f"{p.energy_j_per_token:.3f}"]
+
+
+def throttled(p: Prediction) -> str:
+    """The one throttle figure the terminal shows: the share of the time the power cap holds the
+    clock down (NVML's power-cap clock-event reason), the quantity measured, calibrated and given
+    intervals ('throttled 94%-100%'); the ranking's 0..1 risk score stays in --json only."""
+    return f"{p.throttle_fraction:.0%}"
 
 
 def _mhz(p: Prediction) -> str:
@@ -91,16 +147,26 @@ def print_recommendations(res, console: Console | None = None) -> None:
         f"cap {c.power_cap_w:.0f} W) — seq {wl.seq}, gbs {wl.gbs}, {wl.precision}, objective {res.objective}")
     how = (f"profile {res.profile}: {os.path.basename(res.calibration)}" if res.calibration
            else "analytical model, no profile")
-    console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, "
-                  f"ranked in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
+    ranked = len(res.rank_scores)
+    console.print(f"{res.candidates_evaluated} legal layouts, {res.feasible} fit in memory, {ranked} ranked "
+                  f"(the other {res.feasible - ranked}: a heavier recompute of a layout that fits with a lighter "
+                  f"one) in {res.elapsed_s:.2f} s (stack {res.stack}; {how})")
+    rows = [recommendation_cells(r) for r in res.recommendations]
+    keep = fitting_columns([c for c, _ in RECOMMEND_COLUMNS], rows, console.width, NARROW_DROP)
     if res.left_out.get("line"):
         console.print(res.left_out["line"])
     t = Table(show_lines=False, pad_edge=False, box=None)
-    for col, just in RECOMMEND_COLUMNS:
-        t.add_column(col, justify=just, no_wrap=True)
-    for r in res.recommendations:
-        t.add_row(*recommendation_cells(r))
+    for i in keep:
+        col, just = RECOMMEND_COLUMNS[i]
+        # the layout is never cut: folded onto a second line only if even the narrowest table is too wide
+        t.add_column(col, justify=just, no_wrap=col != "layout", overflow="fold")
+    for cells in rows:
+        t.add_row(*(cells[i] for i in keep))
     console.print(t)
+    dropped = [RECOMMEND_COLUMNS[i][0] for i in range(len(RECOMMEND_COLUMNS)) if i not in keep]
+    if dropped:
+        print_text(console, f"({console.width} columns: {', '.join(dropped)} left out; a wider terminal "
+                            f"or --json shows them)")
     best = res.recommendations[0]
     if best.power_caps:
         console.print(f"[bold]#1 power cap:[/] {cap_line(best.power_caps, res.objective)}")
@@ -110,20 +176,20 @@ def print_recommendations(res, console: Console | None = None) -> None:
         console.print(f"[bold]#1 memory:[/] {fit_line(best.memory)}", highlight=False)
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
-    console.print(best.megatron_args, soft_wrap=True, markup=False, highlight=False)
+    print_command(console, best.megatron_args)
     for note in best.megatron_notes:
         console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False)
 
 
 def print_prediction(model: str, cluster: str, cfg: TrainConfig, p: Prediction, console: Console | None = None) -> None:
     console = console or make_console()
-    console.print(f"[bold]{model}[/] on [bold]{cluster}[/]: {_layout(cfg)}, mbs {cfg.mbs}, gbs {cfg.gbs}, "
+    console.print(f"[bold]{model}[/] on [bold]{cluster}[/]: {layout_text(cfg)}, mbs {cfg.mbs}, gbs {cfg.gbs}, "
                   f"seq {cfg.seq}, {cfg.precision}, recompute {cfg.recompute}")
     if not p.feasible:
         console.print(f"[red]does not fit:[/] {p.reason}")
     t = Table(show_header=False)
-    t.add_column("what")
-    t.add_column("value", justify="right")
+    t.add_column("what", overflow="fold")
+    t.add_column("value", justify="right", overflow="fold")
     for k, v in prediction_rows(p):
         t.add_row(k, v)
     console.print(t)
@@ -139,7 +205,7 @@ def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
         ("memory per stage", ", ".join(f"{m:.1f}" for m in p.memory_per_stage_gib) + " GiB"),
         ("peak / mean power", f"{p.peak_power_w:.0f} / {p.mean_power_w:.0f} W"),
         ("SM clock (critical stage)", f"{_mhz(p)} MHz" if p.sm_clock_mhz else f"{_mhz(p)} of the maximum"),
-        ("throttle risk", f"{p.throttle_label} ({p.throttle_risk:.2f}): {p.throttle_reason}"),
+        ("throttled (power cap)", f"{throttled(p)}: {p.throttle_reason}"),
         ("steady temperature", f"{p.steady_temp_c:.0f} °C"),
         ("energy", f"{p.energy_j_per_token:.3f} J/token"),
         ("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%"),
@@ -152,11 +218,9 @@ def prediction_rows(p: Prediction) -> list[tuple[str, str]]:
     if caps.get("stage_caps"):
         rows.append(("per-stage caps", stage_caps_line(caps["stage_caps"])))
     bd = p.breakdown
-    for k in STEP_KEYS:
-        if k in ("layer_overhead_s", "step_overhead_s"):
-            continue
+    for k in STEP_KEYS:  # every term, so that they add up to the step time (as the HTML chart's)
         if bd.get(k):
-            rows.append((f"  {k[:-2].replace('_', ' ')}", f"{bd[k]:.3f} s"))
+            rows.append((f"  {STEP_LABELS.get(k, k[:-2].replace('_', ' '))}", f"{bd[k]:.3f} s"))
     return rows
 
 
@@ -164,7 +228,7 @@ def print_comparison(x, console: Console | None = None) -> None:
     """One compared layout next to #1 (advisor.api.Comparison)."""
     console = console or make_console()
     p = x.prediction
-    where = f"rank {x.rank} of {x.of}" if x.rank is not None else "does not fit in memory"
-    console.print(f"[bold]compared[/] {_layout(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
+    where = f"rank {x.rank} of {x.of} ranked" if x.rank is not None else "does not fit in memory"
+    console.print(f"[bold]compared[/] {layout_text(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
                   f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
-    console.print(f"  {x.why}", soft_wrap=True, markup=False, highlight=False)
+    print_text(console, f"  {x.why}")

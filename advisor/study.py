@@ -70,6 +70,7 @@ HEARTBEAT_S = int(os.environ.get("ADVISOR_TUNE_HEARTBEAT_S", "20"))
 GRACE_S = int(os.environ.get("ADVISOR_TUNE_GRACE_S", "60"))
 POWER_TOLERANCE = 0.02  # NVML power readings are +-5 W / a few percent
 FAILED_IN_A_ROW = "trials in a row failed"  # TuneResult.stopped when max_failures is reached
+INTERRUPTED = "interrupted"  # TuneResult.stopped on SIGINT / SIGTERM, and the status of the trials it cut
 
 
 @dataclass
@@ -437,6 +438,12 @@ class _FileLock:
         self.f.flush()
 
     def release(self) -> None:
+        """Remove the lock file while still holding the lock, then let go (a driver that opened
+        it meanwhile fails its non-blocking flock: it never waits for this inode)."""
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
         self.f.close()
 
 
@@ -552,12 +559,15 @@ class Tuner:
     """Drives one study; see the module docstring. `run()` returns a TuneResult."""
 
     def __init__(self, plan: Plan, executor=None, progress: Callable[[dict], None] | None = None,
-                 storage=None):
+                 storage=None, stop=None):
+        """`stop`: a threading.Event-like object; once set (SIGINT / SIGTERM), the study launches
+        nothing more, tells what has come back and marks the trials still in flight interrupted."""
         import optuna
 
         self.optuna = optuna
         self.plan, self.s = plan, plan.settings
         self.progress = progress
+        self.stop = stop
         self.by_key = {layout_key(c): c for c in plan.layouts}
         self.cap_w = plan.cluster.power_cap_w
         self.obj = OBJECTIVES[self.s.objective]
@@ -875,12 +885,14 @@ class Tuner:
                 rec = spooled.get(tag.user_attrs.get("record_id")) or rec
             st = rec.get("status")
             trial, hb = self.inflight.pop(tag.number)
-            if st == "skipped":
+            if st in ("crash", "killed") and self.stop is not None and self.stop.is_set():
+                st = INTERRUPTED  # Ctrl-C reaches the job's processes too: not a failure of the layout
+            if st in ("skipped", INTERRUPTED):
                 # Never ran (the runner gave up on the rest of its batch after repeated hangs):
                 # not a measurement of this layout. Failed, and its parameters enqueued once more
                 # (not again for a retry, so a layout that keeps being skipped cannot loop).
                 try:
-                    self._fail(trial, retry_a_retry=False, status="skipped", error=rec.get("error"))
+                    self._fail(trial, retry_a_retry=st == INTERRUPTED, status=st, error=rec.get("error"))
                 finally:
                     hb.join()
                 self._report(trial)
@@ -897,9 +909,17 @@ class Tuner:
         front = self.pareto()
         return max(front, key=lambda r: r["tokens_per_s_per_gpu"]) if front else None
 
+    def finished(self) -> int:
+        """Launched trials told from their record (the records in the dataset; in-flight ones not)."""
+        TS = self.optuna.trial.TrialState
+        return sum(1 for t in self.study.get_trials(deepcopy=False, states=(TS.COMPLETE,))
+                   if t.user_attrs.get("launched"))
+
     def _report(self, trial=None) -> None:
         if self.progress is not None:
-            self.progress({"measured": self.measured(), "target": self.s.trials, "best": self._best(),
+            done = self.finished()
+            # a resumed study may hold more than --trials asks for: the bar says done/done
+            self.progress({"measured": done, "target": max(self.s.trials, done), "best": self._best(),
                            "trial": trial.number if trial is not None else None,
                            "status": trial.user_attrs.get("status") if trial is not None else None})
 
@@ -936,6 +956,13 @@ class Tuner:
             self._report()
             while True:
                 measured = self.measured()
+                if self.stop is not None and self.stop.is_set():
+                    for job in self.executor.wait(0.0):  # what came back is told, not abandoned
+                        self._finish(job)
+                    stopped = INTERRUPTED
+                    self._abandon(interrupted=True)
+                    self._report()
+                    break
                 if self.s.timeout_s is not None and time.time() - t0 > self.s.timeout_s:
                     stopped = "timeout"
                 elif len(self.claims_taken()) >= self.plan.runnable:
@@ -974,9 +1001,10 @@ class Tuner:
         return {t.user_attrs["layout_key"] for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING, TS.COMPLETE))
                 if t.user_attrs.get("launched")}
 
-    def _abandon(self) -> None:
+    def _abandon(self, interrupted: bool = False) -> None:
         """Interrupted: in-flight trials whose record is in the spool are told from it; the others
-        are failed and enqueued once again (the resume rule)."""
+        are failed and enqueued once again (the resume rule). `interrupted` (a stop the user
+        asked for): their status is 'interrupted', not a failure of the layout."""
         try:
             spooled = self._spooled()
         except Exception:  # noqa: BLE001 - best effort
@@ -988,7 +1016,7 @@ class Tuner:
                 if rec is not None:
                     self._tell_record(trial, rec, append=True)
                     continue
-                self._fail(trial, stale=True)
+                self._fail(trial, **({"status": INTERRUPTED} if interrupted else {"stale": True}))
             except Exception:  # noqa: BLE001 - best effort; the next driver's recovery does the same
                 pass
         self.inflight.clear()
@@ -996,7 +1024,7 @@ class Tuner:
 
 
 def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = None, executor=None,
-              storage=None, plan: Plan | None = None) -> TuneResult:
+              storage=None, plan: Plan | None = None, stop=None) -> TuneResult:
     """Plan (unless given make_plan's plan of these settings), open the study and run it (Ray at
     settings.ray_address unless given an executor)."""
     from advisor.runners.ray_exec import make_executor
@@ -1006,7 +1034,7 @@ def run_study(settings: TuneSettings, progress: Callable[[dict], None] | None = 
         from advisor.validate import study_paths
 
         study_paths(plan.storage, plan.dataset)
-    tuner = Tuner(plan, None, progress, storage)
+    tuner = Tuner(plan, None, progress, storage, stop)
     try:
         tuner.executor = executor or make_executor(settings.ray_address, settings.kill_grace_s)
     except BaseException:

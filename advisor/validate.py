@@ -20,7 +20,6 @@ and every ``predict --batch`` line; ``study_paths``: the storage and dataset of 
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib
 import importlib.util
@@ -509,10 +508,15 @@ def _check_tune(p: dict, given: set[str]) -> None:
         raise _conflict("--storage", "--dataset", "the journal and the measurement JSONL must be two files")
     if runner == "megatron" and addr in (None, "inline", "none") and not p.get("dry_run"):
         where = "on this machine" if addr else "on this machine's local Ray"
-        for mod in ("torch", "megatron.core"):
-            if not installed(mod):
-                raise InputError(f"--runner megatron measures {where} and needs {install_hint(mod)} "
-                                 f"(--runner simulate tries a study without GPUs)")
+        megatron_runner(f"--runner megatron measures {where} and", "--runner simulate tries a study without GPUs")
+
+
+def megatron_runner(what: str, instead: str) -> None:
+    """The built-in megatron-core runner's modules (the `gpu` extra) are installed, else one line:
+    '<what> needs torch, which is not installed: pip install 'advisor[gpu]' (<instead>)'."""
+    for mod in ("torch", "megatron.core"):
+        if not installed(mod):
+            raise InputError(f"{what} needs {install_hint(mod)} ({instead})")
 
 
 def _check_fit(p: dict, given: set[str]) -> None:
@@ -697,6 +701,7 @@ LONG_NAMES = {"tensor_parallel": "tp", "tensor_model_parallel_size": "tp", "pipe
 
 def unknown_key(key: str, known: Iterable[str], where: str = "") -> InputError:
     known = list(known)
-    close = [LONG_NAMES[key]] if LONG_NAMES.get(key) in known else difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    did = f"; did you mean {close[0]!r}?" if close else ""
+    from advisor.catalog.errors import did_you_mean
+
+    did = f"; did you mean {LONG_NAMES[key]!r}?" if LONG_NAMES.get(key) in known else did_you_mean(key, known)
     return InputError(f"{where}unknown key {key!r}{did} (known: {', '.join(sorted(known))})")

@@ -11,6 +11,7 @@ import difflib
 import json
 import math
 import re
+import warnings
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from advisor.catalog.errors import CatalogError
+from advisor.catalog.errors import CatalogError, CatalogNote
 from advisor.catalog.hf import model_from_hf_config
 from advisor.catalog.specs import ClusterSpec, GPUSpec, MLASpec, ModelSpec, MoESpec, SpecError
 
@@ -156,7 +157,7 @@ def _clusters() -> dict[str, ClusterSpec]:
     for f in sorted(_data_dir("clusters").iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
             c = _cluster_from_yaml(_read_yaml(f, f"catalog clusters/{f.name}"),
-                                   f"catalog clusters/{f.name}", None)
+                                   f"catalog clusters/{f.name}", None, notes=False)
             out[c.name] = c
     return out
 
@@ -188,7 +189,10 @@ def load_model(name_or_path: str) -> ModelSpec:
         return _model_from_path(p)
     key = normalize_name(s)
     if key in index:
-        return specs[index[key]]
+        spec = specs[index[key]]
+        if key != normalize_name(spec.name):  # an alias: say what it stands for
+            warnings.warn(CatalogNote(f"model {s!r} is {spec.name} (an alias in the catalog)"), stacklevel=2)
+        return spec
     if s.lower().endswith((".json", ".yaml", ".yml")):
         raise CatalogError(f"{p}: no such file")
     raise _unknown("model", s, list(specs), "advisor catalog models")
@@ -266,7 +270,54 @@ def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: flo
     )
 
 
-def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | None) -> ClusterSpec:
+# a bandwidth with its unit: 400Gb/s, 50GB/s, 50 GB/s, 1.8TB/s, 400Gbps; b = bits, B = bytes (case-sensitive)
+_BANDWIDTH = re.compile(r"^(?P<v>\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?\s*(?P<p>[MGT])(?P<u>[bB])(?:/s|ps)$")
+_PREFIX_IN_G = {"M": 1e-3, "G": 1.0, "T": 1e3}
+
+
+def bandwidth_gbs(v: Any, what: str) -> float:
+    """A bandwidth in GB/s (10^9 bytes/s): a bare number is GB/s; a string carries its unit,
+    ``400Gb/s`` (bits: / 8), ``50GB/s``, ``50 GB/s``, ``1.8TB/s``, ``400Gbps``; 'b' is bits and
+    'B' bytes, case-sensitive, as in every NIC and GPU datasheet."""
+    gbs = v
+    if isinstance(v, str):
+        s = v.strip()
+        m = _BANDWIDTH.match(s)
+        try:  # a quoted bare number is GB/s as an unquoted one
+            gbs = float(s) if m is None else float(s[:m.start("p")]) * _PREFIX_IN_G[m["p"]] / (
+                8.0 if m["u"] == "b" else 1.0)
+        except ValueError:
+            gbs = None
+    if isinstance(gbs, bool) or not isinstance(gbs, (int, float)) or not math.isfinite(gbs) or gbs <= 0:
+        raise CatalogError(f"{what} must be a positive number (finite) of GB/s, or a string with its unit "
+                           f"('400Gb/s' bits, '50GB/s' bytes), got {v!r}")
+    return float(gbs)
+
+
+def _check_bandwidths(gpu: GPUSpec, intra: float, inter: float, raw_inter: Any, what: str) -> None:
+    """One warning line per implausible bandwidth (the values are kept: a warning, not an error).
+    Physical bounds, per GPU and per direction: NVLink inside a node is the GPU's datasheet
+    figure (catalog intra_node_bw_gbs; no node moves more between its GPUs); a GPU's network
+    traffic leaves through its NIC (one per GPU in every reference design of the catalog: DGX /
+    HGX / NVL72), network_bw_gbps / 8 GB/s, and never beats NVLink."""
+    nic = gpu.network_bw_gbs
+    bits = (f"; a bare number is GB/s: if you meant {raw_inter:g} Gb/s, write '{raw_inter:g}Gb/s'"
+            if not isinstance(raw_inter, str) and raw_inter is not None else "")
+    if intra > gpu.intra_node_bw_gbs:
+        warnings.warn(f"{what}: intra_node_bw_gbs {intra:g} GB/s is above the {gpu.name}'s NVLink "
+                      f"{gpu.intra_node_bw_gbs:g} GB/s per direction (its datasheet)", stacklevel=3)
+    if inter > intra:
+        warnings.warn(f"{what}: inter_node_bw_gbs {inter:g} GB/s is above the intra-node {intra:g} GB/s "
+                      f"(a network is never faster than NVLink){bits}", stacklevel=3)
+    elif inter > nic:
+        warnings.warn(f"{what}: inter_node_bw_gbs {inter:g} GB/s is above the {gpu.name}'s NIC "
+                      f"{gpu.network_bw_gbps:g} Gb/s = {nic:g} GB/s per GPU{bits}", stacklevel=3)
+
+
+def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | None,
+                       notes: bool = True) -> ClusterSpec:
+    """A cluster from a YAML mapping. `notes`: say in one note each which default fills a
+    missing field (a user's file; the catalog's own files are documented in their sources)."""
     _check_keys(data, _CLUSTER_KEYS, what)
     for k in ("gpu", "nodes"):
         if data.get(k) is None:
@@ -278,15 +329,31 @@ def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | Non
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise CatalogError(f"{what}: {k} must be a positive integer, got {v!r}")
         ints[k] = v
-    for k in ("intra_node_bw_gbs", "inter_node_bw_gbs", "power_cap_w", "storage_bw_gbs"):
+    for k in ("power_cap_w", "storage_bw_gbs"):
         v = data.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                               or v <= 0):
             raise CatalogError(f"{what}: {k} must be a positive number (finite), got {v!r}")
+    bw = {k: None if data.get(k) is None else bandwidth_gbs(data[k], f"{what}: {k}")
+          for k in ("intra_node_bw_gbs", "inter_node_bw_gbs")}
     name = str(data.get("name") or what)
     cap = power_cap_w if power_cap_w is not None else data.get("power_cap_w")
-    return _make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], data.get("intra_node_bw_gbs"),
-                         data.get("inter_node_bw_gbs"), cap, what, data.get("storage_bw_gbs"))
+    c = _make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], bw["intra_node_bw_gbs"],
+                      bw["inter_node_bw_gbs"], cap, what, data.get("storage_bw_gbs"))
+    if notes:
+        defaults = {
+            "name": f"the file name {name!r}",
+            "gpus_per_node": f"{c.gpus_per_node} (per {gpu.name} node)",
+            "intra_node_bw_gbs": f"{c.intra_node_bw_gbs:g} GB/s (the {gpu.name}'s NVLink, per direction)",
+            "inter_node_bw_gbs": f"{c.inter_node_bw_gbs:g} GB/s (the {gpu.name}'s NIC, "
+                                 f"{gpu.network_bw_gbps:g} Gb/s per GPU)",
+            "power_cap_w": f"{c.power_cap_w:g} W (the {gpu.name}'s TDP)",
+        }
+        for k, used in defaults.items():
+            if data.get(k) is None and not (k == "power_cap_w" and power_cap_w is not None):
+                warnings.warn(CatalogNote(f"{what}: no {k}, using {used}"), stacklevel=3)
+        _check_bandwidths(gpu, c.intra_node_bw_gbs, c.inter_node_bw_gbs, data.get("inter_node_bw_gbs"), what)
+    return c
 
 
 def _cluster_from_string(s: str, power_cap_w: float | None) -> ClusterSpec | None:

@@ -796,7 +796,9 @@ def parse_sets(sets: Sequence[str] | Mapping[str, Any]) -> dict[str, Any]:
     for k, v in items:
         k = {"power_cap_w": "power_cap", "num_nodes": "nodes", "world_size": "gpus"}.get(k, k)
         if k not in OVERRIDE_KEYS:
-            raise SpecError(f"--set {k}: unknown key (known: {', '.join(OVERRIDE_KEYS)})")
+            from advisor.catalog.errors import did_you_mean
+
+            raise SpecError(f"--set {k}: unknown key{did_you_mean(k, OVERRIDE_KEYS)} (known: {', '.join(OVERRIDE_KEYS)})")
         try:
             if k in LAYOUT_INT or k in ("nodes", "gpus", "gpus_per_node", "layers"):
                 out[k] = int(v)

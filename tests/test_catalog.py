@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from advisor.catalog.errors import CatalogNote
 from advisor.catalog import (
     CatalogError,
     ClusterSpec,
@@ -403,7 +404,8 @@ def test_named_clusters():
 def test_cluster_yaml(tmp_path):
     p = tmp_path / "mine.yaml"
     p.write_text("name: lab\ngpu: h200\nnodes: 2\n")
-    c = load_cluster(str(p))
+    with pytest.warns(CatalogNote, match="no gpus_per_node, using 8"):
+        c = load_cluster(str(p))
     assert (c.name, c.num_nodes, c.gpus_per_node, c.world_size) == ("lab", 2, 8, 16)
     assert c.intra_node_bw_gbs == 450 and c.inter_node_bw_gbs == 50 and c.power_cap_w == 700
     p.write_text("name: lab\ngpu: h100\nnodes: 4\ngpus_per_node: 4\nintra_node_bw_gbs: 200\n"
@@ -450,3 +452,67 @@ def test_power_cap_must_be_positive_and_finite(cap):
     with pytest.raises(CatalogError, match="positive finite"):
         load_cluster("h100x8", power_cap_w=cap)
     assert load_cluster("h100x8", power_cap_w=350).power_cap_w == 350.0
+
+
+@pytest.mark.parametrize("value, gbs", [
+    ("400Gb/s", 50), ("50GB/s", 50), ("50 GB/s", 50), ("400 Gbps", 50), ("1.8TB/s", 1800), (25, 25), ("25", 25),
+])
+def test_cluster_yaml_bandwidth_units(tmp_path, value, gbs):
+    """b is bits, B is bytes (case-sensitive); a bare number is GB/s."""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"gpu: h100\nnodes: 2\nintra_node_bw_gbs: 2TB/s\ninter_node_bw_gbs: {value!r}\n".replace("'", '"'))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_cluster(str(p)).inter_node_bw_gbs == pytest.approx(gbs)
+
+
+@pytest.mark.parametrize("value", ["400gb/s", "400 GiB", "GB/s", "-5GB/s", "0Gb/s"])
+def test_cluster_yaml_bandwidth_bad_units(tmp_path, value):
+    p = tmp_path / "c.yaml"
+    p.write_text(f'gpu: h100\nnodes: 2\ninter_node_bw_gbs: "{value}"\n')
+    with pytest.raises(CatalogError, match=r"inter_node_bw_gbs must be a positive number \(finite\) of GB/s"):
+        load_cluster(str(p))
+
+
+def _cli_stderr(*args: str) -> list[str]:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stderr.splitlines()
+
+
+def test_cluster_yaml_defaults_are_noted_and_implausible_bandwidths_warned(tmp_path):
+    """One `note:` line per default filled in, one `warning:` line per implausible bare number
+    (400 read as GB/s is 8x the H100's 400 Gb/s NIC; 5000 GB/s is above NVLink); a complete,
+    plausible file prints nothing."""
+    p = tmp_path / "c.yaml"
+    p.write_text("gpu: h100\nnodes: 8\ninter_node_bw_gbs: 400\n")
+    err = _cli_stderr("predict", "-m", "llama3-8b", "-c", str(p), "--tp", "8")
+    notes = [ln for ln in err if ln.startswith("note:")]
+    assert len(notes) == 4 and all(str(p) in n for n in notes)
+    for field in ("name", "gpus_per_node", "intra_node_bw_gbs", "power_cap_w"):
+        assert sum(f"no {field}," in n for n in notes) == 1
+    warns = [ln for ln in err if ln.startswith("warning:")]
+    assert len(warns) == 1 and "inter_node_bw_gbs 400 GB/s" in warns[0] and "'400Gb/s'" in warns[0]
+    p.write_text("name: x\ngpu: h100\nnodes: 8\ngpus_per_node: 8\nintra_node_bw_gbs: 450\n"
+                 "inter_node_bw_gbs: 5000\npower_cap_w: 700\n")
+    err = _cli_stderr("predict", "-m", "llama3-8b", "-c", str(p), "--tp", "8")
+    assert len(err) == 1 and err[0].startswith("warning:") and "above the intra-node 450 GB/s" in err[0]
+    p.write_text("name: x\ngpu: h100\nnodes: 8\ngpus_per_node: 8\nintra_node_bw_gbs: 450 GB/s\n"
+                 "inter_node_bw_gbs: 400Gb/s\npower_cap_w: 700\n")
+    assert _cli_stderr("predict", "-m", "llama3-8b", "-c", str(p), "--tp", "8") == []
+
+
+def test_model_alias_says_what_it_resolved_to():
+    """`llama-3-405b` is an alias of llama3.1-405b: one `note:` line says so; a catalog name (in
+    any case or punctuation) says nothing."""
+    with pytest.warns(CatalogNote, match=r"'llama-3-405b' is llama3.1-405b"):
+        assert load_model("llama-3-405b").name == "llama3.1-405b"
+    err = _cli_stderr("predict", "-m", "llama-3-405b", "-c", "h100x1024", "--tp", "8", "--pp", "8",
+                      "--account-for-embedding", "--account-for-loss", "--json")
+    assert err == ["note: model 'llama-3-405b' is llama3.1-405b (an alias in the catalog)"]
+    assert _cli_stderr("predict", "-m", "Llama3-70B", "-c", "h100x64", "--tp", "8", "--json") == []

@@ -581,3 +581,19 @@ def test_two_hangs_in_a_row_skip_the_rest_of_the_batch(tmp_path, fake_torchrun):
                        telemetry="off")
     assert [r["status"] for r in recs] == ["timeout", "timeout", "skipped"]
     assert recs[2]["error"].startswith("not run") and recs[2]["steps"] is None
+
+
+def test_cli_without_torch_is_one_line_naming_the_gpu_extra(tmp_path, capsys, monkeypatch):
+    """No torch (the `gpu` extra): one line naming the install, exit 2, before anything runs (no
+    crash record in the dataset, no exit 1)."""
+    from advisor import validate
+    from advisor.cli import main
+
+    monkeypatch.setattr(validate, "installed", lambda mod: mod.split(".")[0] not in ("torch", "megatron"))
+    dataset = tmp_path / "m.jsonl"
+    with pytest.raises(SystemExit) as ex:
+        main(["measure", "--model", "llama3-8b", "--layers", "2", "--gpus", "1", "--dataset", str(dataset)])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "pip install 'advisor[gpu]'" in err
+    assert not dataset.exists() or dataset.read_text() == ""

@@ -167,7 +167,7 @@ def test_stage_caps_lower_the_stages_off_the_critical_path():
 
 def test_energy_objective_on_llama3_70b_states_cap_saving_and_cost():
     r = run_cli("recommend", "-m", "llama3-70b", "-c", "h100x64", "--objective", "energy", "--top", "2",
-                "--calibration", "none")
+                "--calibration", "none", env={k: v for k, v in os.environ.items() if k != "COLUMNS"})  # 140 wide
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("#1 power cap:"))
     assert " W: " in line and "J/token (-" in line and "step +" in line and "vs 700 W" in line

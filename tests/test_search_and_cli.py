@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,9 +15,13 @@ from advisor.search_spaces.layout import stage_layer_counts, violations
 from advisor.search_spaces.space import Workload, enumerate_layouts, pipeline_splits
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, stdin: str | None = None, columns: int | None = None) -> subprocess.CompletedProcess:
+    """`columns`: $COLUMNS for the command (the tables fit it); None: a pipe's 140 columns."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = str(columns)
     return subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, input=stdin,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def test_every_enumerated_layout_is_legal_and_dp_is_derived():
@@ -249,3 +255,17 @@ def test_a_checkout_imports_its_layer_folders_without_an_install(tmp_path):
     lines = r.stdout.split()
     assert lines == [str(root / "advisor" / "__init__.py"), str(root / "catalog" / "__init__.py"),
                      str(root / "runners" / "measure.py")]
+
+
+def test_docs_point_only_at_files_in_the_repository():
+    """README.md and docs/*.md name no path outside the repository (a clone has no ../shared/),
+    and every data/ file they name is there."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        text = doc.read_text(encoding="utf-8")
+        assert "../shared/" not in text and "FACTS.md" not in text, doc.name
+        for m in re.finditer(r"`(data/[^`\s*{}<>]+)`", text):
+            path = m.group(1).split("::")[0].rstrip(".,;:)")
+            assert (root / path).exists(), f"{doc.name}: {path}"

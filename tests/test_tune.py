@@ -88,10 +88,10 @@ def test_megatron_runner_screen_turns_off_sp_and_refuses_multinode():
     assert "one node" in prepare("megatron", m2, c2, TrainConfig(tp=2, dp=4, gbs=16))[1]
 
 
-def _tuner(tmp_path, storage=None, executor=None, **kw):
+def _tuner(tmp_path, storage=None, executor=None, stop=None, **kw):
     s = TuneSettings(model="llama3-8b", cluster="h100x8", runner="simulate", seed=0,
                      storage=str(tmp_path / "s.journal"), dataset=str(tmp_path / "d.jsonl"), **kw)
-    return Tuner(make_plan(s), executor or InlineExecutor(), storage=storage)
+    return Tuner(make_plan(s), executor or InlineExecutor(), storage=storage, stop=stop)
 
 
 def test_study_runs_seeds_first_and_never_launches_infeasible(tmp_path):
@@ -209,3 +209,94 @@ def test_unknown_sampler_is_a_clear_error(tmp_path):
     with pytest.raises(SpecError, match="--sampler"):
         make_plan(TuneSettings(model="llama3-8b", cluster="h100x8", runner="simulate", sampler="bogus",
                                storage=str(tmp_path / "s.journal")))
+
+
+class _HoldingExecutor(InlineExecutor):
+    """Runs nothing: every job stays in flight; `stop` is set once `n` trials are launched."""
+
+    def __init__(self, stop, n: int) -> None:
+        super().__init__()
+        self.stop, self.n, self.launched = stop, n, 0
+
+    def slots(self, cluster, cpu_only=False):
+        return 4
+
+    def submit(self, job):
+        self.launched += len(job.cfgs)
+        if self.launched >= self.n:
+            self.stop.set()
+        return job
+
+
+def test_stop_marks_in_flight_trials_interrupted_and_resume_reruns_them(tmp_path):
+    """A stop (SIGINT / SIGTERM) with trials in flight: they are 'interrupted' (not failures of
+    the layout), their parameters enqueued once, the lock file gone; the next driver runs them."""
+    import threading
+
+    from advisor.study import INTERRUPTED
+
+    stop = threading.Event()
+    tu = _tuner(tmp_path, trials=6, executor=_HoldingExecutor(stop, 3), stop=stop)
+    res = tu.run()
+    assert res.stopped == INTERRUPTED and res.measured == 0
+    cut = [t for t in tu.study.get_trials() if t.user_attrs.get("status") == INTERRUPTED]
+    assert len(cut) == 3 and all(t.state == TS.FAIL for t in cut)
+    assert res.counts.get(INTERRUPTED) == 3 and not {"fail", "crash"} & set(res.counts)
+    assert not list(tmp_path.glob("*.lock"))
+    again = _tuner(tmp_path, trials=6)
+    res2 = again.run()
+    assert res2.measured == 6 and not list(tmp_path.glob("*.lock"))
+    measured = {t.user_attrs["layout_key"] for t in again.study.get_trials()
+                if t.state == TS.COMPLETE and t.user_attrs.get("launched")}
+    assert {t.user_attrs["layout_key"] for t in cut} <= measured
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_cli_signal_saves_says_how_to_resume_and_resumes(tmp_path, sig):
+    """SIGINT / SIGTERM on `advisor tune`: exit 130, one line with the trials saved (= the records
+    written = the progress bar's count) and the command that resumes; no lock file left."""
+    import os
+    import re
+    import shlex
+    import signal
+    import time
+
+    cmd = ["tune", "-m", "llama3-8b", "-c", "h100x8", "--layers", "2", "--runner", "simulate", "--ray-address",
+           "inline", "--trials", "12", "--seed", "0", "--storage", str(tmp_path / "s.journal"),
+           "--dataset", str(tmp_path / "d.jsonl")]
+    data = tmp_path / "d.jsonl"
+    p = subprocess.Popen([sys.executable, "-m", "advisor", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "ADVISOR_SIM_DELAY_S": "0.5"})
+    try:
+        t0 = time.time()
+        while (not data.exists() or len(data.read_text().splitlines()) < 2) and time.time() - t0 < 60:
+            time.sleep(0.05)
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    m = re.match(r"interrupted: (\d+) of 12 trials saved .*; resume with: (advisor tune .*)$", last)
+    assert m, last
+    saved = int(m[1])
+    assert 2 <= saved < 12 and saved == len(data.read_text().splitlines())
+    assert re.findall(r"(\d+)/12", err)[-1] == str(saved)  # the bar's last count: the records written
+    assert not list(tmp_path.glob("*.lock"))
+    if sig == "SIGINT":
+        args = shlex.split(m[2])[1:]
+        assert args == cmd
+        r = subprocess.run([sys.executable, "-m", "advisor", *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        recs = [json.loads(x) for x in data.read_text().splitlines()]
+        assert len(recs) == 12 and len({json.dumps(x["config"], sort_keys=True) for x in recs}) == 12
+
+
+def test_progress_never_shows_more_done_than_its_total(tmp_path):
+    """--trials 3 on a study that holds 6 already: the bar says 6/6, not 6/3."""
+    _tuner(tmp_path, trials=6).run()
+    seen = []
+    s = TuneSettings(model="llama3-8b", cluster="h100x8", runner="simulate", seed=0,
+                     storage=str(tmp_path / "s.journal"), dataset=str(tmp_path / "d.jsonl"), trials=3)
+    Tuner(make_plan(s), InlineExecutor(), progress=seen.append).run()
+    assert seen and all(e["measured"] <= e["target"] for e in seen) and seen[-1]["measured"] == 6
