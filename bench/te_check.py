@@ -1,0 +1,122 @@
+"""The te profile (fitted on published Megatron / NeMo runs only) against our own Transformer Engine
+runs (issue #22): out of sample, since none of these runs was fitted.
+
+    python bench/te_check.py [data/measurements/h100x4-te.jsonl] [--calibration te] [--rows]
+
+Prints, per model shape and per feature (the job id's feature: dp, sp, tp, cp, spcp, pp, rc, fp8,
+ep, moetp, ag): tokens/s/GPU MAPE and bias, Spearman rank correlation, memory MAPE (peak reserved,
+the analytical runtime overhead left out as bench/compare_measurements.py does); the FP8 / BF16
+speed-up of every layout measured in both, predicted vs measured; the repeats of the same job
+(run-to-run spread); and for each model the layout `recommend --stack te` ranks #1 among the
+measured ones vs the measured best.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_measurements import _bias, _mape, _rho, evaluate  # noqa: E402  (beside this file)
+
+from advisor.models.calibrate import resolve_calibration  # noqa: E402
+
+REPEAT = re.compile(r"-call\d+$")  # a repeated job's id: <id>-call<N> (its record's repeat_of names <id>)
+DEFAULT = Path(__file__).resolve().parent.parent / "data/measurements/h100x4-te.jsonl"
+
+
+def feature(rid: str) -> str:
+    parts = rid.split("-")
+    return parts[2] if len(parts) > 2 and parts[0] == "te" else "?"
+
+
+def _row(name, rs) -> str:
+    col = lambda k: [r[k] for r in rs]  # noqa: E731
+    return (f"{name:<24} {len(rs):>3} {_mape(col('tps_pred'), col('tps_meas')):>9.1f}% "
+            f"{_bias(col('tps_pred'), col('tps_meas')):>+6.1f}% {_rho(col('tps_pred'), col('tps_meas')):>6.2f} "
+            f"{_mape(col('mem_pred'), col('mem_meas')):>8.1f}%")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*", default=[str(DEFAULT)])
+    ap.add_argument("--calibration", default="te", help="a profile name or calibration file (default te)")
+    ap.add_argument("--rows", action="store_true", help="print every run")
+    a = ap.parse_args(argv)
+    cal = resolve_calibration("default" if a.calibration == "te" else a.calibration, "te")
+    ds, rows = evaluate(a.paths, cal)
+    recs = {r.id: r for r in ds.records}
+    first = [r for r in rows if not REPEAT.search(r["id"])]
+    print(ds.summary())
+    print(f"\nprofile {cal.profile} vs {len(first)} distinct runs (repeats left out here)")
+    head = f"{'group':<24} {'n':>3} {'tok/s MAPE':>10} {'bias':>7} {'rank ρ':>6} {'mem MAPE':>9}"
+    print(head)
+    by_model, by_feat = defaultdict(list), defaultdict(list)
+    for r in first:
+        by_model[r["group"].split(" ", 1)[1]].append(r)
+        by_feat[feature(r["id"])].append(r)
+    for g, rs in sorted(by_model.items()):
+        print(_row(g, rs))
+    dense = [r for r in first if not recs[r["id"]].model.is_moe]
+    moe = [r for r in first if recs[r["id"]].model.is_moe]
+    print(_row("ALL dense", dense))
+    print(_row("ALL MoE", moe))
+    print(_row("ALL", first))
+    print(f"\nby feature\n{head}")
+    for f, rs in sorted(by_feat.items()):
+        print(_row(f, rs))
+
+    # FP8 / BF16 on the layouts measured in both precisions
+    print("\nFP8 / BF16 speed-up, same layout")
+    key = lambda r: (r["group"], r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-"))  # noqa: E731
+    pairs = defaultdict(dict)
+    for r in first:
+        pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"] = r
+    worst = 0.0
+    for (g, lay), d in sorted(pairs.items()):
+        if len(d) == 2:
+            m = d["fp8"]["tps_meas"] / d["bf16"]["tps_meas"]
+            p = d["fp8"]["tps_pred"] / d["bf16"]["tps_pred"]
+            worst = max(worst, abs(p / m - 1))
+            print(f"  {g:<28} {lay.replace('-X-', '-'):<62} measured {m:.3f}  predicted {p:.3f}  ({(p / m - 1) * 100:+.1f}%)")
+    print(f"  worst: {worst * 100:.1f}% (target: within 5% on every shape)")
+
+    # run-to-run spread of the repeated jobs
+    reps = defaultdict(list)
+    for r in rows:
+        reps[REPEAT.sub("", r["id"])].append(r["tps_meas"])
+    spread = {k: (max(v) - min(v)) / min(v) for k, v in reps.items() if len(v) > 1}
+    if spread:
+        print(f"\nrepeats: {len(spread)} jobs measured 2-3 times, tokens/s spread "
+              + ", ".join(f"{k} {s * 100:.1f}%" for k, s in sorted(spread.items())))
+
+    # recommend's choice among what was measured
+    print("\nthe profile's #1 among the measured layouts of each model and workload vs the measured best")
+    groups = defaultdict(list)
+    for r in first:
+        rec = recs[r["id"]]
+        groups[(r["group"], rec.cfg.seq, rec.cfg.gbs, rec.cfg.precision)].append(r)
+    for (g, seq, gbs, prec), rs in sorted(groups.items()):
+        if len(rs) < 3:
+            continue
+        top_pred = max(rs, key=lambda r: r["tps_pred"])
+        best = max(rs, key=lambda r: r["tps_meas"])
+        ratio = top_pred["tps_meas"] / best["tps_meas"]
+        print(f"  {g:<28} {prec} seq {seq} gbs {gbs} ({len(rs)} layouts): predicted #1 "
+              f"{top_pred['layout'][:40]} measures {ratio * 100:.1f}% of the best ({best['layout'][:40]})")
+    if a.rows:
+        print()
+        for r in rows:
+            print(f"{r['id']:<22} {r['layout']:<62} tok/s {r['tps_pred']:>8.0f} vs {r['tps_meas']:>8.0f} "
+                  f"({(r['tps_pred'] / r['tps_meas'] - 1) * 100:+6.1f}%)  mem {r['mem_pred']:>5.1f} vs "
+                  f"{r['mem_meas']:>5.1f}")
+    return 0 if not math.isnan(worst) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
