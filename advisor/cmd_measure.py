@@ -28,6 +28,8 @@ def measure_cmd(
     seq: int = typer.Option(4096, "--seq"),
     recompute: str = typer.Option("none", "--recompute", help="none, selective or full"),
     precision: str = typer.Option("bf16", "--precision"),
+    stack: str = typer.Option("local", "--stack", help="local (megatron-core's local layers) or te (Transformer Engine layer spec: SP, CP, FP8; needs TE installed)"),
+    fp8_recipe: str = typer.Option("delayed", "--fp8-recipe", help="te stack, --precision fp8: delayed or tensorwise (current scaling)"),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel/--no-sequence-parallel"),
     distributed_optimizer: bool = typer.Option(True, "--distributed-optimizer/--no-distributed-optimizer"),
     overlap_grad_reduce: bool = typer.Option(True, "--overlap-grad-reduce/--no-overlap-grad-reduce"),
@@ -77,7 +79,7 @@ def measure_cmd(
         entries = M.load_batch(batch, world)
     else:
         entries = [M.make_entry(model, world, layers=layers, steps=steps, warmup=warmup,
-                                min_seconds=min_seconds, save_trace=save_trace,
+                                min_seconds=min_seconds, save_trace=save_trace, stack=stack, fp8_recipe=fp8_recipe,
                                 tp=tp, pp=pp, vp=vp, ep=ep, etp=etp, cp=cp, dp=dp, mbs=mbs, gbs=gbs,
                                 seq=seq, recompute=recompute, precision=precision,
                                 sequence_parallel=sequence_parallel,
@@ -112,6 +114,8 @@ def measure_cmd(
         from advisor.validate import megatron_runner
 
         megatron_runner("advisor measure (--runner megatron)", "--runner command measures your own training command")
+        if any(e.stack == "te" and not e.refused for e in entries) and not M.te_available():
+            fail(M.TE_MISSING)
     n_run = sum(1 for e in entries if not e.refused)
     print(f"measuring {n_run} job(s) on {world} GPU(s), {len(entries) - n_run} refused", file=sys.stderr)
     if spec is not None:

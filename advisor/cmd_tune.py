@@ -41,6 +41,7 @@ def tune_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
     sampler: str = typer.Option("tpe", "--sampler", help="tpe (Optuna's default) or surrogate (active learning: expected improvement of a GP on the measurements, the --calibration prediction as its prior)"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)"),
+    stack: str = typer.Option("local", "--stack", help="megatron runner's software stack: local (megatron-core's local layers) or te (Transformer Engine: SP, CP, FP8; needs TE installed); also the profile the study predicts with"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     steps: int = typer.Option(10, "--steps", help="megatron: measured steps per trial"),
     warmup: int = typer.Option(3, "--warmup", help="megatron: warm-up steps per trial"),
@@ -70,7 +71,7 @@ def tune_cmd(
                      trials=trials, batch=batch, timeout_s=timeout, trial_timeout_s=trial_timeout, runner=runner,
                      objective=objective, storage=storage, study_name=study_name, ray_address=ray_address,
                      dataset=dataset, top_k=top_k, seed=seed, sampler=sampler, power_cap_w=power_cap, runner_options=opts,
-                     calibration=calibration)
+                     calibration=calibration, stack=stack)
     if html:
         from advisor import html_report
 
@@ -88,6 +89,11 @@ def tune_cmd(
         else:
             _print_plan(plan)
         return
+    if runner == "megatron" and stack == "te" and ray_address in (None, "inline"):
+        from advisor.runners.measure import TE_MISSING, te_available
+
+        if not te_available():  # the trials run on this machine: say so before Ray starts
+            fail(TE_MISSING)
     from advisor.runners.ray_exec import make_executor
 
     executor = make_executor(ray_address, s.kill_grace_s)  # Ray's start-up problems: one line, before the bar

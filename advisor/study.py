@@ -99,6 +99,9 @@ class TuneSettings:
     calibration: Any = "default"  # advisor.api.DEFAULT_CALIBRATION (checked equal by the tests)
     power_cap_w: float | None = None
     runner_options: dict = field(default_factory=dict)
+    # the megatron runner's software stack: "local" (megatron-core's local layers) or "te"
+    # (Transformer Engine layer spec); also the profile the study predicts with
+    stack: str = "local"
     kill_grace_s: float = 30.0
     patience: int = 200  # stop after this many asks in a row that launch nothing
     max_failures: int = 5  # stop after this many crashed / timed-out trials in a row (broken setup)
@@ -149,8 +152,10 @@ def _safe(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", s).strip("_")
 
 
-def default_study_name(model: ModelSpec, cluster: ClusterSpec, wl: Workload, objective: str, runner: str) -> str:
-    return f"{model.name}@{cluster.name}-seq{wl.seq}-gbs{wl.gbs}-{wl.precision}-{objective}-{runner}"
+def default_study_name(model: ModelSpec, cluster: ClusterSpec, wl: Workload, objective: str, runner: str,
+                       stack: str = "local") -> str:
+    suffix = "-te" if stack == "te" else ""  # local studies keep the names they were stored under
+    return f"{model.name}@{cluster.name}-seq{wl.seq}-gbs{wl.gbs}-{wl.precision}-{objective}-{runner}{suffix}"
 
 
 def calibration_info(spec: Any, cal) -> dict[str, Any]:
@@ -187,6 +192,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     from advisor.api import default_workload, recommend, resolve
     from advisor.models.calibrate import resolve_calibration
     from advisor.models.memory import stage_memory
+    from advisor.runners.megatron_args import RUNNER_STACKS
     from advisor.runners.ray_exec import RUNNERS, prepare
 
     if s.objective not in OBJECTIVES:
@@ -201,7 +207,11 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
         raise SpecError(f"--sampler must be tpe or surrogate, got {s.sampler!r}")
     if s.precision not in ("bf16", "fp8"):
         raise SpecError(f"precision must be bf16 or fp8, got {s.precision!r}")
-    cal = resolve_calibration(s.calibration, "local")  # the trials run this project's runner; an unreadable file is a one-line error, before anything runs
+    if s.stack not in RUNNER_STACKS:
+        raise SpecError(f"--stack must be one of {', '.join(RUNNER_STACKS)}, got {s.stack!r}")
+    # the trials run this project's runner with the stack's layers; an unreadable file is a
+    # one-line error, before anything runs
+    cal = resolve_calibration(s.calibration, s.stack)
     model, cluster = resolve(s.model, s.cluster, s.power_cap_w)
     if s.layers:
         if s.layers < 1:
@@ -210,9 +220,9 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     wl = default_workload(model, cluster, s.seq, s.gbs, s.precision)
     cap = cluster.gpu.memory_gib
     layouts, screened, seen, left_out = [], {}, set(), {}
-    stack = "local" if s.runner == "megatron" else None  # the stack the runner runs (search_spaces.runnable)
+    stack = s.stack if s.runner == "megatron" else None  # the stack the runner runs (search_spaces.runnable)
     for cfg in enumerate_layouts(model, cluster, wl, options):
-        cfg, refusal = prepare(s.runner, model, cluster, cfg)
+        cfg, refusal = prepare(s.runner, model, cluster, cfg, s.stack)
         key = layout_key(cfg)
         if key in seen:
             continue
@@ -240,17 +250,17 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
                 break
             try:
                 res = recommend(model, cluster, seq=wl.seq, gbs=wl.gbs, precision=wl.precision,
-                                top=top, objective=obj, options=options, calibration=cal, stack="local")
+                                top=top, objective=obj, options=options, calibration=cal, stack=s.stack)
             except SpecError:
                 break
             for r in res.recommendations:
-                cfg = prepare(s.runner, model, cluster, r.config)[0]
+                cfg = prepare(s.runner, model, cluster, r.config, s.stack)[0]
                 k = layout_key(cfg)
                 if got < want and k not in screened and k not in keys:
                     keys.add(k)
                     enq.append(cfg)
                     got += 1
-    name = s.study_name or default_study_name(model, cluster, wl, s.objective, s.runner)
+    name = s.study_name or default_study_name(model, cluster, wl, s.objective, s.runner, s.stack)
     storage = s.storage or DEFAULT_STORAGE
     dataset = Path(s.dataset or f"data/measurements/tune-{_safe(name)}.jsonl")
     return Plan(s, model, cluster, wl, name, storage, dataset, layouts, optuna_space(layouts), screened, enq,
@@ -845,6 +855,8 @@ class Tuner:
         from advisor.runners.ray_exec import Job
 
         opts = dict(self.s.runner_options)
+        if self.s.runner == "megatron":
+            opts["stack"] = self.s.stack
         if self.spool is not None and self.s.runner != "simulate":
             opts["spool"] = str(self.spool.resolve())
         trials = [t for t, _ in picked]

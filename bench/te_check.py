@@ -51,7 +51,11 @@ def main(argv=None) -> int:
     cal = resolve_calibration("default" if a.calibration == "te" else a.calibration, "te")
     ds, rows = evaluate(a.paths, cal)
     recs = {r.id: r for r in ds.records}
-    first = [r for r in rows if not REPEAT.search(r["id"])]
+    first, seen = [], set()  # each job's first usable record (a job whose first run crashed: its rerun)
+    for r in rows:
+        if REPEAT.sub("", r["id"]) not in seen:
+            seen.add(REPEAT.sub("", r["id"]))
+            first.append(r)
     print(ds.summary())
     print(f"\nprofile {cal.profile} vs {len(first)} distinct runs (repeats left out here)")
     head = f"{'group':<24} {'n':>3} {'tok/s MAPE':>10} {'bias':>7} {'rank ρ':>6} {'mem MAPE':>9}"

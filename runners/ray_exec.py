@@ -37,8 +37,10 @@ def cpu_only(runner: str, options: Mapping[str, Any] | None = None) -> bool:
     return runner == "simulate" and not (options or {}).get("hold_gpus")
 
 
-def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig) -> tuple[TrainConfig, str | None]:
-    """The layout as `runner` will run it, and why it cannot run it (None when it can)."""
+def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig,
+            stack: str = "local") -> tuple[TrainConfig, str | None]:
+    """The layout as `runner` will run it, and why it cannot run it (None when it can). `stack`:
+    the megatron runner's ("local": megatron-core's local layers; "te": Transformer Engine)."""
     if runner == "simulate":
         return cfg, None
     if runner == "command":  # the user's own stack: only legality (multi-node through Ray)
@@ -49,11 +51,14 @@ def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfi
         raise ValueError(f"unknown runner {runner!r}")
     from advisor.runners import megatron_args as MA
 
-    # No Transformer Engine on our machines: sequence parallelism is off in every measured layout.
-    cfg = MA.effective_config(cfg.replace(sequence_parallel=False))
+    if stack == "te":
+        # TE runs sequence parallelism; TP communication overlap (userbuffers) it does not run here
+        cfg = MA.effective_config(cfg.replace(tp_comm_overlap=False))
+    else:  # without Transformer Engine sequence parallelism is off in every measured layout
+        cfg = MA.effective_config(cfg.replace(sequence_parallel=False))
     if cluster.num_nodes > 1:
         return cfg, "the megatron runner measures on one node (torchrun --standalone)"
-    return cfg, MA.refusal_reason(model, cfg, cluster.world_size)
+    return cfg, MA.refusal_reason(model, cfg, cluster.world_size, stack)
 
 
 def execute(runner: str, model: ModelSpec, cluster: ClusterSpec, cfgs: list[TrainConfig], timeout_s: float,
@@ -90,7 +95,8 @@ def execute(runner: str, model: ModelSpec, cluster: ClusterSpec, cfgs: list[Trai
 
     o = dict(options)
     entries = [M.make_entry(model, cfg.world_size, steps=int(o.get("steps", 10)), warmup=int(o.get("warmup", 3)),
-                            id=(ids[k] if ids else None), **cfg.to_dict()) for k, cfg in enumerate(cfgs)]
+                            id=(ids[k] if ids else None), stack=o.get("stack", "local"), **cfg.to_dict())
+               for k, cfg in enumerate(cfgs)]
     records = M.run_batch(entries, dataset=o.get("spool"), nproc=cfgs[0].world_size,
                           timeout=float(o.get("progress_timeout_s", min(timeout_s, 300.0))),
                           telemetry_hz=float(o.get("telemetry_hz", 20.0)))
