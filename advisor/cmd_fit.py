@@ -40,11 +40,14 @@ def fit_cmd(
     as_json: bool = typer.Option(False, "--json", help="the CV summary as JSON on stdout"),
     profile_name: str = typer.Option("custom", "--profile-name",
                                      help="the profile name the file records (the shipped local profile: local)"),
+    stack: Optional[str] = typer.Option(None, "--stack", help="fit only the records of this runner stack (local or te); needed when the files mix stacks"),
     html: Html = None,
 ) -> None:
     """Fit the analytical model's constants and residual surrogates to measurements (JSONL files
     and/or the trials of 'advisor tune' studies); print grouped cross-validation (analytical vs
     calibrated vs surrogate) and write a calibration file."""
+    from collections import Counter
+
     from advisor.catalog.specs import SpecError
     from advisor.models import calibrate
     from advisor.study import load_dataset
@@ -67,6 +70,17 @@ def fit_cmd(
     if len(ds.rejected) > SHOW_REJECTED:
         print(f"... and {len(ds.rejected) - SHOW_REJECTED} more rejected rows", file=err)
     print(f"data: {ds.summary()}", file=err)
+    stacks = Counter(r.stack for r in ds.records)
+    if stack is not None:
+        if stack not in stacks:
+            raise SpecError(f"--stack {stack}: no record of that stack (the data has "
+                            + ", ".join(f"{k}: {n}" for k, n in sorted(stacks.items())) + ")")
+        ds.records = [r for r in ds.records if r.stack == stack]
+        print(f"fitting the {len(ds.records)} records of stack {stack}", file=err)
+    elif len(stacks) > 1:  # one profile is one stack's physics (TE's fused layers are not the local ones)
+        raise SpecError("the measurements come from several runner stacks ("
+                        + ", ".join(f"{k}: {n}" for k, n in sorted(stacks.items()))
+                        + "): fit one at a time with --stack local or --stack te")
     cal = calibrate.fit(ds, folds=folds, seed=seed, surrogates=not no_surrogates,
                         log=lambda s: print(s, file=err))
     cal.profile = profile_name.strip() or "custom"

@@ -59,7 +59,8 @@ def moe_rows() -> list[dict]:
                 probes[r["id"]] = r["moe_probe"]["terms"]
             start = (r.get("memory") or {}).get("start_allocated_gib_per_rank") or []
             leaked[r["id"]] = max([x for x in start if x is not None], default=0.0)
-    rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records if r.model.is_moe]
+    # this runner's local stack: the TE runs (data/measurements/h100x4-te.jsonl) are bench/te_check.py's
+    rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records if r.model.is_moe and r.stack == "local"]
     for row in rows:  # memory of jobs that started on a GPU still holding an earlier job's leak
         if leaked.get(row["rec"].id, 0.0) > 1.0:  # (fixed in the worker since): not a memory target
             row["rec"].y = dict(row["rec"].y, memory_gib_per_gpu=math.nan)

@@ -55,6 +55,9 @@ class Record:
     cluster: ClusterSpec
     cfg: TrainConfig
     y: dict[str, float]  # TARGETS -> measured value (NaN where not measured)
+    # the runner's software stack ("local": megatron-core local layers; "te": Transformer Engine);
+    # records from before the te stack existed are local
+    stack: str = "local"
 
     @property
     def group(self) -> str:
@@ -266,7 +269,8 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
         predict(model, cluster, cfg, check_legal=False)
     except (SpecError, ValueError, ZeroDivisionError) as e:
         raise _Bad(f"the analytical model cannot evaluate this layout: {e}") from None
-    return Record(id=str(rec.get("id", source)), source=source, model=model, cluster=cluster, cfg=cfg, y=y)
+    return Record(id=str(rec.get("id", source)), source=source, model=model, cluster=cluster, cfg=cfg, y=y,
+                  stack=str(rec.get("stack") or "local"))
 
 
 def load(paths: Iterable[str | Path] = (), records: Iterable[tuple[str, dict]] = (),

@@ -80,3 +80,24 @@ def test_tune_plan_with_the_te_stack_keeps_sp_and_cp():
     assert te.calibration.profile == "te" and local.calibration.profile == "local"
     with pytest.raises(SpecError, match="--stack must be one of"):
         make_plan(TuneSettings(model="llama3-8b", cluster="h100x4", runner="megatron", stack="nemo"))
+
+
+def test_fit_refuses_mixed_stacks_and_filters_with_stack(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    te = root / "data" / "measurements" / "h100x4-te.jsonl"
+    local = root / "data" / "measurements" / "h100x4-dense.jsonl"
+    p = subprocess.run([sys.executable, "-m", "advisor", "fit", "-d", str(te), "-d", str(local),
+                        "-o", str(tmp_path / "c.joblib")], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and "several runner stacks" in p.stderr and "Traceback" not in p.stderr
+    assert "--stack local or --stack te" in p.stderr.strip().splitlines()[-1]
+    from advisor.models.dataset import load
+
+    ds = load([te, local])
+    assert {r.stack for r in ds.records} == {"te", "local"}
+    assert sum(r.stack == "te" for r in ds.records) == sum(
+        1 for line in te.read_text().splitlines() if json.loads(line)["status"] == "ok")
