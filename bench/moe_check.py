@@ -47,19 +47,22 @@ def shape_of(model) -> str:
     return model.name.split("[")[0].replace("-proxy", "")
 
 
-def moe_rows() -> list[dict]:
-    """[{record, probe terms (or None)}] for every usable MoE record."""
+def moe_rows(stack: str = "local") -> list[dict]:
+    """[{record, probe terms (or None)}] for every usable MoE record of the runner's `stack`
+    (a record without "stack" is the local one)."""
     files = sorted(MEASUREMENTS.glob("*.jsonl"))
     ds = load(files)
-    probes, leaked = {}, {}
+    probes, leaked, stacks = {}, {}, {}
     for f in files:
         for line in open(f):
             r = json.loads(line)
+            stacks[r.get("id")] = r.get("stack") or "local"
             if r.get("moe_probe"):
                 probes[r["id"]] = r["moe_probe"]["terms"]
             start = (r.get("memory") or {}).get("start_allocated_gib_per_rank") or []
             leaked[r["id"]] = max([x for x in start if x is not None], default=0.0)
-    rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records if r.model.is_moe]
+    rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records
+            if r.model.is_moe and stacks.get(r.id, "local") == stack]
     for row in rows:  # memory of jobs that started on a GPU still holding an earlier job's leak
         if leaked.get(row["rec"].id, 0.0) > 1.0:  # (fixed in the worker since): not a memory target
             row["rec"].y = dict(row["rec"].y, memory_gib_per_gpu=math.nan)
