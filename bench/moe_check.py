@@ -282,6 +282,12 @@ def published_check(quick: bool) -> None:
         if "force-balanced" in notes or "token-drop" in notes:
             cfg = cfg.replace(moe_router="forced")  # NVIDIA's footnote: forced-balanced routing
         cfg = recipe_split(r.model, r.cluster, cfg)
+        if cfg.ep * cfg.etp > r.cluster.gpus_per_node:
+            # EP across nodes: NVIDIA's H100 recipes dispatch with the flex dispatcher (Megatron-Bridge
+            # scripts/performance/configs/deepseek/deepseek_workload_base_configs.py, H100:
+            # moe_flex_dispatcher_backend; yanring/Megatron-MoE-ModelZoo best_practice/Qwen3: DeepEP
+            # for Qwen3-235B on H100); the rows do not name it
+            cfg = cfg.replace(moe_dispatcher="flex")
         rows.append({"run": r, "cfg": cfg})
 
     def pred(row, c):

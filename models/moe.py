@@ -415,7 +415,9 @@ def ep_reason(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, breakdow
     if cfg.ep <= 1:
         return (f"EP=1: all {m.num_experts} experts on every GPU (no all-to-all), "
                 f"{tokens_per_expert(model, cfg):.0f} tokens/expert")
-    return (f"EP={cfg.ep}: {local} expert{'s' if local != 1 else ''}/GPU, {cfg.moe_dispatcher} over {where} "
+    disp = "DeepEP (flex)" if cfg.moe_dispatcher == "flex" else cfg.moe_dispatcher
+    etp = f", ETP={cfg.etp} (each expert's GEMMs split {cfg.etp} ways)" if cfg.etp > 1 else ""
+    return (f"EP={cfg.ep}{etp}: {local} expert{'s' if local != 1 else ''}/GPU, {disp} over {where} "
             f"= {share:.0%} of the step (exposed), busiest rank {imbalance(model, cfg, c):.2f}x the mean load, "
             f"{tokens_per_expert(model, cfg):.0f} tokens/expert")
 
