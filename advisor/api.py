@@ -627,7 +627,8 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
 LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "recompute",
                "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers", "account_for_embedding",
-               "account_for_loss", "pipeline_layout")
+               "account_for_loss", "pipeline_layout", "moe_dispatcher", "moe_router", "moe_capacity_factor",
+               "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion")
 
 
 def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],
@@ -662,6 +663,8 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
         chunks = len(parse_pipeline_layout(str(v["pipeline_layout"])))
         if chunks % pp == 0:
             v["vp"] = chunks // pp
+    # Megatron's default: expert TP = TP when not given (megatron-core 0.19 ModelParallelConfig)
+    v.setdefault("etp", tp if model.is_moe else 1)
     v.setdefault("sequence_parallel", tp > 1)
     v.setdefault("distributed_optimizer", dp * cp > 1)
     v.setdefault("overlap_grad_reduce", dp * cp > 1)

@@ -116,7 +116,9 @@ _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "p
 
 
 _COMPARE_BOOLS = ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
-                  "account_for_loss")
+                  "account_for_loss", "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap",
+                  "moe_router_fusion")
+_COMPARE_NAMES = ("recompute", "moe_dispatcher", "moe_router")
 
 
 def parse_layout(text: str) -> dict:
@@ -139,14 +141,19 @@ def parse_layout(text: str) -> dict:
                 out[k] = int(v)
             except ValueError:
                 raise SpecError(f"--compare {k}={v}: not an integer") from None
-        elif k in ("recompute",):
+        elif k in _COMPARE_NAMES:
             out[k] = v.strip()
+        elif k == "moe_capacity_factor":
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise SpecError(f"--compare {k}={v}: not a number") from None
         elif k in _COMPARE_BOOLS:
             out[k] = v.strip().lower() in ("1", "true", "on", "yes")
         else:
             from advisor.catalog.errors import did_you_mean
 
-            known = _LAYOUT_INT + ("recompute",) + _COMPARE_BOOLS + ("pipeline_layout",)
+            known = _LAYOUT_INT + _COMPARE_NAMES + ("moe_capacity_factor",) + _COMPARE_BOOLS + ("pipeline_layout",)
             raise SpecError(f"--compare {k}: unknown key{did_you_mean(k, known)} (known: "
                             f"{', '.join(_LAYOUT_INT + ('recompute',))}, account_for_embedding, account_for_loss, "
                             f"pipeline_layout last)")

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from advisor.catalog.specs import PRECISIONS, RECOMPUTE_MODES, SpecError
+from advisor.catalog.specs import MOE_DISPATCHERS, MOE_ROUTERS, PRECISIONS, RECOMPUTE_MODES, SpecError
 
 
 class InputError(SpecError):
@@ -385,7 +385,8 @@ STRINGS: dict[str, Callable[[str, Any], Any]] = {
 # --------------------------------------------------------------------------------- layouts
 LAYOUT_INTS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "pp_first_layers", "pp_last_layers")
 LAYOUT_BOOLS = ("sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-                "tp_comm_overlap", "account_for_embedding", "account_for_loss")
+                "tp_comm_overlap", "account_for_embedding", "account_for_loss", "moe_pad_to_capacity", "moe_a2a_overlap",
+                "moe_shared_expert_overlap", "moe_router_fusion")
 
 
 def as_flag(key: str) -> str:
@@ -412,6 +413,13 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
         v = out.get(k)
         if v is not None and v not in choices:
             raise InputError(f"{where}{name(k)} must be one of {', '.join(choices)}, got {v!r}")
+    for k, choices in (("moe_dispatcher", MOE_DISPATCHERS), ("moe_router", MOE_ROUTERS)):
+        v = out.get(k)
+        if v is not None and v not in choices:
+            raise InputError(f"{where}{name(k)} must be one of {', '.join(choices)}, got {v!r}")
+    if out.get("moe_capacity_factor") is not None:
+        out["moe_capacity_factor"] = number(f"{where}{name('moe_capacity_factor')}", out["moe_capacity_factor"],
+                                            lo=0.01, hi=64.0)
     split = [k for k in ("pp_first_layers", "pp_last_layers") if out.get(k) is not None]
     if split and (out.get("pp") or 1) < 2:
         raise InputError(f"{where}{name(split[0])} sets an uneven pipeline split, which needs "

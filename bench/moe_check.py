@@ -47,8 +47,9 @@ def shape_of(model) -> str:
     return model.name.split("[")[0].replace("-proxy", "")
 
 
-def moe_rows() -> list[dict]:
-    """[{record, probe terms (or None)}] for every usable MoE record."""
+def moe_rows(stack: str = "local") -> list[dict]:
+    """[{record, probe terms (or None)}] for every usable MoE record of the runner's `stack`
+    (a record without "stack" is the local one)."""
     files = sorted(MEASUREMENTS.glob("*.jsonl"))
     ds = load(files)
     probes, leaked = {}, {}
@@ -59,8 +60,8 @@ def moe_rows() -> list[dict]:
                 probes[r["id"]] = r["moe_probe"]["terms"]
             start = (r.get("memory") or {}).get("start_allocated_gib_per_rank") or []
             leaked[r["id"]] = max([x for x in start if x is not None], default=0.0)
-    # this runner's local stack: the TE runs (data/measurements/h100x4-te.jsonl) are bench/te_check.py's
-    rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records if r.model.is_moe and r.stack == "local"]
+    rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records
+            if r.model.is_moe and r.stack == stack]
     for row in rows:  # memory of jobs that started on a GPU still holding an earlier job's leak
         if leaked.get(row["rec"].id, 0.0) > 1.0:  # (fixed in the worker since): not a memory target
             row["rec"].y = dict(row["rec"].y, memory_gib_per_gpu=math.nan)
@@ -280,6 +281,12 @@ def published_check(quick: bool) -> None:
         if "force-balanced" in notes or "token-drop" in notes:
             cfg = cfg.replace(moe_router="forced")  # NVIDIA's footnote: forced-balanced routing
         cfg = recipe_split(r.model, r.cluster, cfg)
+        if cfg.ep * cfg.etp > r.cluster.gpus_per_node:
+            # EP across nodes: NVIDIA's H100 recipes dispatch with the flex dispatcher (Megatron-Bridge
+            # scripts/performance/configs/deepseek/deepseek_workload_base_configs.py, H100:
+            # moe_flex_dispatcher_backend; yanring/Megatron-MoE-ModelZoo best_practice/Qwen3: DeepEP
+            # for Qwen3-235B on H100); the rows do not name it
+            cfg = cfg.replace(moe_dispatcher="flex")
         rows.append({"run": r, "cfg": cfg})
 
     def pred(row, c):

@@ -18,8 +18,10 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # Mixture of experts: Megatron's token dispatchers (--moe-token-dispatcher-type) and routers
 # ("aux_loss": a trained router kept near balance by the auxiliary loss; "forced": random logits,
-# --moe-router-force-load-balancing, what NVIDIA's published MoE benchmarks run).
-MOE_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
+# --moe-router-force-load-balancing, what NVIDIA's published MoE benchmarks run). "flex" is
+# megatron-core 0.19's flex dispatcher with its DeepEP backend (--moe-token-dispatcher-type flex
+# --moe-flex-dispatcher-backend deepep; --moe-enable-deepep is the deprecated spelling).
+MOE_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex")
 MOE_ROUTERS: tuple[str, ...] = ("aux_loss", "forced")
 # Attention of a layer (ModelSpec.window_type): "sliding": each query sees the `window_size` keys
 # up to itself (Mistral, Gemma 2/3, gpt-oss, Phi-3); "chunked": the keys of its own block of
@@ -345,8 +347,29 @@ class TrainConfig:
     moe_dispatcher: str = "alltoall"
     moe_grouped_gemm: bool = True
     moe_router: str = "aux_loss"
+    # Token dropping: each expert takes at most capacity = ceil(factor x mean tokens) of each source
+    # rank (--moe-expert-capacity-factor; None = dropless); with moe_pad_to_capacity every expert's
+    # input is padded up to the capacity (--moe-pad-expert-input-to-capacity).
+    moe_capacity_factor: float | None = None
+    moe_pad_to_capacity: bool = False
+    # The 1F1B all-to-all overlap: the dispatch / combine of one microbatch runs behind the other's
+    # compute (--overlap-moe-expert-parallel-comm, with --delay-wgrad-compute).
+    moe_a2a_overlap: bool = False
+    # Shared experts run on a side stream behind the dispatch (--moe-shared-expert-overlap).
+    moe_shared_expert_overlap: bool = False
+    # TE's fused top-k / score / aux-loss kernels (--moe-router-fusion).
+    moe_router_fusion: bool = False
 
     def __post_init__(self) -> None:
+        cf = self.moe_capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0
+                               or cf != cf or cf == float("inf")):
+            raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
+        for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion"):
+            if not isinstance(getattr(self, n), bool):
+                raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
+        if self.moe_pad_to_capacity and cf is None:
+            raise SpecError("moe_pad_to_capacity needs moe_capacity_factor (megatron-core raises otherwise)")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
         if self.moe_router not in MOE_ROUTERS:
@@ -417,9 +440,28 @@ class TrainConfig:
 
     def moe_key(self) -> str:
         """The MoE knobs that differ from the defaults, e.g. '-allgather-seqmlp-forced' ('' if none)."""
-        return ((f"-{self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" else "")
-                + ("-seqmlp" if not self.moe_grouped_gemm else "")
-                + (f"-{self.moe_router}" if self.moe_router != "aux_loss" else ""))
+        return moe_knobs_key(self.moe_knobs())
+
+    def moe_knobs(self) -> tuple:
+        """The MoE knobs (MOE_KNOBS) as a tuple: what the array model keeps per row."""
+        return tuple(getattr(self, k) for k in MOE_KNOBS)
+
+
+# The TrainConfig fields of the MoE knobs, in the order of TrainConfig.moe_knobs() / Layouts.extras.
+MOE_KNOBS: tuple[str, ...] = ("moe_dispatcher", "moe_grouped_gemm", "moe_router", "moe_capacity_factor",
+                              "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap",
+                              "moe_router_fusion")
+MOE_KNOB_DEFAULTS: tuple = ("alltoall", True, "aux_loss", None, False, False, False, False)
+
+
+def moe_knobs_key(knobs: tuple) -> str:
+    """The key suffix of a MOE_KNOBS tuple: the knobs that differ from the defaults."""
+    disp, grouped, router, cf, pad, a2a, shared, fusion = knobs
+    return ((f"-{disp}" if disp != "alltoall" else "")
+            + ("-seqmlp" if not grouped else "")
+            + (f"-{router}" if router != "aux_loss" else "")
+            + (f"-cf{cf:g}" if cf is not None else "") + ("-pad" if pad else "")
+            + ("-a2aovl" if a2a else "") + ("-shovl" if shared else "") + ("-rfuse" if fusion else ""))
 
 
 _TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

@@ -301,6 +301,18 @@ class Constants:
     moe_act_hidden_per_token: float = 1.5
     moe_act_ffn_per_token: float = 5.15
     moe_act_router_fp32: float = 2.87
+    # --moe-router-fusion: TE's fused score / top-k / aux-loss kernels read the fp32 T x E logits
+    # once forward and once backward (transformer_engine.pytorch.router, fused_topk_with_score_function
+    # and fused_compute_score_for_moe_aux_loss), instead of moe_router_passes unfused passes.
+    moe_router_fused_passes: float = 2.0
+    # DeepEP (megatron-core's flex dispatcher, DeepEP backend), its normal kernels' published
+    # bottleneck bandwidths (deepseek-ai/DeepEP, docs/legacy.md "Performance", H800 with ~160 GB/s
+    # NVLink and one CX7 400 Gb/s (~50 GB/s) NIC per GPU, 4096 tokens, h 7168, top-8): in a node
+    # EP8 dispatch 153 / combine 158 GB/s NVLink (0.96 of the link); across nodes, counting each
+    # token once per node it goes to, EP16 43, EP32 58/57, EP64 51/50 GB/s RDMA (0.86-1.16 of the
+    # NIC; 1.0 taken).
+    deepep_nvlink_efficiency: float = 0.96
+    deepep_rdma_efficiency: float = 1.0
 
     def replace(self, **changes) -> "Constants":
         return replace(self, **changes)

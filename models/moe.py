@@ -113,6 +113,75 @@ def _imbalance(experts: int, pairs: float, ep: int, skew: float) -> float:
     return 1.0 + math.sqrt(2.0 * math.log(ep)) * math.sqrt(cv2)
 
 
+def expert_load(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
+    """(work, wait): the busiest EP rank's routed tokens over the mean (what its GEMMs, permutation
+    and all-to-all carry), and the busiest rank's work over the mean rank's (what the other ranks
+    wait for). Dropless: both the imbalance. With a capacity factor (megatron-core's
+    get_capacity: each expert keeps at most ceil(factor x T·k / E) tokens of each source rank, the
+    rest are dropped) the busiest load is capped at the factor; padded to capacity
+    (--moe-pad-expert-input-to-capacity) every expert computes and exchanges exactly the capacity,
+    so every rank carries the factor and none waits."""
+    imb = imbalance(model, cfg, c)
+    cf = cfg.moe_capacity_factor
+    if cf is None:
+        return imb, imb
+    if cfg.moe_pad_to_capacity:
+        return float(cf), 1.0
+    capped = min(imb, float(cf))  # below 1 every expert is cut to the capacity
+    return capped, max(1.0, capped)
+
+
+def nodes_hit(k: int, nodes: int) -> float:
+    """Expected distinct nodes among a token's k experts drawn evenly over `nodes` nodes:
+    N (1 - (1 - 1/N)^k). DeepEP sends a token once per node it needs (then forwards it on NVLink)."""
+    if nodes <= 1:
+        return 1.0
+    return nodes * (1.0 - (1.0 - 1.0 / nodes) ** k)
+
+
+def ep_group_per_node(cluster: ClusterSpec, stride: int, size: int) -> int:
+    """Ranks of an EP group (size ranks, `stride` apart: ETP is inner to EP in megatron-core's
+    rank order) that share a node."""
+    gpn = cluster.gpus_per_node
+    return max(1, min(size, gpn // stride)) if stride < gpn else 1
+
+
+def all_to_all_time(nbytes: float, n: int, stride: int, cluster: ClusterSpec, c: Constants) -> float:
+    """One NCCL all-to-all over n ranks, each sending nbytes in all (nbytes / n to each peer). In a
+    node: (n-1)/n of it over NVLink. Across nodes each rank's off-node share, (n-g)/n for g ranks
+    of the group per node, leaves through its own NIC (inter_node_bw_gbs per GPU) while the
+    in-node share rides NVLink at the same time: an all-to-all is not a ring, and the k NICs of a
+    node that a ring collective drives together (step_time.group_link) do not add up for one rank.
+    Latency: one message per peer, issued together (latency x sqrt(n-1), as the other collectives)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    g = ep_group_per_node(cluster, stride, n)
+    nvl = cluster.intra_node_bw_gbs * 1e9 * c.nvlink_efficiency
+    if n <= g:
+        return (n - 1) / n * nbytes / nvl + c.intra_latency_s * (n - 1) ** 0.5
+    net = cluster.inter_node_bw_gbs * 1e9 * c.network_efficiency
+    return max((n - g) / n * nbytes / net, (g - 1) / n * nbytes / nvl) + c.inter_latency_s * (n - 1) ** 0.5
+
+
+def deepep_time(tokens: float, k: int, row_bytes: float, n: int, stride: int, cluster: ClusterSpec,
+                c: Constants) -> float:
+    """One DeepEP dispatch (or combine) of `tokens` tokens of row_bytes each, top-k, over n EP ranks
+    (megatron-core's flex dispatcher, DeepEP backend). In a node: the T·k copies over NVLink at
+    DeepEP's bottleneck bandwidth (deepep_nvlink_efficiency of the link). Across nodes DeepEP
+    sends each token once per node it needs over RDMA and forwards it inside the node on NVLink:
+    T x nodes_hit x row_bytes at deepep_rdma_efficiency of the NIC, or the NVLink leg if slower."""
+    if n <= 1 or tokens <= 0:
+        return 0.0
+    g = ep_group_per_node(cluster, stride, n)
+    nvl = cluster.intra_node_bw_gbs * 1e9 * c.deepep_nvlink_efficiency
+    if n <= g:
+        return tokens * k * row_bytes * (n - 1) / n / nvl + c.intra_latency_s
+    rdma = cluster.inter_node_bw_gbs * 1e9 * c.deepep_rdma_efficiency
+    t_rdma = tokens * nodes_hit(k, n // g) * row_bytes / rdma
+    t_nvl = tokens * k * row_bytes * (g - 1) / n / nvl
+    return max(t_rdma, t_nvl) + c.inter_latency_s
+
+
 def expected_max_over_mean(count: int, mean: float) -> float:
     """Expected busiest / mean of `count` multinomial bins of `mean` items each (the forced-routing
     case of `imbalance` at the granularity of single experts)."""
@@ -137,7 +206,7 @@ def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: 
     layouts that differ only in PP / DP / VP / recompute (the memo keeps model, cluster and
     constants alive, so their ids are not reused while an entry exists)."""
     key = (id(model), id(cluster), id(c), cfg.tp, cfg.cp, cfg.mbs, cfg.seq, cfg.ep, cfg.etp,
-           cfg.sequence_parallel, cfg.precision, cfg.moe_dispatcher, cfg.moe_grouped_gemm, cfg.moe_router,
+           cfg.sequence_parallel, cfg.precision, cfg.moe_knobs(),
            cfg.num_microbatches, ep_link.bw_gbs, ep_link.latency, etp_link.bw_gbs, etp_link.latency)
     hit = _LAYER_MEMO.get(key)
     if hit is not None and hit[0] is model and hit[1] is cluster and hit[2] is c:
@@ -168,13 +237,16 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     E_loc = E / cfg.ep
     f = m.ffn_hidden_size / cfg.etp
     n_e = tokens_per_expert(model, cfg)
-    imb = imbalance(model, cfg, c)
-    out.imbalance, out.tokens_per_expert = imb, n_e
+    imb, wait = expert_load(model, cfg, c)  # busiest rank's load (capped / padded), and its wait
+    # tokens per expert the grouped GEMM sees: padded to capacity, every expert's is the capacity
+    n_g = n_e * imb if cfg.moe_capacity_factor is not None and cfg.moe_pad_to_capacity else n_e
+    out.imbalance, out.tokens_per_expert = wait, n_g
 
     # router: GEMM (fwd + 2 bwd), fp32 scores / top-k / aux loss over T x E, launch cost
     tg, u = gemm(T, h, E, linear=False)
     r_gemm = 3 * tg
-    r_mem = c.moe_router_passes * T * E * 4 / hbm
+    # (--moe-router-fusion: TE's fused top-k / softmax / aux-loss kernels pass over them fewer times)
+    r_mem = (c.moe_router_fused_passes if cfg.moe_router_fusion else c.moe_router_passes) * T * E * 4 / hbm
     r_over = c.moe_router_overhead_s + E * c.moe_router_per_expert_s
     out.router = r_gemm + r_mem + r_over
     out.router_gemm, out.router_mem = r_gemm, r_mem
@@ -202,9 +274,10 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
             n = cfg.ep * cfg.etp
             one = collective_time("all_gather", T * h * e * n, n, ep_link.bw_gbs, ep_link.latency)
             d = 2 * (one + collective_time("reduce_scatter", T * h * 4 * n, n, ep_link.bw_gbs, ep_link.latency))
-        else:
-            one = collective_time("all_to_all", routed * imb * h * e, cfg.ep, ep_link.bw_gbs, ep_link.latency)
-            d = 4 * one
+        elif cfg.moe_dispatcher == "flex":  # DeepEP: dispatch + combine, forward and backward
+            d = 4 * deepep_time(T * imb, k, h * e, cfg.ep, cfg.etp, cluster, c)
+        else:  # NCCL all-to-all: NVLink in a node, each rank's NIC across nodes (not a ring)
+            d = 4 * all_to_all_time(routed * imb * h * e, cfg.ep, cfg.etp, cluster, c)
     else:
         d = 0.0
     if cfg.etp > 1:  # expert TP: all-gather the routed tokens in, reduce-scatter the outputs
@@ -212,12 +285,10 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
                                      etp_link.bw_gbs, etp_link.latency)
     out.dispatch_total = d
     exposed = d * c.moe_a2a_exposed
-    out.dispatch = exposed
-    out.comm += exposed
 
     # experts: fc1 (h -> 2f gated), activation x probs, fc2 (f -> h); fwd + 2x bwd; the busiest
     # rank has imb x the mean tokens
-    frac = grouped_gemm_fraction(n_e, c)
+    frac = grouped_gemm_fraction(n_g, c)
     mats = 2 if gated else 1
     x_gemm = x_stream = 0.0
     if n_e > 0 and frac > 0:
@@ -267,7 +338,26 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
         out.gemm += s_gemm
         out.gemm_flops_util += 3 * (t1 * u1 + t2 * u2)
         out.memory_bound += s_mem
+    exposed = _exposed_dispatch(exposed, cfg, out, x_gemm, x_mem)
+    out.dispatch = exposed
+    out.comm += exposed
     return out
+
+
+def _exposed_dispatch(exposed: float, cfg: TrainConfig, out: MoELayerTime, x_gemm: float, x_mem: float) -> float:
+    """The dispatch / combine time left on the critical path. Shared-expert overlap
+    (--moe-shared-expert-overlap) runs the shared experts on a side stream while the tokens are
+    in flight. The 1F1B all-to-all overlap (--overlap-moe-expert-parallel-comm) pairs the forward
+    of one microbatch with the backward of another layer by layer, so each one's all-to-alls run
+    behind the other's expert and shared-expert work (the GEMMs, fwd + bwd, of the layer); the
+    first forward and the last backward of a step have no partner, 1/m of it stays exposed."""
+    if cfg.moe_shared_expert_overlap and out.shared > 0:
+        exposed = max(0.0, exposed - out.shared)
+    if cfg.moe_a2a_overlap and cfg.ep > 1:
+        m = max(1, cfg.num_microbatches)
+        hide = x_gemm + x_mem + out.shared
+        exposed = exposed / m + (m - 1) / m * max(0.0, exposed - hide)
+    return exposed
 
 
 def moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
@@ -278,7 +368,7 @@ def moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) ->
     input); the router's fp32 logits / probabilities (T x E); shared experts like a dense MLP.
     Memoised like moe_layer_time."""
     key = (id(model), id(c), cfg.tp, cfg.cp, cfg.mbs, cfg.seq, cfg.ep, cfg.etp, cfg.sequence_parallel,
-           cfg.moe_router)
+           cfg.moe_router, cfg.moe_capacity_factor, cfg.moe_pad_to_capacity)
     hit = _ACT_MEMO.get(key)
     if hit is not None and hit[0] is model and hit[1] is c:
         return hit[2]
@@ -295,7 +385,7 @@ _ACT_MEMO: dict[tuple, tuple] = {}
 def _moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
     m = model.moe
     T = moe_tokens(model, cfg)
-    routed = T * m.top_k * imbalance(model, cfg, c)
+    routed = T * m.top_k * expert_load(model, cfg, c)[0]
     gated = model.activation == "swiglu"
     # expert TP gathers the routed tokens of its ETP ranks and splits f: per GPU etp x the tokens
     # at f / etp (the same FFN elements), etp x the hidden ones
@@ -325,7 +415,9 @@ def ep_reason(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, breakdow
     if cfg.ep <= 1:
         return (f"EP=1: all {m.num_experts} experts on every GPU (no all-to-all), "
                 f"{tokens_per_expert(model, cfg):.0f} tokens/expert")
-    return (f"EP={cfg.ep}: {local} expert{'s' if local != 1 else ''}/GPU, {cfg.moe_dispatcher} over {where} "
+    disp = "DeepEP (flex)" if cfg.moe_dispatcher == "flex" else cfg.moe_dispatcher
+    etp = f", ETP={cfg.etp} (each expert's GEMMs split {cfg.etp} ways)" if cfg.etp > 1 else ""
+    return (f"EP={cfg.ep}{etp}: {local} expert{'s' if local != 1 else ''}/GPU, {disp} over {where} "
             f"= {share:.0%} of the step (exposed), busiest rank {imbalance(model, cfg, c):.2f}x the mean load, "
             f"{tokens_per_expert(model, cfg):.0f} tokens/expert")
 

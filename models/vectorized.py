@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.memory import logits_bytes_per_logit
 from advisor.models.power import _STAGE_FIELDS as _POWER_STAGE_FIELDS
@@ -72,10 +72,10 @@ class _Memo:
         if hit is None:
             from advisor.models.step_time import StageTime, _layer_forward, group_link
 
-            tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, disp, grouped, router, m = key
+            tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
             cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              precision="fp8" if fp8 else "bf16", tp_comm_overlap=tpo, moe_dispatcher=disp,
-                              moe_grouped_gemm=grouped, moe_router=router, gbs=m * mbs)
+                              precision="fp8" if fp8 else "bf16", tp_comm_overlap=tpo, gbs=m * mbs,
+                              **dict(zip(MOE_KNOBS, knobs)))
             cl, c = self.cluster, self.c
             links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
                      group_link(cl, 1, etp, c))
@@ -97,9 +97,10 @@ class _Memo:
         if hit is None:
             from advisor.models.memory import layer_activation_bytes
 
-            tp, cp, mbs, seq, ep, etp, sp, fp8, router = key
+            tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
             cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              precision="fp8" if fp8 else "bf16", moe_router=router)
+                              precision="fp8" if fp8 else "bf16", moe_router=router, moe_capacity_factor=cf,
+                              moe_pad_to_capacity=pad)
             hit = self.acts[key] = np.array([[layer_activation_bytes(self.model, i, cfg, self.c, "full"),
                                               layer_activation_bytes(self.model, i, cfg, self.c, "none")]
                                              for i in self.kinds])
@@ -198,7 +199,7 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     """(peak GiB per row, per-stage peak bytes (without the runtime overhead))."""
     m = L.num_microbatches
     r, k = S.row, S.k
-    routers = [e[2] for e in L.extras]
+    routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
     first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, _extra_codes(L, routers)])
     per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
                                   int(L.etp[i]), bool(L.sp[i]), bool(L.fp8[i]), routers[i])) for i in first])
@@ -323,14 +324,18 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     codes = _extra_codes(L, extras)
     seq_mlp = (np.array([not x[1] for x in extras], bool) if not L.same_extras
                else np.full(len(extras), not extras[0][1]) if extras else False)
+    # the microbatch count matters to a MoE layer with SequentialMLP (its per-step host work) and
+    # with the 1F1B all-to-all overlap (the first and last microbatch have no partner)
+    per_m = seq_mlp | (np.array([x[5] for x in extras], bool) if not L.same_extras
+                       else np.full(len(extras), bool(extras[0][5])) if extras else False)
     first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
-                               np.where(seq_mlp, m, 0)])
+                               np.where(per_m, m, 0)])
     units, utils = [], []
     for i in first:
-        disp, grouped, router = extras[i]
+        knobs = tuple(extras[i])
         key = (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]),
-               bool(L.sp[i]), bool(L.fp8[i]), bool(L.tp_overlap[i]), disp, grouped, router,
-               1 if grouped else int(m[i]))
+               bool(L.sp[i]), bool(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
+               int(m[i]) if per_m[i] else 1)
         u, ut = memo.unit(key)
         units.append(u)
         utils.append(ut)

@@ -56,6 +56,10 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
     reason = refusal(model, cfg, stack)
     if reason:
         return reason
+    if model.is_moe and cfg.moe_dispatcher == "flex":
+        return "the flex dispatcher needs DeepEP, which the runner's machines do not have"
+    if model.is_moe and stack == "local" and cfg.moe_router_fusion:
+        return "moe_router_fusion needs Transformer Engine's fused router kernels"
     if stack == "te":
         if cfg.tp_comm_overlap:
             # TE's userbuffers can map NVLink multicast, which the lent machines must not use
@@ -168,7 +172,15 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=1e-2,
             moe_router_force_load_balancing=cfg.moe_router == "forced",
+            moe_expert_capacity_factor=cfg.moe_capacity_factor,
+            moe_pad_expert_input_to_capacity=cfg.moe_pad_to_capacity,
+            moe_shared_expert_overlap=cfg.moe_shared_expert_overlap,
+            overlap_moe_expert_parallel_comm=cfg.moe_a2a_overlap,
+            delay_wgrad_compute=cfg.moe_a2a_overlap,
+            moe_router_fusion=cfg.moe_router_fusion,
         )
+        if cfg.moe_dispatcher == "flex":
+            kw["moe_flex_dispatcher_backend"] = "deepep"
         if m.shared_ffn_hidden_size:
             kw["moe_shared_expert_intermediate_size"] = m.shared_ffn_hidden_size
         pattern = moe_layer_pattern(model)
@@ -438,11 +450,32 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         a += _moe_arch_args(model)
         if cfg.moe_grouped_gemm:
             a.append("--moe-grouped-gemm")
-        a += ["--moe-token-dispatcher-type", cfg.moe_dispatcher,
-              "--expert-model-parallel-size", str(cfg.ep),
-              "--expert-tensor-parallel-size", str(cfg.etp)]
-        if cfg.moe_router == "forced":
-            a.append("--moe-router-force-load-balancing")
+        a += ["--expert-model-parallel-size", str(cfg.ep),
+              "--expert-tensor-parallel-size", str(cfg.etp)] + moe_knob_args(cfg)
+    return a
+
+
+def moe_knob_args(cfg: TrainConfig) -> list[str]:
+    """The MoE knobs as megatron-core 0.19's Megatron-LM flags (megatron/training/arguments.py
+    builds them from TransformerConfig / ModelParallelConfig fields): the dispatcher (flex with
+    the DeepEP backend; --moe-enable-deepep is 0.19's deprecated spelling), forced balancing,
+    the capacity factor and padding, the 1F1B all-to-all overlap (with --delay-wgrad-compute,
+    which Megatron-LM's MoE guide pairs it with), shared-expert overlap and router fusion."""
+    a = ["--moe-token-dispatcher-type", cfg.moe_dispatcher]
+    if cfg.moe_dispatcher == "flex":
+        a += ["--moe-flex-dispatcher-backend", "deepep"]
+    if cfg.moe_router == "forced":
+        a.append("--moe-router-force-load-balancing")
+    if cfg.moe_capacity_factor is not None:
+        a += ["--moe-expert-capacity-factor", f"{cfg.moe_capacity_factor:g}"]
+        if cfg.moe_pad_to_capacity:
+            a.append("--moe-pad-expert-input-to-capacity")
+    if cfg.moe_a2a_overlap:
+        a += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+    if cfg.moe_shared_expert_overlap:
+        a.append("--moe-shared-expert-overlap")
+    if cfg.moe_router_fusion:
+        a.append("--moe-router-fusion")
     return a
 
 
@@ -502,12 +535,9 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
         m = model.moe
         a += ["--num-experts", str(m.num_experts), "--moe-router-topk", str(m.top_k),
               "--moe-ffn-hidden-size", str(m.ffn_hidden_size),
-              "--moe-token-dispatcher-type", cfg.moe_dispatcher,
               "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-2",
               "--expert-model-parallel-size", str(cfg.ep),
-              "--expert-tensor-parallel-size", str(cfg.etp)]
-        if cfg.moe_router == "forced":
-            a.append("--moe-router-force-load-balancing")
+              "--expert-tensor-parallel-size", str(cfg.etp)] + moe_knob_args(cfg)
         if m.shared_ffn_hidden_size:
             a += ["--moe-shared-expert-intermediate-size", str(m.shared_ffn_hidden_size)]
         a += _moe_layer_freq(model)
@@ -560,10 +590,8 @@ def layout_args(cfg: TrainConfig) -> list[str]:
     cfg = effective_config(cfg)
     a = _parallel_size_args(cfg) + ["--seq-length", str(cfg.seq)]
     if cfg.ep > 1 or cfg.etp > 1:
-        a += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp),
-              "--moe-token-dispatcher-type", cfg.moe_dispatcher]
-        if cfg.moe_router == "forced":
-            a.append("--moe-router-force-load-balancing")
+        a += ["--expert-model-parallel-size", str(cfg.ep), "--expert-tensor-parallel-size", str(cfg.etp)]
+        a += moe_knob_args(cfg)
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import MOE_KNOB_DEFAULTS, MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig, moe_knobs_key
 from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, model_parallel_choices,
                                          split_choices)
 
@@ -75,7 +75,7 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 overlap_grad=dpcp, overlap_param=col["dist"].astype(bool) & dpcp,
                 tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, workload.precision == "fp8"),
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,
-                extras=[("alltoall", True, "aux_loss")] * n, same_extras=True)
+                extras=[MOE_KNOB_DEFAULTS] * n, same_extras=True)
     L.split = col["split"]
     L.splits = splits
     L.precision = workload.precision
@@ -158,7 +158,7 @@ class Layouts:
                    overlap_grad=col("overlap_grad_reduce", bool), overlap_param=col("overlap_param_gather", bool),
                    tp_overlap=col("tp_comm_overlap", bool),
                    fp8=np.array([c.precision == "fp8" for c in cfgs], bool), plan=plan, plans=plans,
-                   configs=cfgs, extras=[(c.moe_dispatcher, c.moe_grouped_gemm, c.moe_router) for c in cfgs])
+                   configs=cfgs, extras=[c.moe_knobs() for c in cfgs])
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -166,7 +166,6 @@ class Layouts:
         c = self.configs[i]
         if c is None:
             names = {v: k for k, v in RECOMPUTE_CODES.items()}
-            disp, grouped, router = self.extras[i]
             c = self.configs[i] = TrainConfig(
                 tp=int(self.tp[i]), pp=int(self.pp[i]), dp=int(self.dp[i]), cp=int(self.cp[i]), ep=int(self.ep[i]),
                 etp=int(self.etp[i]), vp=int(self.vp[i]), mbs=int(self.mbs[i]), gbs=int(self.gbs[i]),
@@ -174,8 +173,7 @@ class Layouts:
                 recompute=names[int(self.recompute[i])], sequence_parallel=bool(self.sp[i]),
                 distributed_optimizer=bool(self.dist_opt[i]), overlap_grad_reduce=bool(self.overlap_grad[i]),
                 overlap_param_gather=bool(self.overlap_param[i]), tp_comm_overlap=bool(self.tp_overlap[i]),
-                moe_dispatcher=disp, moe_grouped_gemm=grouped, moe_router=router,
-                **self.splits[int(self.split[i])])
+                **dict(zip(MOE_KNOBS, self.extras[i])), **self.splits[int(self.split[i])])
         return c
 
     def key(self, i: int) -> str:
@@ -185,15 +183,13 @@ class Layouts:
         if c is not None:
             return c.key()
         sp = self.splits[int(self.split[i])]
-        disp, grouped, router = self.extras[i]
         names = ("none", "selective", "full")
         return (f"tp{self.tp[i]}-pp{self.pp[i]}-dp{self.dp[i]}-cp{self.cp[i]}-ep{self.ep[i]}-etp{self.etp[i]}"
                 f"-vp{self.vp[i]}-mbs{self.mbs[i]}-gbs{self.gbs[i]}-seq{self.seq[i]}"
                 f"-{'fp8' if self.fp8[i] else self.precision}-{names[int(self.recompute[i])]}"
                 + ("-acce" if sp.get("account_for_embedding") else "") + ("-accl" if sp.get("account_for_loss") else "")
                 + (f"-layout[{sp['pipeline_layout']}]" if sp.get("pipeline_layout") else "")
-                + (f"-{disp}" if disp != "alltoall" else "") + ("-seqmlp" if not grouped else "")
-                + (f"-{router}" if router != "aux_loss" else ""))
+                + moe_knobs_key(self.extras[i]))
 
     def take(self, idx: np.ndarray) -> "Layouts":
         """The rows `idx` (in that order)."""

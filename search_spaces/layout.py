@@ -309,6 +309,28 @@ def bubble_fraction(cfg: TrainConfig) -> float:
     return (cfg.pp - 1) / (cfg.vp * cfg.num_microbatches)
 
 
+def moe_knob_violations(model: ModelSpec, cfg: TrainConfig) -> list[str]:
+    """What megatron-core 0.19's TransformerConfig.__post_init__ refuses among the MoE knobs."""
+    out = []
+    flex = cfg.moe_dispatcher == "flex"
+    if flex and cfg.moe_pad_to_capacity:
+        out.append("the flex dispatcher with DeepEP does not pad to capacity (megatron-core raises)")
+    if cfg.moe_shared_expert_overlap and cfg.moe_dispatcher == "allgather":
+        out.append("shared-expert overlap needs the alltoall or flex dispatcher")
+    if cfg.moe_a2a_overlap:
+        if cfg.ep <= 1:
+            out.append("the MoE all-to-all overlap needs ep > 1")
+        if cfg.moe_dispatcher == "allgather":
+            out.append("the MoE all-to-all overlap needs the alltoall or flex dispatcher")
+        if cfg.recompute == "full":
+            out.append("the MoE all-to-all overlap does not run with full recompute")
+        if cfg.pp > 1 and cfg.vp <= 1:
+            out.append("the MoE all-to-all overlap needs interleaving (vp > 1) when pp > 1")
+        if cfg.moe_shared_expert_overlap:
+            out.append("the MoE all-to-all overlap excludes shared-expert overlap")
+    return out
+
+
 def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) -> list[str]:
     """Every rule the layout breaks, as one-line reasons (empty when legal)."""
     out: list[str] = []
@@ -350,6 +372,7 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
             out.append(f"etp={cfg.etp} does not divide the expert FFN size {model.moe.ffn_hidden_size}")
         if cluster is not None and cfg.etp > cluster.gpus_per_node:
             out.append(f"etp={cfg.etp} spans more than one node")
+        out += moe_knob_violations(model, cfg)
     else:
         if cfg.ep > 1:
             out.append(f"ep={cfg.ep} needs a mixture-of-experts model")

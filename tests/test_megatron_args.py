@@ -369,3 +369,65 @@ def test_every_emitted_flag_exists_in_megatron_core_wheel():
                         assert a[i + 1] in {str(v) for v in choices}, (x, a[i + 1], choices)
                     emitted += 1
     assert emitted > 500
+
+
+def test_issue24_moe_knobs_print_as_megatron_0_19_flags():
+    """Capacity factor and padding, the flex dispatcher with DeepEP, the 1F1B all-to-all overlap,
+    shared-expert overlap and router fusion: in the production args, the layout-only args, the
+    runner's args and the TransformerConfig kwargs (field names of megatron-core 0.19's
+    TransformerConfig / ModelParallelConfig, from which Megatron-LM builds these flags)."""
+    ds = load_model("deepseek-v3").with_layers(4)
+    cfg = TrainConfig(dp=8, ep=8, gbs=64, moe_dispatcher="flex", moe_capacity_factor=1.25,
+                      moe_a2a_overlap=True, moe_router_fusion=True)
+    for a in (MA.megatron_lm_args(ds, cfg), MA.layout_args(cfg)):
+        assert _val(a, "--moe-token-dispatcher-type") == "flex"
+        assert _val(a, "--moe-flex-dispatcher-backend") == "deepep"
+        assert _val(a, "--moe-expert-capacity-factor") == "1.25"
+        assert "--moe-pad-expert-input-to-capacity" not in a
+        assert "--overlap-moe-expert-parallel-comm" in a and "--delay-wgrad-compute" in a
+        assert "--moe-router-fusion" in a and "--moe-shared-expert-overlap" not in a
+    pad = TrainConfig(dp=8, ep=8, gbs=64, moe_capacity_factor=1.0, moe_pad_to_capacity=True,
+                      moe_shared_expert_overlap=True)
+    a = MA.megatron_lm_args(ds, pad, runner=True)
+    assert "--moe-pad-expert-input-to-capacity" in a and "--moe-shared-expert-overlap" in a
+    assert _val(a, "--moe-token-dispatcher-type") == "alltoall" and "--moe-flex-dispatcher-backend" not in a
+    kw = MA.transformer_config_kwargs(ds, cfg, stack="te")
+    assert kw["moe_token_dispatcher_type"] == "flex" and kw["moe_flex_dispatcher_backend"] == "deepep"
+    assert kw["moe_expert_capacity_factor"] == 1.25 and not kw["moe_pad_expert_input_to_capacity"]
+    assert kw["overlap_moe_expert_parallel_comm"] and kw["delay_wgrad_compute"] and kw["moe_router_fusion"]
+    # defaults print nothing new
+    plain = MA.megatron_lm_args(ds, TrainConfig(dp=8, ep=8, gbs=64))
+    assert not {"--moe-expert-capacity-factor", "--overlap-moe-expert-parallel-comm", "--moe-router-fusion",
+                "--moe-flex-dispatcher-backend"} & set(plain)
+    # the runner's machines have no DeepEP; the local stack has no fused router
+    assert "DeepEP" in MA.refusal_reason(ds, cfg, stack="te")
+    assert "Transformer Engine" in MA.refusal_reason(ds, TrainConfig(dp=8, ep=8, gbs=64, moe_router_fusion=True))
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"moe_pad_to_capacity": True}, "needs moe_capacity_factor"),
+    ({"moe_capacity_factor": 0.0}, "positive number"),
+    ({"moe_capacity_factor": float("nan")}, "positive number"),
+    ({"moe_a2a_overlap": 1}, "true or false"),
+    ({"moe_dispatcher": "deepep"}, "alltoall, allgather, flex"),
+])
+def test_moe_knob_values_are_checked(changes, needle):
+    with pytest.raises(MA.SpecError, match=needle):
+        TrainConfig(**changes)
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"moe_dispatcher": "flex", "moe_capacity_factor": 1.0, "moe_pad_to_capacity": True}, "does not pad"),
+    ({"moe_a2a_overlap": True, "ep": 1}, "needs ep > 1"),
+    ({"moe_a2a_overlap": True, "moe_dispatcher": "allgather"}, "alltoall or flex"),
+    ({"moe_a2a_overlap": True, "recompute": "full"}, "full recompute"),
+    ({"moe_a2a_overlap": True, "pp": 2, "dp": 4}, "vp > 1"),
+    ({"moe_a2a_overlap": True, "moe_shared_expert_overlap": True}, "excludes shared-expert"),
+    ({"moe_shared_expert_overlap": True, "moe_dispatcher": "allgather"}, "alltoall or flex"),
+])
+def test_moe_knob_combinations_megatron_refuses(changes, needle):
+    from advisor.search_spaces.layout import violations
+
+    base = dict(dp=8, ep=8, gbs=64)
+    cfg = TrainConfig(**{**base, **changes})
+    assert any(needle in v for v in violations(load_model("deepseek-v3").with_layers(8), None, cfg))

@@ -179,3 +179,80 @@ def test_multi_gpu_moe_runs_out_of_sample():
     assert {r["rec"].cfg.moe_dispatcher for r in rows} == {"alltoall", "allgather"}
     e = B.errors(rows, c)
     assert e["tps"] <= B.TOKENS_MAPE_MAX and e["mem"] <= B.MEMORY_MAPE_MAX, e
+
+
+# ---------------------------------------------------------------- issue #24: the new MoE physics
+def _layer(model, cfg, cluster="h100x1024"):
+    from advisor.catalog import load_cluster
+    from advisor.models.constants import DEFAULT
+    from advisor.models.step_time import collective_time, gemm_time, group_link
+
+    cl = load_cluster(cluster)
+    c = DEFAULT
+    gpu = cl.gpu
+
+    def rate(m_, k_, n_, linear=True):
+        return gemm_time(m_, k_, n_, gpu.bf16_tflops * 1e12, gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
+    return moe.moe_layer_time(model, cfg, cl, c, rate, group_link(cl, cfg.etp, cfg.ep, c),
+                              group_link(cl, 1, cfg.etp, c), collective_time)
+
+
+def test_capacity_caps_the_busiest_load_and_padding_costs_compute():
+    from advisor.catalog import load_model
+
+    m = load_model("qwen3-235b-a22b")
+    base = TrainConfig(tp=1, ep=8, dp=64, mbs=1, gbs=512, seq=4096)
+    assert moe.imbalance(m, base, DEFAULT) > 1.05
+    drop = base.replace(moe_capacity_factor=1.0)
+    pad = base.replace(moe_capacity_factor=1.5, moe_pad_to_capacity=True)
+    t0, t1, t2 = _layer(m, base), _layer(m, drop), _layer(m, pad)
+    assert t1.expert < t0.expert and t1.imbalance == pytest.approx(1.0)  # capped at the capacity
+    assert t2.expert > t0.expert and t2.imbalance == 1.0  # every expert padded to 1.5 x the mean
+    assert t2.tokens_per_expert == pytest.approx(1.5 * t0.tokens_per_expert)
+
+
+def test_all_to_all_across_nodes_runs_at_each_ranks_nic_not_the_ring_rate():
+    from advisor.catalog import load_cluster
+    from advisor.models.constants import DEFAULT as c
+
+    cl = load_cluster("h100x1024")
+    nbytes = 1e9
+    inside = moe.all_to_all_time(nbytes, 8, 1, cl, c)
+    across = moe.all_to_all_time(nbytes, 64, 1, cl, c)
+    # 56/64 of the bytes leave through one NIC per GPU
+    nic = cl.inter_node_bw_gbs * 1e9 * c.network_efficiency
+    assert across == pytest.approx(56 / 64 * nbytes / nic + c.inter_latency_s * 63 ** 0.5)
+    assert across > 5 * inside
+    # DeepEP sends a token once per node (top-8 over 8 nodes: 5.25 nodes, not 7 remote copies)
+    assert moe.nodes_hit(8, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+    t = 4096.0
+    deepep = moe.deepep_time(t, 8, 7168 * 2, 64, 1, cl, c)
+    a2a = moe.all_to_all_time(t * 8 * 7168 * 2, 64, 1, cl, c)
+    assert deepep < a2a
+
+
+def test_overlaps_hide_dispatch_behind_the_other_microbatch():
+    from advisor.catalog import load_model
+
+    m = load_model("deepseek-v3")
+    base = TrainConfig(tp=1, ep=64, dp=1024, mbs=1, gbs=8192, seq=4096)
+    t0 = _layer(m, base)
+    ovl = _layer(m, base.replace(moe_a2a_overlap=True))
+    sh = _layer(m, base.replace(moe_shared_expert_overlap=True))
+    assert ovl.dispatch_total == pytest.approx(t0.dispatch_total)
+    assert ovl.dispatch < t0.dispatch and sh.dispatch < t0.dispatch
+    hide = t0.expert_gemm + t0.expert_mem + t0.shared
+    m_ = base.num_microbatches
+    assert ovl.dispatch == pytest.approx(t0.dispatch / m_ + (m_ - 1) / m_ * max(0.0, t0.dispatch - hide))
+    assert sh.dispatch == pytest.approx(max(0.0, t0.dispatch - t0.shared))
+
+
+def test_layout_flags_give_etp_megatrons_default():
+    from advisor.api import layout_from_flags
+    from advisor.catalog import load_cluster, load_model
+
+    cl = load_cluster("h100x64")
+    m = load_model("qwen3-235b-a22b")
+    assert layout_from_flags(m, cl, {"tp": 2, "ep": 8}).etp == 2  # ETP = TP when not given
+    assert layout_from_flags(m, cl, {"tp": 2, "ep": 8, "etp": 1}).etp == 1
+    assert layout_from_flags(load_model("llama3-8b"), cl, {"tp": 2}).etp == 1

@@ -132,6 +132,27 @@ def test_moe_knobs_and_layouts_built_from_configs_agree():
     assert not bad, "\n".join(bad[:20])
 
 
+def test_new_moe_knobs_agree_per_layout_and_on_arrays():
+    """Issue #24's knobs (DeepEP flex dispatcher, capacity factor with and without padding, the
+    1F1B all-to-all overlap, shared-expert overlap, router fusion), mixed in one Layouts so the
+    array model keys them per row, agree with the per-layout model at 1e-9."""
+    bad = []
+    for model, cluster in (("qwen3-235b-a22b", "h100x32"), ("deepseek-v3", "h100x64")):
+        m, c, wl, cfgs = _space(model, cluster, {"gbs": 256}, SpaceOptions(mbs=(1, 2)))
+        ok = [cfg for cfg in cfgs if cfg.ep > 1 and cfg.recompute != "full" and (cfg.pp == 1 or cfg.vp > 1)]
+        picked = ok[::max(1, len(ok) // 14)][:14]
+        knobs = [{"moe_dispatcher": "flex"}, {"moe_capacity_factor": 1.0},
+                 {"moe_capacity_factor": 1.25, "moe_pad_to_capacity": True}, {"moe_a2a_overlap": True},
+                 {"moe_dispatcher": "flex", "moe_a2a_overlap": True}, {"moe_shared_expert_overlap": True},
+                 {"moe_router_fusion": True}]
+        variants = [cfg.replace(**knobs[i % len(knobs)]) for i, cfg in enumerate(picked)] + picked[:2]
+        res = vz.evaluate(m, c, vz.Layouts.of(m, variants), DEFAULT)
+        for i, cfg in enumerate(variants):
+            bad += [f"{cfg.key()}{d}" for d in same(res.prediction(i).to_dict(), predict(m, c, cfg, DEFAULT).to_dict())]
+        assert len({v.moe_key() for v in variants}) >= len(knobs)
+    assert not bad, "\n".join(bad[:20])
+
+
 def test_power_caps_per_layout_and_per_stage():
     m, c, wl, cfgs = _space("llama3-70b", "h100x32", {}, WIDE)
     cfgs = [cfg for cfg in cfgs if cfg.pp > 1][::25][:16]
