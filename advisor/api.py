@@ -163,9 +163,9 @@ def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predict
     parts = []
     if best is not None and best is not p:
         parts.append(f"{(1 - p.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu) * 100:.1f}% slower than #1")
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     if cfg.tp > 1:
-        parts.append(f"TP={cfg.tp} inside a {gpn}-GPU NVLink node")
+        parts.append(f"TP={cfg.tp} inside a {gpn}-GPU NVLink domain")
     if cfg.pp > 1:
         vp = f"×VP={cfg.vp} " if cfg.vp > 1 else ""
         parts.append(f"PP={cfg.pp} {vp}with {cfg.num_microbatches} microbatches: {p.bubble_fraction * 100:.1f}% "

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from advisor.catalog import ClusterSpec, ModelSpec, MoESpec, SpecError, TrainConfig, load_gpu, load_model
-from advisor.catalog.loaders import _make_cluster  # noqa: PLC2701 - the one cluster constructor
+from advisor.catalog.loaders import make_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "published"
@@ -208,16 +208,9 @@ def _precision(p: str) -> tuple[str | None, str]:
 
 def _cluster(gpu_type: str, n: int) -> ClusterSpec:
     gpu = load_gpu(GPUS[gpu_type])
-    gpn = gpu.gpus_per_node
-    if n <= gpn:
-        per = n
-    elif n % gpn == 0:
-        per = gpn
-    else:  # NVL72 racks running a power-of-two job: the largest power of two within the domain
-        per = 1
-        while per * 2 <= gpn and n % (per * 2) == 0:
-            per *= 2
-    return _make_cluster(f"{gpu.name}x{n}", gpu, n // per, per, None, None, None, f"published {gpu_type}x{n}")
+    gpn = gpu.gpus_per_node  # NVL72 racks: 4-GPU trays, the ranks spread evenly over the racks
+    per = n if n <= gpn else gpn if n % gpn == 0 else math.gcd(n, gpn)
+    return make_cluster(f"{gpu.name}x{n}", gpu, n // per, per, None, None, None, f"published {gpu_type}x{n}")
 
 
 def _measured(r: dict, model: ModelSpec | None, seq: int | None, notes: list[str]) -> float:

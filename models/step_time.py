@@ -64,14 +64,16 @@ class Link:
 
 
 def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
-    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in a node.
-    Across nodes, the k ranks of the group that share a node drive k NICs at once (NCCL runs one
+    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in the job's
+    share of one NVLink domain (`ClusterSpec.domain_gpus`: an HGX node, or the GPUs of an NVL72
+    rack, over its 4-GPU trays). Across domains, the k ranks of the group that share a domain
+    drive k NICs at once (NCCL runs one
     ring / channel per NIC; a node's boundary hop carries the group's traffic over all of them), so
     the group's per-rank bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX
     H100 (8 x 400 Gb/s per node) show multi-node all-reduce bus bandwidths near the NVLink one
     with full nodes, and ~50 GB/s with one rank per node."""
     span = stride * size
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     if size <= 1 or span <= gpn:
         return Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False)
     per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
@@ -406,8 +408,8 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             for other in (nxt, prv):
                 if other is None:
                     continue
-                # the same position in both stages: rank k·span + j, on node rank // gpus_per_node
-                gpn = cluster.gpus_per_node
+                # the same position in both stages: rank k·span + j, in NVLink domain rank // domain_gpus
+                gpn = cluster.domain_gpus
                 inter = (stage * stage_span) // gpn != (other * stage_span) // gpn
                 link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if inter
                         else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))

@@ -393,7 +393,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     p2p = np.zeros(S.total)
     bbytes = T * model.hidden_size * e / np.where(L.sp, L.tp, 1)[r]
     span = (L.tp * L.cp * L.dp)[r]
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     inter_bw, inter_lat = cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s
     intra_bw, intra_lat = cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s
     for other, ok in ((np.where(k + 1 < pp, k + 1, 0), (pp > 1) & ((k + 1 < pp) | (vp > 1))),
@@ -482,7 +482,7 @@ def _coll(kind: str, nbytes, n, bw_gbs, lat):
 
 def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
     """step_time.group_link on arrays: (bandwidth GB/s, latency)."""
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     stride, size = np.asarray(stride), np.asarray(size)
     span = stride * size
     intra = (size <= 1) | (span <= gpn)

@@ -321,8 +321,8 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
         # megatron.core.transformer.attention divides num_query_groups by the TP size
         out.append(f"tp={cfg.tp} does not divide the {kv} KV groups")
     if cluster is not None:
-        if cfg.tp > cluster.gpus_per_node:
-            out.append(f"tp={cfg.tp} spans more than one node ({cluster.gpus_per_node} GPUs per node)")
+        if cfg.tp > cluster.domain_gpus:
+            out.append(f"tp={cfg.tp} spans more than one NVLink domain ({cluster.domain_gpus} GPUs of the job per domain)")
         if cfg.world_size != cluster.world_size:
             out.append(f"tp·pp·cp·dp = {cfg.tp}·{cfg.pp}·{cfg.cp}·{cfg.dp} = {cfg.world_size} "
                        f"≠ {cluster.world_size} GPUs in the cluster")
@@ -348,8 +348,8 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
             out.append(f"ep·etp = {cfg.ep}·{cfg.etp} does not divide dp·cp·tp = {cfg.dp * cfg.cp * cfg.tp}")
         if model.moe.ffn_hidden_size % cfg.etp:
             out.append(f"etp={cfg.etp} does not divide the expert FFN size {model.moe.ffn_hidden_size}")
-        if cluster is not None and cfg.etp > cluster.gpus_per_node:
-            out.append(f"etp={cfg.etp} spans more than one node")
+        if cluster is not None and cfg.etp > cluster.domain_gpus:
+            out.append(f"etp={cfg.etp} spans more than one NVLink domain")
     else:
         if cfg.ep > 1:
             out.append(f"ep={cfg.ep} needs a mixture-of-experts model")

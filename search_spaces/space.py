@@ -186,7 +186,7 @@ def model_parallel_choices(model: ModelSpec, cluster: ClusterSpec, workload: Wor
                            options: SpaceOptions) -> Iterator[tuple[int, int, int, int]]:
     """(tp, cp, pp, dp) of the space, in enumeration order (search_spaces.columns shares it)."""
     world = cluster.world_size
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus  # TP stays inside the NVLink domain (an NVL72 rack: up to its 72 GPUs)
     heads, kv = model.num_attention_heads, model.kv_heads
     tps = [t for t in divisors(gpn) if heads % t == 0 and (model.mla is not None or kv % t == 0)]
     cps = [c for c in powers_of_two_upto(options.max_cp)
