@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
+from advisor.catalog.specs import check_precision
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
 from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.screen import RECOMPUTE_COST, NoFeasibleLayout, screen
@@ -55,14 +56,14 @@ def default_gbs(world_size: int, seq: int) -> int:
 
 
 def default_workload(model: ModelSpec, cluster: ClusterSpec, seq: int | None = None,
-                     gbs: int | None = None, precision: str = "bf16") -> Workload:
+                     gbs: int | None = None, precision: str = "bf16", fp8_recipe: str = "delayed") -> Workload:
     """seq: the model's context up to 8192; gbs: `default_gbs` (128 sequences up to 128 GPUs at
     seq 8192, then ~8K tokens per GPU up to Llama 3's 16M-token batch)."""
     if seq is None:
         seq = min(model.max_position_embeddings or 8192, 8192)
     if gbs is None:
         gbs = default_gbs(cluster.world_size, seq)
-    return Workload(seq=seq, gbs=gbs, precision=precision)
+    return Workload(seq=seq, gbs=gbs, precision=precision, fp8_recipe=fp8_recipe)
 
 
 def resolve(model: str | ModelSpec, cluster: str | ClusterSpec, power_cap_w: float | None = None
@@ -129,7 +130,8 @@ class RecommendResult:
             "model": self.model.name,
             "cluster": self.cluster.to_dict(),
             "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs,
-                         "precision": self.workload.precision, "objective": self.objective,
+                         "precision": self.workload.precision, "fp8_recipe": self.workload.fp8_recipe,
+                         "objective": self.objective,
                          "power_caps_w": self.power_caps},
             "candidates_evaluated": self.candidates_evaluated,
             "feasible": self.feasible,
@@ -272,7 +274,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
               constants: Constants = DEFAULT, options: SpaceOptions | None = None,
               calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
               stack: str | None = None, power_caps: str | Sequence[float] | None = None,
-              memory_margin: float | None = None) -> RecommendResult:
+              memory_margin: float | None = None, fp8_recipe: str = "delayed") -> RecommendResult:
     """Rank every legal layout the stack's runner can run that fits in memory by the objective (a
     layout with more recompute than the cheapest mode that fits it is counted as fitting, not
     ranked; a layout fits when its memory interval's upper bound is under the GPU's memory less
@@ -305,9 +307,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         from advisor.models.calibrate import override_workload
 
         m, c, seq, gbs, precision, options = override_workload(m, c, overrides, seq, gbs, precision, options)
-    if precision == "fp8" and not c.gpu.fp8_tflops:
-        raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
-    wl = default_workload(m, c, seq, gbs, precision)
+    check_precision(c.gpu, precision)
+    wl = default_workload(m, c, seq, gbs, precision, fp8_recipe)
     if not runs_sequence_parallel(st.name) and options.sequence_parallel:  # as the stack's runner runs them
         options = dataclasses.replace(options, sequence_parallel=False)
     from advisor.models import vectorized as vz
@@ -591,7 +592,8 @@ class Comparison:
 def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = "default") -> Comparison:
     """One layout (flags as for `predict`, workload from `res`) next to `res`'s top-1: its ratio to
     the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
-    v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision, **dict(values)}
+    v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision,
+         "fp8_recipe": res.workload.fp8_recipe, **dict(values)}
     cal = _calibration(calibration, res.stack)
     cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
     bad = violations(res.model, res.cluster, cfg)
@@ -624,7 +626,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
 # predict
 # ------------------------------------------------------------------------------------------------
 
-LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "recompute",
+LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "fp8_recipe", "recompute",
                "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers", "account_for_embedding",
                "account_for_loss", "pipeline_layout")

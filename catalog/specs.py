@@ -23,6 +23,24 @@ PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "mxfp8", "nvfp4")
 # "tensorwise" (current per-tensor scaling), "blockwise" (128x128 weight / 1x128 activation blocks)
 FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise")
 BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")  # formats only Blackwell's tensor cores run
+# What the linear layers' GEMMs run in, one name per (precision, fp8 recipe): the code of a layout
+# is its index (models.vectorized carries it as a column; 0 = bf16)
+QUANTS: tuple[str, ...] = ("bf16", "fp8", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4")
+
+
+def quant_name(precision: str, fp8_recipe: str = "delayed") -> str:
+    """The QUANTS name of a precision and FP8 recipe ('fp8' is delayed scaling)."""
+    if precision == "fp8" and fp8_recipe != "delayed":
+        return f"fp8-{fp8_recipe}"
+    return precision
+
+
+def quant_parts(code: int) -> tuple[str, str]:
+    """(precision, fp8_recipe) of a QUANTS code."""
+    name = QUANTS[int(code)]
+    if name.startswith("fp8-"):
+        return "fp8", name[4:]
+    return name, "delayed"
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # Mixture of experts: Megatron's token dispatchers (--moe-token-dispatcher-type) and routers
 # ("aux_loss": a trained router kept near balance by the auxiliary loss; "forced": random logits,
@@ -386,6 +404,7 @@ class TrainConfig:
     gbs: int = 1
     seq: int = 4096
     precision: Precision = "bf16"
+    fp8_recipe: str = "delayed"  # Megatron's --fp8-recipe for precision fp8 (FP8_RECIPES)
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
@@ -416,6 +435,8 @@ class TrainConfig:
                 raise SpecError(f"{n} must be a positive integer, got {v!r}")
         if self.precision not in PRECISIONS:
             raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise SpecError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise SpecError(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
@@ -431,6 +452,15 @@ class TrainConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def quant(self) -> str:
+        """What the linear layers run in (QUANTS: 'bf16', 'fp8', 'fp8-tensorwise', 'mxfp8', ...)."""
+        return quant_name(self.precision, self.fp8_recipe)
+
+    @property
+    def quant_code(self) -> int:
+        return QUANTS.index(self.quant)
 
     @property
     def num_microbatches(self) -> int:
@@ -466,7 +496,7 @@ class TrainConfig:
         embedding / loss accounting and an explicit pipeline layout are appended only when set."""
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}-cp{self.cp}-ep{self.ep}-etp{self.etp}-vp{self.vp}"
-            f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.precision}-{self.recompute}"
+            f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.quant}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
             + self.moe_key()

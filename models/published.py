@@ -56,7 +56,7 @@ class PublishedRun:
     model: ModelSpec | None = None
     cluster: ClusterSpec | None = None
     cfg: TrainConfig | None = None
-    fp8_recipe: str = ""  # delayed / current / mx / blockwise where the row says
+    fp8_recipe: str = ""  # delayed / tensorwise / blockwise where the row says (mxfp8 / nvfp4: the precision)
     assumptions: tuple[str, ...] = ()
     usable: bool = True
     why: str = ""  # why not usable
@@ -194,14 +194,19 @@ def model_for(key: str, archs: dict[str, dict], notes: list[str]) -> ModelSpec |
 # rows
 # ------------------------------------------------------------------------------------------------
 
-def _precision(p: str) -> tuple[str | None, str]:
-    """(advisor precision or None if not modelled, fp8 recipe)."""
+def _precision(p: str, gpu_type: str) -> tuple[str | None, str]:
+    """(advisor precision or None if not modelled, fp8 recipe). "Finer-granularity" FP8 is MXFP8
+    on Blackwell and 128x128 blockwise on Hopper (the source's own words)."""
     s = p.upper()
+    blackwell = load_gpu(GPUS[gpu_type]).generation == "blackwell" if gpu_type in GPUS else False
+    if "NVFP4" in s:
+        return "nvfp4", ""
     if "FP4" in s:
         return None, ""
     if "FP8" in s:
-        recipe = ("mx" if "MX" in s else "current" if ("CS" in s or "CURRENT" in s) else
-                  "blockwise" if "FINER" in s else "delayed")
+        if "MX" in s or ("FINER" in s and blackwell):
+            return "mxfp8", ""
+        recipe = ("tensorwise" if ("CS" in s or "CURRENT" in s) else "blockwise" if "FINER" in s else "delayed")
         return "fp8", recipe
     return "bf16", ""  # BF16, FP16 mixed (same tensor-core rate), "mixed", "not stated (... BF16 ...)"
 
@@ -255,7 +260,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     tps = _measured(r, model, seq, notes)
     if not n or gpu_type not in GPUS:
         return unusable("no GPU count or an unknown GPU", tps=tps, model=model)
-    precision, recipe = _precision(r["precision"])
+    precision, recipe = _precision(r["precision"], gpu_type)
     if precision is None:
         return unusable("FP4 training is not modelled", tps=tps, model=model)
     if not math.isfinite(tps):
@@ -286,7 +291,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     dp = n // mp
     try:
         cfg = TrainConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq,
-                          precision=precision, recompute=recompute, sequence_parallel=tp > 1,
+                          precision=precision, fp8_recipe=recipe or "delayed", recompute=recompute, sequence_parallel=tp > 1,
                           distributed_optimizer=dp * cp > 1, overlap_grad_reduce=dp * cp > 1,
                           overlap_param_gather=dp * cp > 1)
     except SpecError as e:

@@ -18,6 +18,7 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.memory import plan_params
+from advisor.models.quant import quant
 from advisor.search_spaces.layout import pipeline_plan, rank_kinds
 from advisor.models.moe import moe_layer_time
 
@@ -210,7 +211,8 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
     transpose traffic and per-GEMM scaling overhead of `Constants.fp8_*` (forward share here, the
     backward share in `st.fp8_cast_s`); core attention and the router stay BF16."""
     gpu = cluster.gpu
-    fp8 = cfg.precision == "fp8"
+    q = quant(gpu, cfg.quant_code, c)  # the linear layers' format (None: bf16)
+    fp8 = q is not None
     bf16_peak = gpu.bf16_tflops * 1e12
     hbm = gpu.hbm_bandwidth_gbs * 1e9
     t = cfg.tp
@@ -224,10 +226,9 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
     def gemm(m, k, n, count=1, linear=True):
         """A GEMM of the layer; `linear`: a TE linear layer (FP8 under fp8), else BF16."""
         if fp8 and linear:
-            tt, u = gemm_time(m, k, n, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
-                              in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
-            cast[0] += m * k * count * c.fp8_cast_fwd_bytes
-            cast[1] += m * n * count * c.fp8_cast_bwd_bytes
+            tt, u = gemm_time(m, k, n, q.peak_flops, hbm, c, q.efficiency, in_bytes=q.in_bytes, half_dim=q.half_dim)
+            cast[0] += m * k * count * q.cast_fwd_bytes
+            cast[1] += m * n * count * q.cast_bwd_bytes
             cast[2] += count
         else:
             tt, u = gemm_time(m, k, n, bf16_peak, hbm, c, c.gemm_efficiency_max)
@@ -256,16 +257,16 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         # time and doubles communication for the backward), per-term times kept as they are
         def rate(m_, k_, n_, linear=True):
             if fp8 and linear:
-                return gemm_time(m_, k_, n_, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
-                                 in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
+                return gemm_time(m_, k_, n_, q.peak_flops, hbm, c, q.efficiency, in_bytes=q.in_bytes,
+                                 half_dim=q.half_dim)
             return gemm_time(m_, k_, n_, bf16_peak, hbm, c, c.gemm_efficiency_max)
         mt = moe_layer_time(model, cfg, cluster, c, rate, ep_link, etp_link, collective_time)
         g += mt.gemm / 3
         util_acc[0] += mt.gemm_flops_util / 3
         util_acc[1] += mt.gemm / 3
         if fp8:  # the experts' FP8 casts, as `gemm` counts them for the other linear layers
-            cast[0] += mt.fp8_cast_elems[0] * c.fp8_cast_fwd_bytes
-            cast[1] += mt.fp8_cast_elems[1] * c.fp8_cast_bwd_bytes
+            cast[0] += mt.fp8_cast_elems[0] * q.cast_fwd_bytes
+            cast[1] += mt.fp8_cast_elems[1] * q.cast_bwd_bytes
             cast[2] += mt.fp8_gemm_calls
         st.memory_bound_s += mt.memory_bound / 3
         st.ep_comm_s += mt.comm / 2

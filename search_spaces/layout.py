@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig, check_precision
 
 
 class IllegalLayout(SpecError):
@@ -361,8 +361,11 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
         out.append("tp_comm_overlap needs sequence_parallel")
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
         out.append("overlap_param_gather needs the distributed optimizer")
-    if cfg.precision == "fp8" and cluster is not None and not cluster.gpu.fp8_tflops:
-        out.append(f"{cluster.gpu.name} has no fp8 tensor cores")
+    if cfg.precision != "bf16" and cluster is not None:
+        try:
+            check_precision(cluster.gpu, cfg.precision)
+        except SpecError as e:
+            out.append(str(e))
     return out
 
 

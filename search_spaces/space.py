@@ -37,6 +37,7 @@ class Workload:
     seq: int
     gbs: int
     precision: str = "bf16"
+    fp8_recipe: str = "delayed"  # Megatron's --fp8-recipe when precision is fp8
 
     def __post_init__(self) -> None:
         if self.seq < 1 or self.gbs < 1:
@@ -232,6 +233,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                             cfg = TrainConfig(
                                 tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs,
                                 gbs=workload.gbs, seq=workload.seq, precision=workload.precision,
+                                fp8_recipe=workload.fp8_recipe,
                                 recompute=rc, sequence_parallel=options.sequence_parallel and tp > 1,
                                 distributed_optimizer=dist and dp * cp > 1,
                                 overlap_grad_reduce=dp * cp > 1,
