@@ -17,6 +17,7 @@ import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
 from advisor.catalog.specs import check_precision
+from advisor.models.domain import domain_note
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
 from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.screen import RECOMPUTE_COST, NoFeasibleLayout, screen
@@ -124,9 +125,12 @@ class RecommendResult:
     power_caps: list[float] = field(default_factory=list)  # the caps tried (energy / balanced)
     memory_margin: float = 0.05  # the share of the GPU's memory a layout's upper bound leaves free
     left_out: dict = field(default_factory=dict)  # what the stack's runner cannot run (advisor.screen)
+    # one line where the answer lies outside the profile's fitted domain (models.domain)
+    domain_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "domain_note": self.domain_note,
             "model": self.model.name,
             "cluster": self.cluster.to_dict(),
             "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs,
@@ -298,7 +302,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
-    cal = _calibration(calibration, st.name)
+    cal = _calibration(calibration, st.name, c.gpu)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
     screen_constants = cal.screening_constants if cal is not None else constants
@@ -416,7 +420,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
                            candidates=preds, calibrated_with=cal, power_caps=grid, memory_margin=sc_margin,
                            left_out=scr.left_out,
-                           warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
+                           warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None),
+                           domain_note=domain_note(cal, m, c, out[0].config))
 
 
 def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, constants: Constants, cal,
@@ -594,7 +599,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
     the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
     v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision,
          "fp8_recipe": res.workload.fp8_recipe, **dict(values)}
-    cal = _calibration(calibration, res.stack)
+    cal = _calibration(calibration, res.stack, res.cluster.gpu)
     cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
     bad = violations(res.model, res.cluster, cfg)
     if bad:
@@ -717,7 +722,7 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
         from advisor.models.calibrate import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
-    cal = _calibration(calibration, stack)
+    cal = _calibration(calibration, stack, c.gpu)
     cfg = layout_from_flags(m, c, values, stack, checked=checked and not overrides)
     v = violations(m, c, cfg)
     if v:
@@ -740,14 +745,21 @@ def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], consta
     return [C.prediction(i) for i in range(len(cfgs))]
 
 
-def _calibration(spec: Any, stack: str | None = None):
-    """A Calibration from None / "none" / "default" (the stack's profile) / a path / a Calibration
-    (lazy import)."""
+def _calibration(spec: Any, stack: str | None = None, gpu=None):
+    """A Calibration from None / "none" / "default" (the stack's profile for `gpu`'s generation) /
+    a path / a Calibration (lazy import)."""
     if spec is None:
         return None
     from advisor.models.calibrate import resolve_calibration
 
-    return resolve_calibration(spec, stack)
+    return resolve_calibration(spec, stack, gpu)
+
+
+def _is_shipped(spec: Any, stack: str | None) -> bool:
+    """`spec` names a shipped profile ("default" or a stack's name), chosen per GPU generation."""
+    from advisor.models.profiles import STACKS
+
+    return isinstance(spec, str) and spec.lower() in ("default", *STACKS)
 
 
 # keys a predict --batch line may carry (anything else is an error naming the key)
@@ -767,7 +779,8 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
     batch. Output values are finite or null (advisor.validate.dumps writes strict JSON)."""
     from advisor import validate
 
-    calibration = _calibration(calibration, stack)  # load the file once, not per line
+    if not _is_shipped(calibration, stack):  # a file: load it once, not per line (the shipped
+        calibration = _calibration(calibration, stack)  # profiles are cached, one per GPU generation)
     sets = validate.parse_sets(overrides)
     set_keys = {"power_cap": "power_cap_w"}
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}

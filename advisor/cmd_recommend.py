@@ -80,6 +80,8 @@ def recommend_cmd(
             report.print_text(console, "#1 " + format_intervals(first))
         for w in res.warnings:  # one line each, as every warning
             typer.echo(f"warning: {w}")
+        if res.domain_note:
+            typer.echo(f"note: {res.domain_note}")
         for x in res.compared:
             report.print_comparison(x, console)
     if html:
