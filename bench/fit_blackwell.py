@@ -13,7 +13,6 @@ per format, and the profile's domain (what it was fitted on, with its error ther
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from advisor.models import profile_fit as F  # noqa: E402
 from advisor.models import published as P  # noqa: E402
@@ -104,15 +104,9 @@ def build(say=print, max_nfev: int = 40) -> Calibration:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("-o", "--out", default=str(STACKS["te"].generations["blackwell"]))
-    a = ap.parse_args(argv)
-    cal = build()
-    if not a.dry_run:
-        cal.save(a.out)
-        print(f"wrote {a.out}")
-    return 0
+    from fit_profiles import main as fit_main
+
+    return fit_main(argv, build, STACKS["te"].generations["blackwell"], __doc__)
 
 
 if __name__ == "__main__":
