@@ -16,6 +16,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
+from advisor.catalog.specs import check_precision
+from advisor.models.domain import domain_note
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
 from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.screen import RECOMPUTE_COST, NoFeasibleLayout, screen
@@ -55,14 +57,14 @@ def default_gbs(world_size: int, seq: int) -> int:
 
 
 def default_workload(model: ModelSpec, cluster: ClusterSpec, seq: int | None = None,
-                     gbs: int | None = None, precision: str = "bf16") -> Workload:
+                     gbs: int | None = None, precision: str = "bf16", fp8_recipe: str = "delayed") -> Workload:
     """seq: the model's context up to 8192; gbs: `default_gbs` (128 sequences up to 128 GPUs at
     seq 8192, then ~8K tokens per GPU up to Llama 3's 16M-token batch)."""
     if seq is None:
         seq = min(model.max_position_embeddings or 8192, 8192)
     if gbs is None:
         gbs = default_gbs(cluster.world_size, seq)
-    return Workload(seq=seq, gbs=gbs, precision=precision)
+    return Workload(seq=seq, gbs=gbs, precision=precision, fp8_recipe=fp8_recipe)
 
 
 def resolve(model: str | ModelSpec, cluster: str | ClusterSpec, power_cap_w: float | None = None
@@ -123,13 +125,17 @@ class RecommendResult:
     power_caps: list[float] = field(default_factory=list)  # the caps tried (energy / balanced)
     memory_margin: float = 0.05  # the share of the GPU's memory a layout's upper bound leaves free
     left_out: dict = field(default_factory=dict)  # what the stack's runner cannot run (advisor.screen)
+    # one line where the answer lies outside the profile's fitted domain (models.domain)
+    domain_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "domain_note": self.domain_note,
             "model": self.model.name,
             "cluster": self.cluster.to_dict(),
             "workload": {"seq": self.workload.seq, "gbs": self.workload.gbs,
-                         "precision": self.workload.precision, "objective": self.objective,
+                         "precision": self.workload.precision, "fp8_recipe": self.workload.fp8_recipe,
+                         "objective": self.objective,
                          "power_caps_w": self.power_caps},
             "candidates_evaluated": self.candidates_evaluated,
             "feasible": self.feasible,
@@ -163,9 +169,9 @@ def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Predict
     parts = []
     if best is not None and best is not p:
         parts.append(f"{(1 - p.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu) * 100:.1f}% slower than #1")
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     if cfg.tp > 1:
-        parts.append(f"TP={cfg.tp} inside a {gpn}-GPU NVLink node")
+        parts.append(f"TP={cfg.tp} inside a {gpn}-GPU NVLink domain")
     if cfg.pp > 1:
         vp = f"×VP={cfg.vp} " if cfg.vp > 1 else ""
         parts.append(f"PP={cfg.pp} {vp}with {cfg.num_microbatches} microbatches: {p.bubble_fraction * 100:.1f}% "
@@ -272,7 +278,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
               constants: Constants = DEFAULT, options: SpaceOptions | None = None,
               calibration: Any = DEFAULT_CALIBRATION, overrides: Iterable[str] = (),
               stack: str | None = None, power_caps: str | Sequence[float] | None = None,
-              memory_margin: float | None = None) -> RecommendResult:
+              memory_margin: float | None = None, fp8_recipe: str = "delayed") -> RecommendResult:
     """Rank every legal layout the stack's runner can run that fits in memory by the objective (a
     layout with more recompute than the cheapest mode that fits it is counted as fitting, not
     ranked; a layout fits when its memory interval's upper bound is under the GPU's memory less
@@ -296,7 +302,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
-    cal = _calibration(calibration, st.name)
+    cal = _calibration(calibration, st.name, c.gpu)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
     screen_constants = cal.screening_constants if cal is not None else constants
@@ -305,9 +311,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         from advisor.models.calibrate import override_workload
 
         m, c, seq, gbs, precision, options = override_workload(m, c, overrides, seq, gbs, precision, options)
-    if precision == "fp8" and not c.gpu.fp8_tflops:
-        raise SpecError(f"{c.gpu.name} has no fp8 tensor cores; use --precision bf16")
-    wl = default_workload(m, c, seq, gbs, precision)
+    check_precision(c.gpu, precision)
+    wl = default_workload(m, c, seq, gbs, precision, fp8_recipe)
     if not runs_sequence_parallel(st.name) and options.sequence_parallel:  # as the stack's runner runs them
         options = dataclasses.replace(options, sequence_parallel=False)
     from advisor.models import vectorized as vz
@@ -415,7 +420,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            rank_scores=rank_scores, rank_basis=(best_tps0, best_e0),
                            candidates=preds, calibrated_with=cal, power_caps=grid, memory_margin=sc_margin,
                            left_out=scr.left_out,
-                           warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None))
+                           warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None),
+                           domain_note=domain_note(cal, m, c, out[0].config))
 
 
 def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, constants: Constants, cal,
@@ -591,8 +597,9 @@ class Comparison:
 def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = "default") -> Comparison:
     """One layout (flags as for `predict`, workload from `res`) next to `res`'s top-1: its ratio to
     the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
-    v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision, **dict(values)}
-    cal = _calibration(calibration, res.stack)
+    v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision,
+         "fp8_recipe": res.workload.fp8_recipe, **dict(values)}
+    cal = _calibration(calibration, res.stack, res.cluster.gpu)
     cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
     bad = violations(res.model, res.cluster, cfg)
     if bad:
@@ -624,7 +631,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
 # predict
 # ------------------------------------------------------------------------------------------------
 
-LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "recompute",
+LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precision", "fp8_recipe", "recompute",
                "sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers", "account_for_embedding",
                "account_for_loss", "pipeline_layout", "moe_dispatcher", "moe_router", "moe_capacity_factor",
@@ -718,7 +725,7 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
         from advisor.models.calibrate import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
-    cal = _calibration(calibration, stack)
+    cal = _calibration(calibration, stack, c.gpu)
     cfg = layout_from_flags(m, c, values, stack, checked=checked and not overrides)
     v = violations(m, c, cfg)
     if v:
@@ -741,14 +748,21 @@ def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], consta
     return [C.prediction(i) for i in range(len(cfgs))]
 
 
-def _calibration(spec: Any, stack: str | None = None):
-    """A Calibration from None / "none" / "default" (the stack's profile) / a path / a Calibration
-    (lazy import)."""
+def _calibration(spec: Any, stack: str | None = None, gpu=None):
+    """A Calibration from None / "none" / "default" (the stack's profile for `gpu`'s generation) /
+    a path / a Calibration (lazy import)."""
     if spec is None:
         return None
     from advisor.models.calibrate import resolve_calibration
 
-    return resolve_calibration(spec, stack)
+    return resolve_calibration(spec, stack, gpu)
+
+
+def _is_shipped(spec: Any, stack: str | None) -> bool:
+    """`spec` names a shipped profile ("default" or a stack's name), chosen per GPU generation."""
+    from advisor.models.profiles import STACKS
+
+    return isinstance(spec, str) and spec.lower() in ("default", *STACKS)
 
 
 # keys a predict --batch line may carry (anything else is an error naming the key)
@@ -768,7 +782,8 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
     batch. Output values are finite or null (advisor.validate.dumps writes strict JSON)."""
     from advisor import validate
 
-    calibration = _calibration(calibration, stack)  # load the file once, not per line
+    if not _is_shipped(calibration, stack):  # a file: load it once, not per line (the shipped
+        calibration = _calibration(calibration, stack)  # profiles are cached, one per GPU generation)
     sets = validate.parse_sets(overrides)
     set_keys = {"power_cap": "power_cap_w"}
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}

@@ -7,9 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster, Gbs,
-                             Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap, PowerCaps,
-                             PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
+from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster,
+                             Fp8Recipe, Gbs, Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap,
+                             PowerCaps, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
                              calibration_default)
 
 
@@ -29,6 +29,7 @@ def recommend_cmd(
     seq: Seq = None,
     gbs: Gbs = None,
     precision: Precision = "bf16",
+    fp8_recipe: Fp8Recipe = "delayed",
     top: int = typer.Option(5, "--top", help="how many layouts to show"),
     objective: str = typer.Option("throughput", "--objective", help="throughput, energy (the cap with the least J/token) or balanced (the least J/token within 5% of the fastest step); energy and balanced choose the power cap with the layout"),
     power_cap: PowerCap = None,
@@ -57,7 +58,8 @@ def recommend_cmd(
 
     check_power_caps(model, cluster, power_cap, sets, power_caps, objective)
     layouts = [parse_layout(x) for x in compare or ()]
-    res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, top=top, objective=objective,
+    res = recommend(model, cluster, seq=seq, gbs=gbs, precision=precision, fp8_recipe=fp8_recipe, top=top,
+                    objective=objective,
                     power_cap_w=power_cap, calibration=calibration, overrides=sets or (), stack=stack,
                     power_caps=power_caps, memory_margin=memory_margin)
     res.compared = [compare_layout(res, v, calibration) for v in layouts]
@@ -78,6 +80,8 @@ def recommend_cmd(
             report.print_text(console, "#1 " + format_intervals(first))
         for w in res.warnings:  # one line each, as every warning
             typer.echo(f"warning: {w}")
+        if res.domain_note:
+            typer.echo(f"note: {res.domain_note}")
         for x in res.compared:
             report.print_comparison(x, console)
     if html:
@@ -180,6 +184,7 @@ def predict_cmd(
     gbs: Gbs = None,
     seq: Seq = None,
     precision: Precision = "bf16",
+    fp8_recipe: Fp8Recipe = "delayed",
     recompute: Recompute = "none",
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
@@ -197,7 +202,7 @@ def predict_cmd(
     from advisor.api import predict_batch, predict_layout
 
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
-                  recompute=recompute, sequence_parallel=sequence_parallel,
+                  fp8_recipe=fp8_recipe, recompute=recompute, sequence_parallel=sequence_parallel,
                   distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
                   account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)

@@ -541,6 +541,8 @@ def recommend_page(res, command: str | None = None) -> Page:
            f"stack {res.stack}; "
            + (f"profile {res.profile} ({Path(res.calibration).name}), 80% intervals" if res.calibration
               else "analytical model, no profile"))
+    if res.domain_note:
+        page.p(f"note: {res.domain_note}")
     page.h2("Ranked layouts")
     page.table(RECOMMEND_COLUMNS, [recommendation_cells(r) for r in res.recommendations],
                copy=("Megatron args", [r.megatron_args for r in res.recommendations]))

@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from advisor.catalog.specs import PRECISIONS, RECOMPUTE_MODES
+from advisor.catalog.specs import FP8_RECIPES, PRECISIONS, RECOMPUTE_MODES
 
 
 def one_of(choices: tuple[str, ...]):
@@ -37,7 +37,12 @@ OptModel = Annotated[Optional[str], typer.Option("--model", "-m", help=_MODEL_HE
 OptCluster = Annotated[Optional[str], typer.Option("--cluster", "-c", help=_CLUSTER_HELP)]
 Seq = Annotated[Optional[int], typer.Option("--seq", help="sequence length (default: the model's context, at most 8192)")]
 Gbs = Annotated[Optional[int], typer.Option("--gbs", help="global batch in sequences (default 128, more on big clusters)")]
-Precision = Annotated[str, typer.Option("--precision", help="bf16 or fp8", callback=one_of(PRECISIONS))]
+Precision = Annotated[str, typer.Option(
+    "--precision", help="the linear layers' format: bf16, fp8, mxfp8 or nvfp4 (the last two on Blackwell only)",
+    callback=one_of(PRECISIONS))]
+Fp8Recipe = Annotated[str, typer.Option(
+    "--fp8-recipe", help="FP8 scaling with --precision fp8 (Megatron's --fp8-recipe): delayed, tensorwise "
+    "(current per-tensor scaling) or blockwise", callback=one_of(FP8_RECIPES))]
 PowerCap = Annotated[Optional[float], typer.Option("--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)")]
 PowerCaps = Annotated[Optional[str], typer.Option(
     "--power-caps", help="caps to choose from, LO:HI:STEP in W, e.g. 300:700:25 (default: the GPU's settable range, 25 W steps)")]

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model
+from advisor.catalog.specs import check_precision
 from advisor.models import goodput as gp
 
 # the largest cluster a plan sweeps when no --gpus / --cluster bounds it: Llama 3 405B's 16,384
@@ -288,8 +289,7 @@ def plan(model: str | ModelSpec, o: PlanOptions) -> PlanResult:
     t0 = time.perf_counter()
     m = model if isinstance(model, ModelSpec) else load_model(model)
     base = base_cluster(o)
-    if o.precision == "fp8" and not base.gpu.fp8_tflops:
-        raise SpecError(f"{base.gpu.name} has no fp8 tensor cores; use --precision bf16")
+    check_precision(base.gpu, o.precision)
     seq, max_tokens, note = batch_rule(m, o)
     notes = [note] if note else []
     if max_tokens < seq:

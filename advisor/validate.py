@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from advisor.catalog.specs import MOE_DISPATCHERS, MOE_ROUTERS, PRECISIONS, RECOMPUTE_MODES, SpecError
+from advisor.catalog.specs import FP8_RECIPES, MOE_DISPATCHERS, MOE_ROUTERS, PRECISIONS, RECOMPUTE_MODES, SpecError
 
 
 class InputError(SpecError):
@@ -409,7 +409,7 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
     v = out.get("pipeline_layout")
     if v is not None and not isinstance(v, str):
         raise InputError(f"{where}{name('pipeline_layout')} must be a string, got {v!r}")
-    for k, choices in (("precision", PRECISIONS), ("recompute", RECOMPUTE_MODES)):
+    for k, choices in (("precision", PRECISIONS), ("fp8_recipe", FP8_RECIPES), ("recompute", RECOMPUTE_MODES)):
         v = out.get(k)
         if v is not None and v not in choices:
             raise InputError(f"{where}{name(k)} must be one of {', '.join(choices)}, got {v!r}")

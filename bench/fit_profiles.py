@@ -111,10 +111,11 @@ def build(say=print) -> Calibration:
                        fit_info=info, profile="te", fitted_bounds=dict(F.TE_FIT), base_constants=base)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, build=build, out=STACKS["te"].file, doc=__doc__) -> int:
+    """The command line of a profile fit (this one, bench/fit_blackwell.py's)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true")
-    ap.add_argument("-o", "--out", default=str(STACKS["te"].file))
+    ap.add_argument("-o", "--out", default=str(out))
     a = ap.parse_args(argv)
     cal = build()
     if not a.dry_run:

@@ -27,8 +27,8 @@ _MODEL_KEYS = {f.name for f in dataclasses.fields(ModelSpec)} | {"aliases", "rec
 _MOE_KEYS = {f.name for f in dataclasses.fields(MoESpec)}
 _MLA_KEYS = {f.name for f in dataclasses.fields(MLASpec)}
 _GPU_KEYS = {f.name for f in dataclasses.fields(GPUSpec)} | {"aliases"}
-_CLUSTER_KEYS = {"name", "gpu", "nodes", "gpus_per_node", "intra_node_bw_gbs", "inter_node_bw_gbs",
-                 "power_cap_w", "storage_bw_gbs", "source", "description"}
+_CLUSTER_KEYS = {"name", "gpu", "nodes", "gpus_per_node", "nvlink_domain_gpus", "intra_node_bw_gbs",
+                 "inter_node_bw_gbs", "power_cap_w", "storage_bw_gbs", "source", "description"}
 
 CLUSTER_FORMS = ("<gpu>x<count> (e.g. h100x64), <gpu>x<per-node>x<nodes> (e.g. h100x8x16), "
                  "a catalog cluster name, or a path to a cluster YAML file")
@@ -97,8 +97,8 @@ def _model_from_yaml(data: dict[str, Any], what: str) -> ModelSpec:
 
 _GPU_FLOATS = ("memory_gib", "hbm_bandwidth_gbs", "bf16_tflops", "fp8_tflops", "tdp_w", "idle_w",
                "slowdown_temp_c", "intra_node_bw_gbs", "network_bw_gbps", "max_operating_temp_c",
-               "min_power_limit_w", "max_power_limit_w", "max_sm_clock_mhz")
-_GPU_OPTIONAL = ("max_operating_temp_c", "max_sm_clock_mhz")
+               "min_power_limit_w", "max_power_limit_w", "max_sm_clock_mhz", "fp4_tflops")
+_GPU_OPTIONAL = ("max_operating_temp_c", "max_sm_clock_mhz", "fp4_tflops")
 
 
 def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
@@ -116,6 +116,10 @@ def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
     gpn = d.get("gpus_per_node")
     if not isinstance(gpn, int) or isinstance(gpn, bool) or gpn < 1:
         raise CatalogError(f"{what}: gpus_per_node must be a positive integer, got {gpn!r}")
+    dom = d.setdefault("nvlink_domain_gpus", gpn)
+    if not isinstance(dom, int) or isinstance(dom, bool) or dom < gpn or dom % gpn:
+        raise CatalogError(f"{what}: nvlink_domain_gpus must be a whole number of {gpn}-GPU nodes, got {dom!r}")
+    d["generation"] = str(d.get("generation") or "")
     if not 0 < d["min_power_limit_w"] <= d["max_power_limit_w"] <= d["tdp_w"]:
         raise CatalogError(f"{what}: need 0 < min_power_limit_w <= max_power_limit_w <= tdp_w")
     d["sources"] = dict(d.get("sources") or {})
@@ -255,9 +259,14 @@ def with_power_cap(cluster: ClusterSpec, cap: float, what: str = "power cap") ->
     return dataclasses.replace(cluster, power_cap_w=_power_cap(cluster.gpu, cap, what))
 
 
-def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
-                  inter: float | None, cap: float | None, what: str, storage: float | None = None) -> ClusterSpec:
+def make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: float | None,
+                 inter: float | None, cap: float | None, what: str, storage: float | None = None,
+                 domain: int | None = None) -> ClusterSpec:
+    """The one cluster constructor: the GPU's catalog figures where a value is None (NVLink
+    domain: the GPU's own, an NVL72 rack for GB200 / GB300, capped at whole nodes of `per_node`)."""
     cap = _power_cap(gpu, cap, what)
+    if domain is None:  # as many of this cluster's nodes as the GPU's domain joins
+        domain = gpu.domain_gpus // gpu.gpus_per_node * per_node
     return ClusterSpec(
         name=name,
         gpu=gpu,
@@ -267,6 +276,7 @@ def _make_cluster(name: str, gpu: GPUSpec, nodes: int, per_node: int, intra: flo
         inter_node_bw_gbs=float(gpu.network_bw_gbs if inter is None else inter),
         power_cap_w=cap,
         storage_bw_gbs=None if storage is None else float(storage),
+        nvlink_domain_gpus=domain,
     )
 
 
@@ -338,18 +348,31 @@ def _cluster_from_yaml(data: dict[str, Any], what: str, power_cap_w: float | Non
           for k in ("intra_node_bw_gbs", "inter_node_bw_gbs")}
     name = str(data.get("name") or what)
     cap = power_cap_w if power_cap_w is not None else data.get("power_cap_w")
-    c = _make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], bw["intra_node_bw_gbs"],
-                      bw["inter_node_bw_gbs"], cap, what, data.get("storage_bw_gbs"))
+    dom = data.get("nvlink_domain_gpus")
+    if dom is not None:
+        per, most = ints["gpus_per_node"], gpu.domain_gpus // gpu.gpus_per_node
+        if not isinstance(dom, int) or isinstance(dom, bool) or dom < per or dom % per:
+            raise CatalogError(f"{what}: nvlink_domain_gpus must be a whole number of {per}-GPU nodes, got {dom!r}")
+        if dom // per > most:
+            raise CatalogError(f"{what}: nvlink_domain_gpus {dom} is {dom // per} nodes, more than the "
+                               f"{most} node(s) one {gpu.name} NVLink domain joins ({gpu.domain_gpus} GPUs)")
+    c = make_cluster(name, gpu, ints["nodes"], ints["gpus_per_node"], bw["intra_node_bw_gbs"],
+                     bw["inter_node_bw_gbs"], cap, what, data.get("storage_bw_gbs"), dom)
     if notes:
         defaults = {
             "name": f"the file name {name!r}",
             "gpus_per_node": f"{c.gpus_per_node} (per {gpu.name} node)",
+            "nvlink_domain_gpus": f"{c.nvlink_domain_gpus} (one {gpu.name} NVLink domain"
+                                  + (f", {c.domain_gpus} GPUs of this job in each)" if c.domain_gpus != c.nvlink_domain_gpus
+                                     else ")"),
             "intra_node_bw_gbs": f"{c.intra_node_bw_gbs:g} GB/s (the {gpu.name}'s NVLink, per direction)",
             "inter_node_bw_gbs": f"{c.inter_node_bw_gbs:g} GB/s (the {gpu.name}'s NIC, "
                                  f"{gpu.network_bw_gbps:g} Gb/s per GPU)",
             "power_cap_w": f"{c.power_cap_w:g} W (the {gpu.name}'s TDP)",
         }
         for k, used in defaults.items():
+            if k == "nvlink_domain_gpus" and gpu.domain_gpus <= gpu.gpus_per_node:
+                continue  # an HGX board: the node is the domain, nothing to choose
             if data.get(k) is None and not (k == "power_cap_w" and power_cap_w is not None):
                 warnings.warn(CatalogNote(f"{what}: no {k}, using {used}"), stacklevel=3)
         _check_bandwidths(gpu, c.intra_node_bw_gbs, c.inter_node_bw_gbs, data.get("inter_node_bw_gbs"), what)
@@ -380,7 +403,7 @@ def _cluster_from_string(s: str, power_cap_w: float | None) -> ClusterSpec | Non
             f"cluster {s!r}: {a} GPUs is not a multiple of {gpn} GPUs per {gpu.name} node "
             f"(use {m['gpu']}x<per-node>x<nodes> for partial nodes)"
         )
-    return _make_cluster(s.lower(), gpu, nodes, per_node, None, None, power_cap_w, f"cluster {s!r}")
+    return make_cluster(s.lower(), gpu, nodes, per_node, None, None, power_cap_w, f"cluster {s!r}")
 
 
 def load_cluster(spec: str, power_cap_w: float | None = None) -> ClusterSpec:
@@ -396,9 +419,9 @@ def load_cluster(spec: str, power_cap_w: float | None = None) -> ClusterSpec:
     key = normalize_name(s)
     for c in named.values():
         if normalize_name(c.name) == key:
-            return c if power_cap_w is None else _make_cluster(
+            return c if power_cap_w is None else make_cluster(
                 c.name, c.gpu, c.num_nodes, c.gpus_per_node, c.intra_node_bw_gbs, c.inter_node_bw_gbs,
-                power_cap_w, f"cluster {c.name!r}", c.storage_bw_gbs)
+                power_cap_w, f"cluster {c.name!r}", c.storage_bw_gbs, c.nvlink_domain_gpus)
     c = _cluster_from_string(s, power_cap_w)
     if c is not None:
         return c

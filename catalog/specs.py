@@ -11,10 +11,36 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-Precision = Literal["bf16", "fp8"]
+Precision = Literal["bf16", "fp8", "mxfp8", "nvfp4"]
 Recompute = Literal["none", "selective", "full"]
 
-PRECISIONS: tuple[str, ...] = ("bf16", "fp8")
+# Training number formats of the linear layers (Transformer Engine): "fp8" per-tensor scaled
+# E4M3/E5M2 (Hopper and later; recipe: FP8_RECIPES), "mxfp8" E4M3 with one E8M0 scale per 32
+# elements (Blackwell's tensor cores scale in hardware), "nvfp4" E2M1 with an E4M3 scale per 16
+# elements and a per-tensor FP32 scale (Blackwell only).
+PRECISIONS: tuple[str, ...] = ("bf16", "fp8", "mxfp8", "nvfp4")
+# FP8 scaling recipes of Megatron's --fp8-recipe for precision fp8: "delayed" (amax history),
+# "tensorwise" (current per-tensor scaling), "blockwise" (128x128 weight / 1x128 activation blocks)
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise")
+BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")  # formats only Blackwell's tensor cores run
+# What the linear layers' GEMMs run in, one name per (precision, fp8 recipe): the code of a layout
+# is its index (models.vectorized carries it as a column; 0 = bf16)
+QUANTS: tuple[str, ...] = ("bf16", "fp8", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4")
+
+
+def quant_name(precision: str, fp8_recipe: str = "delayed") -> str:
+    """The QUANTS name of a precision and FP8 recipe ('fp8' is delayed scaling)."""
+    if precision == "fp8" and fp8_recipe != "delayed":
+        return f"fp8-{fp8_recipe}"
+    return precision
+
+
+def quant_parts(code: int) -> tuple[str, str]:
+    """(precision, fp8_recipe) of a QUANTS code."""
+    name = QUANTS[int(code)]
+    if name.startswith("fp8-"):
+        return "fp8", name[4:]
+    return name, "delayed"
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # Mixture of experts: Megatron's token dispatchers (--moe-token-dispatcher-type) and routers
 # ("aux_loss": a trained router kept near balance by the auxiliary loss; "forced": random logits,
@@ -38,6 +64,17 @@ NORM_PLACEMENTS: tuple[str, ...] = ("pre", "pre+post", "post")
 
 class SpecError(ValueError):
     """A spec (model, GPU, cluster or layout) is malformed. The message is one line for the user."""
+
+
+def check_precision(gpu: "GPUSpec", precision: str) -> None:
+    """A SpecError (one line) where the GPU's tensor cores cannot run `precision`."""
+    if precision in BLOCK_SCALED and gpu.generation != "blackwell":
+        raise SpecError(f"precision {precision} needs Blackwell tensor cores (B200, B300, GB200, GB300); "
+                        f"the {gpu.name} has none (use bf16 or fp8)")
+    if precision in ("fp8", "mxfp8") and not gpu.fp8_tflops:
+        raise SpecError(f"GPU {gpu.name} has no fp8 tensor cores")
+    if precision == "nvfp4" and not gpu.fp4_tflops:
+        raise SpecError(f"GPU {gpu.name} has no fp4 tensor cores")
 
 
 def _from_known_fields(cls, data: Mapping[str, Any]):
@@ -237,7 +274,19 @@ class GPUSpec:
     max_power_limit_w: float  # the highest
     max_operating_temp_c: float | None = None
     max_sm_clock_mhz: float | None = None  # boost clock; None where no source gives it
+    # GPUs one NVLink domain joins (NVLink switch trays of an NVL72 rack: 72; an HGX board: its
+    # node, 0 = gpus_per_node); a node (gpus_per_node) is what one host / compute tray holds
+    nvlink_domain_gpus: int = 0
+    # the chip generation ("ampere", "hopper", "blackwell", "cdna2", "cdna3"): which stack profile
+    # answers for it (models/profiles.py) and which number formats its tensor cores run
+    generation: str = ""
+    fp4_tflops: float = 0.0  # dense NVFP4 / MXFP4 peak; 0 = no FP4 tensor cores
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def domain_gpus(self) -> int:
+        """GPUs of one NVLink domain (the node where the catalog gives no larger domain)."""
+        return max(self.nvlink_domain_gpus, self.gpus_per_node)
 
     @property
     def network_bw_gbs(self) -> float:
@@ -254,10 +303,13 @@ class GPUSpec:
             raise SpecError(f"power cap {cap:g} W is below the {self.name} minimum power limit of {lo:g} W ({rng})")
 
     def peak_tflops(self, precision: str) -> float:
-        if precision == "fp8":
-            if not self.fp8_tflops:
-                raise SpecError(f"GPU {self.name} has no fp8 tensor cores")
+        """Dense tensor-core peak of the GEMMs that run in `precision` (MXFP8 runs at the FP8
+        rate, NVFP4 at the FP4 one)."""
+        check_precision(self, precision)
+        if precision in ("fp8", "mxfp8"):
             return self.fp8_tflops
+        if precision == "nvfp4":
+            return self.fp4_tflops
         return self.bf16_tflops
 
     def to_dict(self) -> dict[str, Any]:
@@ -285,10 +337,18 @@ class ClusterSpec:
     # aggregate write / read bandwidth of the checkpoint storage, GB/s (None: not given; `advisor
     # plan` then takes models.goodput.DEFAULT_STORAGE_BW_GBS, with its source)
     storage_bw_gbs: float | None = None
+    # GPUs of one NVLink domain (an NVL72 rack: 72 over 18 trays of 4; 0 = one node); the job's
+    # ranks spread evenly over the domains it spans: `domain_gpus` of them share each one
+    nvlink_domain_gpus: int = 0
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.gpus_per_node < 1:
             raise SpecError(f"cluster {self.name!r}: nodes and GPUs per node must be >= 1")
+        dom = self.nvlink_domain_gpus or self.gpus_per_node
+        if dom < self.gpus_per_node or dom % self.gpus_per_node:
+            raise SpecError(f"cluster {self.name!r}: nvlink_domain_gpus ({dom}) must be a multiple of the "
+                            f"{self.gpus_per_node} GPUs per node")
+        object.__setattr__(self, "_domain", job_domain(self.world_size, self.gpus_per_node, dom))
         if self.power_cap_w <= self.gpu.idle_w:
             raise SpecError(
                 f"cluster {self.name!r}: power cap {self.power_cap_w:g} W is not above the GPU's "
@@ -299,11 +359,26 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
+    @property
+    def domain_gpus(self) -> int:
+        """The job's GPUs inside one NVLink domain: groups of ranks within it talk over NVLink."""
+        return self._domain
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["gpu"] = self.gpu.name
+        d["domain_gpus"] = self.domain_gpus
         d["world_size"] = self.world_size
         return d
+
+
+def job_domain(world: int, per_node: int, domain: int) -> int:
+    """GPUs of a `world`-GPU job inside each NVLink domain of `domain` GPUs, whole nodes of
+    `per_node`, the ranks spread evenly (a 128-GPU GB200 job on two NVL72 racks: 64 + 64): the
+    largest divisor of the world that is whole nodes and fits a domain."""
+    if world <= domain:
+        return world
+    return max(d for d in range(per_node, domain + 1, per_node) if world % d == 0)
 
 
 @dataclass(frozen=True)
@@ -331,6 +406,7 @@ class TrainConfig:
     gbs: int = 1
     seq: int = 4096
     precision: Precision = "bf16"
+    fp8_recipe: str = "delayed"  # Megatron's --fp8-recipe for precision fp8 (FP8_RECIPES)
     recompute: Recompute = "none"
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
@@ -382,6 +458,8 @@ class TrainConfig:
                 raise SpecError(f"{n} must be a positive integer, got {v!r}")
         if self.precision not in PRECISIONS:
             raise SpecError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise SpecError(f"fp8_recipe must be one of {', '.join(FP8_RECIPES)}, got {self.fp8_recipe!r}")
         if self.recompute not in RECOMPUTE_MODES:
             raise SpecError(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
@@ -397,6 +475,15 @@ class TrainConfig:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def quant(self) -> str:
+        """What the linear layers run in (QUANTS: 'bf16', 'fp8', 'fp8-tensorwise', 'mxfp8', ...)."""
+        return quant_name(self.precision, self.fp8_recipe)
+
+    @property
+    def quant_code(self) -> int:
+        return QUANTS.index(self.quant)
 
     @property
     def num_microbatches(self) -> int:
@@ -432,7 +519,7 @@ class TrainConfig:
         embedding / loss accounting and an explicit pipeline layout are appended only when set."""
         return (
             f"tp{self.tp}-pp{self.pp}-dp{self.dp}-cp{self.cp}-ep{self.ep}-etp{self.etp}-vp{self.vp}"
-            f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.precision}-{self.recompute}"
+            f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.quant}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
             + self.moe_key()

@@ -704,10 +704,11 @@ def _jsonable(o):
 
 
 def resolve_calibration(spec: "str | Path | Calibration | None",
-                        stack: str | None = None) -> "Calibration | None":
+                        stack: str | None = None, gpu=None) -> "Calibration | None":
     """None / "none" / "off": no calibration; "default": the shipped profile of `stack` (the default
-    stack when None; see advisor.models.profiles); a stack's name ("te", "local"): its profile; a
-    Calibration: itself; anything else: a file path."""
+    stack when None; see advisor.models.profiles) for `gpu`'s generation (a Blackwell GPU: the
+    profile fitted on Blackwell rows, where the stack ships one); a stack's name ("te", "local"):
+    its profile; a Calibration: itself; anything else: a file path."""
     from advisor.models.profiles import STACKS, get_stack
 
     if spec is None or isinstance(spec, Calibration):
@@ -717,7 +718,8 @@ def resolve_calibration(spec: "str | Path | Calibration | None",
         return None
     if s.lower() == "default" or s.lower() in STACKS:
         st = get_stack(stack if s.lower() == "default" else s.lower())
-        return _load_cached(str(st.file)) if st.file.is_file() else None
+        f = st.file_for(gpu)
+        return _load_cached(str(f)) if f.is_file() else None
     return Calibration.load(s)
 
 

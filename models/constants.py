@@ -73,6 +73,12 @@ class Constants:
     # Per FP8 GEMM call: scaling-factor / amax bookkeeping kernels, seconds (TE's delayed scaling
     # launches a few small kernels per GEMM; fitted).
     fp8_gemm_overhead_s: float = 8e-6
+    # NVFP4 GEMMs (Blackwell, E2M1 with an E4M3 scale per 16 elements), fraction of the dense FP4
+    # peak: no measurement of ours (no Blackwell GPU); start: the FP8 fraction, fitted on the
+    # published NVFP4 rows (models/profile_fit.py TE_BLACKWELL_FIT)
+    gemm_efficiency_max_fp4: float = 0.65
+    # at 4x the BF16 rate per byte read a tile needs ~4x the work to hide its loads (4 x gemm_half_dim)
+    gemm_half_dim_fp4: float = 384.0
     # Flash-attention forward efficiency relative to dense peak (FlashAttention-2 paper reports
     # 50-73% of peak forward on A100/H100); backward does 2.5x the forward FLOPs.
     attention_efficiency: float = 0.55
@@ -322,3 +328,22 @@ class Constants:
 
 
 DEFAULT = Constants()
+
+
+# Block-scaled and per-tensor formats of the linear layers' GEMM operands (models/quant.py):
+# name -> (bytes per element, elements per scale, bytes per scale, amax pass). The amax pass is one
+# extra read of the BF16 tensor before its cast: per-tensor *current* scaling computes the scale
+# from this tensor's own amax (TE Float8CurrentScaling), and NVFP4 from its per-tensor FP32 global
+# scale (TE NVFP4BlockScaling); delayed scaling takes the scale from the amax history (fused in the
+# cast) and the block formats compute each block's scale inside the cast kernel. Sources: OCP
+# Microscaling Formats (MX) v1.0 (MXFP8: E4M3 elements, one E8M0 scale per 32); NVIDIA, "Pretraining
+# LLMs with NVFP4" (arXiv 2509.25149) and TE's NVFP4BlockScaling (E2M1, one E4M3 scale per 16, 16x16
+# 2D blocks for weights, random Hadamard transforms and stochastic rounding fused in the cast);
+# TE Float8BlockScaling (1x128 activation / 128x128 weight blocks, FP32 scales); DeepSeek-V3 report.
+QUANT_FORMATS: dict[str, tuple[float, int, float, bool]] = {
+    "fp8": (1.0, 0, 0.0, False),
+    "fp8-tensorwise": (1.0, 0, 0.0, True),
+    "fp8-blockwise": (1.0, 128, 4.0, False),
+    "mxfp8": (1.0, 32, 1.0, False),
+    "nvfp4": (0.5, 16, 1.0, True),
+}

@@ -14,6 +14,7 @@ from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
+from advisor.models.quant import saved_input_bytes, weight_copy_bytes
 from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
                                           pipeline_plan, rank_kinds, stage_layers)
 
@@ -143,7 +144,7 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
             ffn = model.moe.dense_ffn_hidden_size
         elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
         gemm_in += s * b * ffn / t  # activation output (FC2 input)
-    gemm_bytes = c.bytes_fp8_activation if cfg.precision == "fp8" else e
+    gemm_bytes = saved_input_bytes(cfg.quant_code, c) if cfg.precision != "bf16" else e
     return e * elems + gemm_bytes * gemm_in
 
 
@@ -195,7 +196,7 @@ def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts:
         kinds_of = [layer_kind_counts(model, layers) for layers in layers_of]
         params_of = [stage_params(model, cfg, layers, k) + (linear_params(model, cfg, layers),)
                      for k, layers in enumerate(layers_of)]
-    fp8_copy = c.bytes_fp8_weight_copy if cfg.precision == "fp8" else 0.0  # of the FP8 GEMMs' weights
+    fp8_copy = weight_copy_bytes(cfg.quant_code, c)  # the quantized copies of the linear layers' weights
     d, edp = cfg.dp * cfg.cp, cfg.expert_dp
     full = cfg.recompute == "full"
     for stage, layers in enumerate(layers_of):

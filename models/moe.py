@@ -409,7 +409,8 @@ def ep_reason(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, breakdow
     m = model.moe
     local = m.num_experts // max(cfg.ep, 1)
     span = cfg.ep * cfg.etp
-    where = "NVLink" if span <= cluster.gpus_per_node else f"the network ({span // cluster.gpus_per_node} nodes)"
+    dom = cluster.domain_gpus
+    where = "NVLink" if span <= dom else f"the network ({span // dom} NVLink domains)"
     a2a = breakdown.get("moe_dispatch_s", 0.0)
     share = a2a / step_s if step_s > 0 else 0.0
     if cfg.ep <= 1:

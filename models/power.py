@@ -209,7 +209,7 @@ def estimate_power(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: 
         gpu.check_power_cap(v)
     scale = [float(power_scale)] * pp if isinstance(power_scale, (int, float)) else list(power_scale)
     m = cfg.num_microbatches
-    fp8 = cfg.precision == "fp8"
+    fp8 = cfg.precision != "bf16"  # quantized GEMMs (FP8 / MXFP8 / NVFP4): the FP8 power factor
     busy = [busy_phases(s, m, c, fp8) for s in full]
     base = step_time(model, cluster, cfg, c, stages=full)
     # launch gaps can give back time (a negative extra), down to the shortest stage's gaps

@@ -29,6 +29,13 @@ class Stack:
     file: Path
     # TrainConfig fields the stack sets when the user leaves them unset, as functions of the layout
     layout_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # GPU generation (catalog `generation`) -> the profile fitted on that generation's published rows
+    generations: Mapping[str, Path] = field(default_factory=dict)
+
+    def file_for(self, gpu=None) -> Path:
+        """The stack's profile for a GPU: its generation's where one is shipped, else the stack's."""
+        f = self.generations.get(getattr(gpu, "generation", ""))
+        return f if f is not None and f.is_file() else self.file
 
     def defaults_for(self, tp: int, sequence_parallel: bool) -> dict[str, Any]:
         out = {}
@@ -45,7 +52,9 @@ STACKS: dict[str, Stack] = {
         "te", "Megatron-Core + Transformer Engine (fitted on published runs)",
         DATA / "te_calibration.joblib",
         # NeMo / Megatron-Bridge performance recipes set tp_comm_overlap for TP > 1 (userbuffers)
-        {"tp_comm_overlap": True}),
+        {"tp_comm_overlap": True},
+        # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
+        {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(
         "local", "this project's runner: megatron-core local layers, no Transformer Engine",
         DATA / "default_calibration.joblib", {}),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from advisor.catalog import ClusterSpec, ModelSpec, MoESpec, SpecError, TrainConfig, load_gpu, load_model
-from advisor.catalog.loaders import _make_cluster  # noqa: PLC2701 - the one cluster constructor
+from advisor.catalog.loaders import make_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "published"
@@ -56,7 +56,7 @@ class PublishedRun:
     model: ModelSpec | None = None
     cluster: ClusterSpec | None = None
     cfg: TrainConfig | None = None
-    fp8_recipe: str = ""  # delayed / current / mx / blockwise where the row says
+    fp8_recipe: str = ""  # delayed / tensorwise / blockwise where the row says (mxfp8 / nvfp4: the precision)
     assumptions: tuple[str, ...] = ()
     usable: bool = True
     why: str = ""  # why not usable
@@ -194,30 +194,28 @@ def model_for(key: str, archs: dict[str, dict], notes: list[str]) -> ModelSpec |
 # rows
 # ------------------------------------------------------------------------------------------------
 
-def _precision(p: str) -> tuple[str | None, str]:
-    """(advisor precision or None if not modelled, fp8 recipe)."""
+def _precision(p: str, gpu_type: str) -> tuple[str | None, str]:
+    """(advisor precision or None if not modelled, fp8 recipe). "Finer-granularity" FP8 is MXFP8
+    on Blackwell and 128x128 blockwise on Hopper (the source's own words)."""
     s = p.upper()
+    blackwell = load_gpu(GPUS[gpu_type]).generation == "blackwell" if gpu_type in GPUS else False
+    if "NVFP4" in s:
+        return "nvfp4", ""
     if "FP4" in s:
         return None, ""
     if "FP8" in s:
-        recipe = ("mx" if "MX" in s else "current" if ("CS" in s or "CURRENT" in s) else
-                  "blockwise" if "FINER" in s else "delayed")
+        if "MX" in s or ("FINER" in s and blackwell):
+            return "mxfp8", ""
+        recipe = ("tensorwise" if ("CS" in s or "CURRENT" in s) else "blockwise" if "FINER" in s else "delayed")
         return "fp8", recipe
     return "bf16", ""  # BF16, FP16 mixed (same tensor-core rate), "mixed", "not stated (... BF16 ...)"
 
 
 def _cluster(gpu_type: str, n: int) -> ClusterSpec:
     gpu = load_gpu(GPUS[gpu_type])
-    gpn = gpu.gpus_per_node
-    if n <= gpn:
-        per = n
-    elif n % gpn == 0:
-        per = gpn
-    else:  # NVL72 racks running a power-of-two job: the largest power of two within the domain
-        per = 1
-        while per * 2 <= gpn and n % (per * 2) == 0:
-            per *= 2
-    return _make_cluster(f"{gpu.name}x{n}", gpu, n // per, per, None, None, None, f"published {gpu_type}x{n}")
+    gpn = gpu.gpus_per_node  # NVL72 racks: 4-GPU trays, the ranks spread evenly over the racks
+    per = n if n <= gpn else gpn if n % gpn == 0 else math.gcd(n, gpn)
+    return make_cluster(f"{gpu.name}x{n}", gpu, n // per, per, None, None, None, f"published {gpu_type}x{n}")
 
 
 def _measured(r: dict, model: ModelSpec | None, seq: int | None, notes: list[str]) -> float:
@@ -262,7 +260,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     tps = _measured(r, model, seq, notes)
     if not n or gpu_type not in GPUS:
         return unusable("no GPU count or an unknown GPU", tps=tps, model=model)
-    precision, recipe = _precision(r["precision"])
+    precision, recipe = _precision(r["precision"], gpu_type)
     if precision is None:
         return unusable("FP4 training is not modelled", tps=tps, model=model)
     if not math.isfinite(tps):
@@ -293,7 +291,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     dp = n // mp
     try:
         cfg = TrainConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq,
-                          precision=precision, recompute=recompute, sequence_parallel=tp > 1,
+                          precision=precision, fp8_recipe=recipe or "delayed", recompute=recompute, sequence_parallel=tp > 1,
                           distributed_optimizer=dp * cp > 1, overlap_grad_reduce=dp * cp > 1,
                           overlap_param_gather=dp * cp > 1)
     except SpecError as e:

@@ -18,6 +18,7 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.memory import plan_params
+from advisor.models.quant import quant
 from advisor.search_spaces.layout import pipeline_plan, rank_kinds
 from advisor.models.moe import moe_layer_time
 
@@ -64,14 +65,16 @@ class Link:
 
 
 def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
-    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in a node.
-    Across nodes, the k ranks of the group that share a node drive k NICs at once (NCCL runs one
+    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in the job's
+    share of one NVLink domain (`ClusterSpec.domain_gpus`: an HGX node, or the GPUs of an NVL72
+    rack, over its 4-GPU trays). Across domains, the k ranks of the group that share a domain
+    drive k NICs at once (NCCL runs one
     ring / channel per NIC; a node's boundary hop carries the group's traffic over all of them), so
     the group's per-rank bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX
     H100 (8 x 400 Gb/s per node) show multi-node all-reduce bus bandwidths near the NVLink one
     with full nodes, and ~50 GB/s with one rank per node."""
     span = stride * size
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     if size <= 1 or span <= gpn:
         return Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False)
     per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
@@ -208,7 +211,8 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
     transpose traffic and per-GEMM scaling overhead of `Constants.fp8_*` (forward share here, the
     backward share in `st.fp8_cast_s`); core attention and the router stay BF16."""
     gpu = cluster.gpu
-    fp8 = cfg.precision == "fp8"
+    q = quant(gpu, cfg.quant_code, c)  # the linear layers' format (None: bf16)
+    fp8 = q is not None
     bf16_peak = gpu.bf16_tflops * 1e12
     hbm = gpu.hbm_bandwidth_gbs * 1e9
     t = cfg.tp
@@ -222,10 +226,9 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
     def gemm(m, k, n, count=1, linear=True):
         """A GEMM of the layer; `linear`: a TE linear layer (FP8 under fp8), else BF16."""
         if fp8 and linear:
-            tt, u = gemm_time(m, k, n, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
-                              in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
-            cast[0] += m * k * count * c.fp8_cast_fwd_bytes
-            cast[1] += m * n * count * c.fp8_cast_bwd_bytes
+            tt, u = gemm_time(m, k, n, q.peak_flops, hbm, c, q.efficiency, in_bytes=q.in_bytes, half_dim=q.half_dim)
+            cast[0] += m * k * count * q.cast_fwd_bytes
+            cast[1] += m * n * count * q.cast_bwd_bytes
             cast[2] += count
         else:
             tt, u = gemm_time(m, k, n, bf16_peak, hbm, c, c.gemm_efficiency_max)
@@ -254,16 +257,16 @@ def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clus
         # time and doubles communication for the backward), per-term times kept as they are
         def rate(m_, k_, n_, linear=True):
             if fp8 and linear:
-                return gemm_time(m_, k_, n_, gpu.fp8_tflops * 1e12, hbm, c, c.gemm_efficiency_max_fp8,
-                                 in_bytes=1.0, half_dim=c.gemm_half_dim_fp8)
+                return gemm_time(m_, k_, n_, q.peak_flops, hbm, c, q.efficiency, in_bytes=q.in_bytes,
+                                 half_dim=q.half_dim)
             return gemm_time(m_, k_, n_, bf16_peak, hbm, c, c.gemm_efficiency_max)
         mt = moe_layer_time(model, cfg, cluster, c, rate, ep_link, etp_link, collective_time)
         g += mt.gemm / 3
         util_acc[0] += mt.gemm_flops_util / 3
         util_acc[1] += mt.gemm / 3
         if fp8:  # the experts' FP8 casts, as `gemm` counts them for the other linear layers
-            cast[0] += mt.fp8_cast_elems[0] * c.fp8_cast_fwd_bytes
-            cast[1] += mt.fp8_cast_elems[1] * c.fp8_cast_bwd_bytes
+            cast[0] += mt.fp8_cast_elems[0] * q.cast_fwd_bytes
+            cast[1] += mt.fp8_cast_elems[1] * q.cast_bwd_bytes
             cast[2] += mt.fp8_gemm_calls
         st.memory_bound_s += mt.memory_bound / 3
         st.ep_comm_s += mt.comm / 2
@@ -406,8 +409,8 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             for other in (nxt, prv):
                 if other is None:
                     continue
-                # the same position in both stages: rank k·span + j, on node rank // gpus_per_node
-                gpn = cluster.gpus_per_node
+                # the same position in both stages: rank k·span + j, in NVLink domain rank // domain_gpus
+                gpn = cluster.domain_gpus
                 inter = (stage * stage_span) // gpn != (other * stage_span) // gpn
                 link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if inter
                         else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))

@@ -25,10 +25,11 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig, quant_parts
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.memory import logits_bytes_per_logit
 from advisor.models.power import _STAGE_FIELDS as _POWER_STAGE_FIELDS
+from advisor.models.quant import weight_copy_bytes
 from advisor.models.step_time import _ADDITIVE, StageTime, loss_bytes_per_logit
 from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _extra_codes, _unique_rows  # noqa: F401 (Layouts: API)
 
@@ -40,6 +41,12 @@ UNIT_FIELDS = _ADDITIVE
 STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageTime) if f.name != "stage")
 STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s")
 POWER_FIELDS = tuple(f for f in _POWER_STAGE_FIELDS if f not in ("stage", "sm_clock_mhz"))
+
+
+def _quant_fields(code) -> dict:
+    """TrainConfig precision fields of a QUANTS code (the `fp8` column of Layouts)."""
+    precision, recipe = quant_parts(int(code))
+    return {"precision": precision, "fp8_recipe": recipe}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,7 +81,7 @@ class _Memo:
 
             tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
             cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              precision="fp8" if fp8 else "bf16", tp_comm_overlap=tpo, gbs=m * mbs,
+                              **_quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs,
                               **dict(zip(MOE_KNOBS, knobs)))
             cl, c = self.cluster, self.c
             links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
@@ -99,7 +106,7 @@ class _Memo:
 
             tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
             cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              precision="fp8" if fp8 else "bf16", moe_router=router, moe_capacity_factor=cf,
+                              **_quant_fields(fp8), moe_router=router, moe_capacity_factor=cf,
                               moe_pad_to_capacity=pad)
             hit = self.acts[key] = np.array([[layer_activation_bytes(self.model, i, cfg, self.c, "full"),
                                               layer_activation_bytes(self.model, i, cfg, self.c, "none")]
@@ -202,7 +209,7 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
     first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, _extra_codes(L, routers)])
     per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
-                                  int(L.etp[i]), bool(L.sp[i]), bool(L.fp8[i]), routers[i])) for i in first])
+                                  int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i])) for i in first])
     key = inv[r]
     K = per_key.shape[1]
     full = (L.recompute == RECOMPUTE_CODES["full"])[r]
@@ -213,7 +220,7 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     flight = _gather_blocks([L.plan, m], lambda i: memo.in_flight(plans[L.plan[i]], int(m[i])), S)
     counts = S.counts(memo)
     dense, experts, linear = params[:, 0], params[:, 1], params[:, 2]
-    fp8_copy = np.where(L.fp8, c.bytes_fp8_weight_copy, 0.0)[r]
+    fp8_copy = np.array([weight_copy_bytes(q, c) for q in range(len(QUANTS))])[L.fp8][r]
     d = (L.dp * L.cp)[r]
     edp = L.expert_dp[r]
     total = dense + experts
@@ -334,7 +341,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     for i in first:
         knobs = tuple(extras[i])
         key = (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]),
-               bool(L.sp[i]), bool(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
+               bool(L.sp[i]), int(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
                int(m[i]) if per_m[i] else 1)
         u, ut = memo.unit(key)
         units.append(u)
@@ -398,7 +405,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     p2p = np.zeros(S.total)
     bbytes = T * model.hidden_size * e / np.where(L.sp, L.tp, 1)[r]
     span = (L.tp * L.cp * L.dp)[r]
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     inter_bw, inter_lat = cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s
     intra_bw, intra_lat = cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s
     for other, ok in ((np.where(k + 1 < pp, k + 1, 0), (pp > 1) & ((k + 1 < pp) | (vp > 1))),
@@ -487,7 +494,7 @@ def _coll(kind: str, nbytes, n, bw_gbs, lat):
 
 def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
     """step_time.group_link on arrays: (bandwidth GB/s, latency)."""
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus
     stride, size = np.asarray(stride), np.asarray(size)
     span = stride * size
     intra = (size <= 1) | (span <= gpn)
@@ -870,7 +877,7 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
     ps = 1.0
     # busy phases (power.busy_phases): their Load sums do not depend on the clocks
     u = full["gemm_utilization"]
-    wg = c.gemm_power * np.maximum(u, 0.0) ** c.gemm_power_exponent * np.where(fp8, c.fp8_gemm_power, 1.0)
+    wg = c.gemm_power * np.maximum(u, 0.0) ** c.gemm_power_exponent * np.where(fp8 != 0, c.fp8_gemm_power, 1.0)
     b = c.memory_power_bandwidth
     comm = full["tp_comm_s"] + full["cp_comm_s"] + full["ep_comm_s"] + full["pp_p2p_s"]
     busy = [("gemm", (full["gemm_s"] + full["recompute_s"]) * mf, (wg, 0.0)),

@@ -142,7 +142,7 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "account_for_loss_in_pipeline_split": cfg.account_for_loss,
         "pipeline_model_parallel_layout": cfg.pipeline_layout,
         # Precision.
-        "bf16": cfg.precision in ("bf16", "fp8"),  # fp8 layers keep bf16 params
+        "bf16": True,  # every format keeps bf16 params (the quantized copies are TE's)
         "params_dtype": "bfloat16",
         "pipeline_dtype": "bfloat16",
     }
@@ -213,9 +213,13 @@ def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str,
     if cfg.precision == "fp8":
         kw.update(fp8="hybrid", fp8_recipe=fp8_recipe, fp8_amax_history_len=1024,
                   fp8_amax_compute_algo="max")
+    elif cfg.precision == "mxfp8":
+        kw.update(fp8="e4m3", fp8_recipe="mxfp8")
+    elif cfg.precision == "nvfp4":
+        kw.update(fp4="e2m1", fp4_recipe="nvfp4")
     if model.is_moe:
         kw["moe_grouped_gemm"] = cfg.moe_grouped_gemm
-        if cfg.precision == "fp8":  # FP8 grouped GEMMs want each expert's token count padded to 16
+        if cfg.precision != "bf16":  # FP8 grouped GEMMs want each expert's token count padded to 16
             kw["moe_router_padding_for_quantization"] = True
     return kw
 
@@ -247,7 +251,7 @@ def optimizer_kwargs(cfg: TrainConfig) -> dict[str, Any]:
     cfg = effective_config(cfg)
     return {
         "optimizer": "adam", "lr": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0,
-        "bf16": cfg.precision in ("bf16", "fp8"), "params_dtype": "bfloat16",
+        "bf16": True, "params_dtype": "bfloat16",
         "use_distributed_optimizer": cfg.distributed_optimizer,
         "overlap_param_gather": cfg.overlap_param_gather,
     }
@@ -428,10 +432,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "transformer_engine",
-    ] + _parallel_size_args(cfg) + ["--bf16"]
-    if cfg.precision == "fp8":
-        a += ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
-              "--fp8-amax-compute-algo", "max"]
+    ] + _parallel_size_args(cfg) + ["--bf16"] + precision_args(cfg)
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
@@ -605,9 +606,24 @@ def layout_args(cfg: TrainConfig) -> list[str]:
         if cfg.overlap_param_gather:  # Megatron-LM asserts it comes with --overlap-grad-reduce
             a.append("--overlap-param-gather")
     a.append("--bf16")
+    return a + precision_args(cfg)
+
+
+def precision_args(cfg: TrainConfig) -> list[str]:
+    """Megatron-LM's Transformer Engine flags of the layout's format (megatron/training/
+    arguments.py, _add_transformer_engine_args: --fp8-format {e4m3,hybrid}, --fp8-recipe
+    {tensorwise,delayed,mxfp8,blockwise}, --fp4-format e2m1, --fp4-recipe nvfp4). Delayed scaling
+    with the amax history of NVIDIA's recipes; the block formats use E4M3 in both passes (TE's
+    MXFP8BlockScaling / Float8BlockScaling defaults)."""
+    if cfg.precision == "fp8" and cfg.fp8_recipe == "delayed":
+        return ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
     if cfg.precision == "fp8":
-        a += ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]
-    return a
+        return ["--fp8-format", "hybrid" if cfg.fp8_recipe == "tensorwise" else "e4m3", "--fp8-recipe", cfg.fp8_recipe]
+    if cfg.precision == "mxfp8":
+        return ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]
+    if cfg.precision == "nvfp4":
+        return ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]
+    return []
 
 
 def model_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:

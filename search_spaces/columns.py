@@ -9,7 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import MOE_KNOB_DEFAULTS, MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig, moe_knobs_key
+from advisor.catalog.specs import (MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig,
+                                   moe_knobs_key, quant_name, quant_parts)
 from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, model_parallel_choices,
                                          split_choices)
 
@@ -73,7 +74,7 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 vp=col["vp"], mbs=col["mbs"], gbs=np.full(n, workload.gbs, np.int64),
                 seq=np.full(n, workload.seq, np.int64), recompute=col["rc"], sp=tp1 & bool(options.sequence_parallel), dist_opt=col["dist"].astype(bool),
                 overlap_grad=dpcp, overlap_param=col["dist"].astype(bool) & dpcp,
-                tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, workload.precision == "fp8"),
+                tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, QUANTS.index(quant_name(workload.precision, workload.fp8_recipe)), np.int8),
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,
                 extras=[MOE_KNOB_DEFAULTS] * n, same_extras=True)
     L.split = col["split"]
@@ -108,7 +109,7 @@ class Layouts:
     overlap_grad: np.ndarray
     overlap_param: np.ndarray
     tp_overlap: np.ndarray
-    fp8: np.ndarray
+    fp8: np.ndarray                # catalog.specs.QUANTS code of the linear layers' format (0 = bf16)
     plan: np.ndarray
     plans: list
     configs: list = field(default_factory=list, repr=False)   # TrainConfig or None per row
@@ -157,7 +158,7 @@ class Layouts:
                    sp=col("sequence_parallel", bool), dist_opt=col("distributed_optimizer", bool),
                    overlap_grad=col("overlap_grad_reduce", bool), overlap_param=col("overlap_param_gather", bool),
                    tp_overlap=col("tp_comm_overlap", bool),
-                   fp8=np.array([c.precision == "fp8" for c in cfgs], bool), plan=plan, plans=plans,
+                   fp8=np.array([c.quant_code for c in cfgs], np.int8), plan=plan, plans=plans,
                    configs=cfgs, extras=[c.moe_knobs() for c in cfgs])
 
     def config(self, i: int) -> TrainConfig:
@@ -169,7 +170,7 @@ class Layouts:
             c = self.configs[i] = TrainConfig(
                 tp=int(self.tp[i]), pp=int(self.pp[i]), dp=int(self.dp[i]), cp=int(self.cp[i]), ep=int(self.ep[i]),
                 etp=int(self.etp[i]), vp=int(self.vp[i]), mbs=int(self.mbs[i]), gbs=int(self.gbs[i]),
-                seq=int(self.seq[i]), precision="fp8" if self.fp8[i] else self.precision,
+                seq=int(self.seq[i]), **dict(zip(("precision", "fp8_recipe"), quant_parts(self.fp8[i]))),
                 recompute=names[int(self.recompute[i])], sequence_parallel=bool(self.sp[i]),
                 distributed_optimizer=bool(self.dist_opt[i]), overlap_grad_reduce=bool(self.overlap_grad[i]),
                 overlap_param_gather=bool(self.overlap_param[i]), tp_comm_overlap=bool(self.tp_overlap[i]),
@@ -186,7 +187,7 @@ class Layouts:
         names = ("none", "selective", "full")
         return (f"tp{self.tp[i]}-pp{self.pp[i]}-dp{self.dp[i]}-cp{self.cp[i]}-ep{self.ep[i]}-etp{self.etp[i]}"
                 f"-vp{self.vp[i]}-mbs{self.mbs[i]}-gbs{self.gbs[i]}-seq{self.seq[i]}"
-                f"-{'fp8' if self.fp8[i] else self.precision}-{names[int(self.recompute[i])]}"
+                f"-{QUANTS[int(self.fp8[i])]}-{names[int(self.recompute[i])]}"
                 + ("-acce" if sp.get("account_for_embedding") else "") + ("-accl" if sp.get("account_for_loss") else "")
                 + (f"-layout[{sp['pipeline_layout']}]" if sp.get("pipeline_layout") else "")
                 + moe_knobs_key(self.extras[i]))

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig, check_precision
 
 
 class IllegalLayout(SpecError):
@@ -343,8 +343,8 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
         # megatron.core.transformer.attention divides num_query_groups by the TP size
         out.append(f"tp={cfg.tp} does not divide the {kv} KV groups")
     if cluster is not None:
-        if cfg.tp > cluster.gpus_per_node:
-            out.append(f"tp={cfg.tp} spans more than one node ({cluster.gpus_per_node} GPUs per node)")
+        if cfg.tp > cluster.domain_gpus:
+            out.append(f"tp={cfg.tp} spans more than one NVLink domain ({cluster.domain_gpus} GPUs of the job per domain)")
         if cfg.world_size != cluster.world_size:
             out.append(f"tp·pp·cp·dp = {cfg.tp}·{cfg.pp}·{cfg.cp}·{cfg.dp} = {cfg.world_size} "
                        f"≠ {cluster.world_size} GPUs in the cluster")
@@ -370,8 +370,8 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
             out.append(f"ep·etp = {cfg.ep}·{cfg.etp} does not divide dp·cp·tp = {cfg.dp * cfg.cp * cfg.tp}")
         if model.moe.ffn_hidden_size % cfg.etp:
             out.append(f"etp={cfg.etp} does not divide the expert FFN size {model.moe.ffn_hidden_size}")
-        if cluster is not None and cfg.etp > cluster.gpus_per_node:
-            out.append(f"etp={cfg.etp} spans more than one node")
+        if cluster is not None and cfg.etp > cluster.domain_gpus:
+            out.append(f"etp={cfg.etp} spans more than one NVLink domain")
         out += moe_knob_violations(model, cfg)
     else:
         if cfg.ep > 1:
@@ -384,8 +384,11 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
         out.append("tp_comm_overlap needs sequence_parallel")
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
         out.append("overlap_param_gather needs the distributed optimizer")
-    if cfg.precision == "fp8" and cluster is not None and not cluster.gpu.fp8_tflops:
-        out.append(f"{cluster.gpu.name} has no fp8 tensor cores")
+    if cfg.precision != "bf16" and cluster is not None:
+        try:
+            check_precision(cluster.gpu, cfg.precision)
+        except SpecError as e:
+            out.append(str(e))
     return out
 
 

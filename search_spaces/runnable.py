@@ -20,7 +20,7 @@ from advisor.catalog.specs import ModelSpec, TrainConfig
 
 # (key, one-line reason) in the order they are checked; the text is what the runner prints
 LOCAL_RULES = (
-    ("fp8", "fp8 needs Transformer Engine, which is not installed (bf16 only)"),
+    ("fp8", "fp8 needs Transformer Engine, which is not installed (bf16 only; mxfp8 / nvfp4 too)"),
     ("sequence_parallel",
      "sequence_parallel fails without Transformer Engine ('sequence parallel not supported by torch LayerNorm')"),
     ("cp", "context parallelism (cp > 1) needs TEDotProductAttention; the local spec asserts cp == 1"),
@@ -49,7 +49,7 @@ def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | N
     """The key (LOCAL_RULES) of the first rule of the stack's runner this layout breaks; None if none."""
     if stack not in RESTRICTED_STACKS:
         return None
-    broken = _broken(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision == "fp8", cfg.tp_comm_overlap)
+    broken = _broken(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision != "bf16", cfg.tp_comm_overlap)
     return next((key for key, _ in LOCAL_RULES if broken[key]), None)
 
 

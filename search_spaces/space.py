@@ -37,6 +37,7 @@ class Workload:
     seq: int
     gbs: int
     precision: str = "bf16"
+    fp8_recipe: str = "delayed"  # Megatron's --fp8-recipe when precision is fp8
 
     def __post_init__(self) -> None:
         if self.seq < 1 or self.gbs < 1:
@@ -186,7 +187,7 @@ def model_parallel_choices(model: ModelSpec, cluster: ClusterSpec, workload: Wor
                            options: SpaceOptions) -> Iterator[tuple[int, int, int, int]]:
     """(tp, cp, pp, dp) of the space, in enumeration order (search_spaces.columns shares it)."""
     world = cluster.world_size
-    gpn = cluster.gpus_per_node
+    gpn = cluster.domain_gpus  # TP stays inside the NVLink domain (an NVL72 rack: up to its 72 GPUs)
     heads, kv = model.num_attention_heads, model.kv_heads
     tps = [t for t in divisors(gpn) if heads % t == 0 and (model.mla is not None or kv % t == 0)]
     cps = [c for c in powers_of_two_upto(options.max_cp)
@@ -232,6 +233,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                             cfg = TrainConfig(
                                 tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs,
                                 gbs=workload.gbs, seq=workload.seq, precision=workload.precision,
+                                fp8_recipe=workload.fp8_recipe,
                                 recompute=rc, sequence_parallel=options.sequence_parallel and tp > 1,
                                 distributed_optimizer=dist and dp * cp > 1,
                                 overlap_grad_reduce=dp * cp > 1,

@@ -1,0 +1,67 @@
+"""What the linear layers' GEMMs cost in each training number format (Transformer Engine).
+
+Under every low-precision format the linear layers of attention (QKV, output projection) and of the
+MLP / experts run quantized; core attention, the embedding, the output layer and the router stay
+BF16 (TE's autocast covers TE modules only). Per quantized GEMM TE writes two copies of its input
+(the row-wise one for the forward / dgrad GEMM, the column-wise one for wgrad: a transpose for
+per-tensor FP8, a second quantization along the other axis for the block formats), and in the
+backward the same for the output gradient; each copy carries its scales. The costs scale the fitted
+FP8 ones (`Constants.fp8_cast_*`, `bytes_fp8_*`: 1-byte elements, no scales) by the format's bytes
+per element (`constants.QUANT_FORMATS`), plus one read of the BF16 tensor where the scale needs
+the tensor's own amax (current scaling, NVFP4's global scale).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from advisor.catalog.specs import QUANTS, GPUSpec
+from advisor.models.constants import QUANT_FORMATS, Constants
+
+
+@dataclass(frozen=True)
+class Quant:
+    """One format's GEMM rate and extra traffic, per element of a GEMM operand."""
+
+    name: str
+    peak_flops: float  # dense peak of its tensor cores, FLOP/s
+    efficiency: float  # best sustained fraction of that peak
+    half_dim: float  # GEMM efficiency saturation dimension
+    in_bytes: float  # bytes per element the GEMM reads (with scales)
+    cast_fwd_bytes: float  # extra HBM bytes per GEMM input element, forward
+    cast_bwd_bytes: float  # ... per output-gradient element, backward
+    weight_copy_bytes: float  # quantized copies of each linear weight kept in memory, bytes / param
+    activation_bytes: float  # bytes per saved GEMM input element (kept for wgrad)
+
+
+def element_bytes(name: str) -> float:
+    """Bytes per element of a quantized operand, its scales included (MXFP8: 1 + 1/32)."""
+    b, block, scale, _ = QUANT_FORMATS[name]
+    return b + (scale / block if block else 0.0)
+
+
+def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
+    """The format of QUANTS code `code` on `gpu` (None: bf16, the linear layers unquantized)."""
+    name = QUANTS[int(code)]
+    if name == "bf16":
+        return None
+    b = element_bytes(name)
+    amax = c.bytes_activation if QUANT_FORMATS[name][3] else 0.0
+    fwd = c.fp8_cast_fwd_bytes * b + amax
+    bwd = (c.fp8_cast_bwd_bytes - c.fp8_cast_fwd_bytes) + c.fp8_cast_fwd_bytes * b + amax
+    if name == "nvfp4":
+        peak, eff, half = gpu.fp4_tflops, c.gemm_efficiency_max_fp4, c.gemm_half_dim_fp4
+    else:
+        peak, eff, half = gpu.fp8_tflops, c.gemm_efficiency_max_fp8, c.gemm_half_dim_fp8
+    return Quant(name, peak * 1e12, eff, half, b, fwd, bwd, c.bytes_fp8_weight_copy * b, c.bytes_fp8_activation * b)
+
+
+def weight_copy_bytes(code: int, c: Constants) -> float:
+    """Bytes per linear-layer weight of its quantized copies (0 under bf16)."""
+    name = QUANTS[int(code)]
+    return 0.0 if name == "bf16" else c.bytes_fp8_weight_copy * element_bytes(name)
+
+
+def saved_input_bytes(code: int, c: Constants) -> float:
+    """Bytes per saved GEMM-input element (the quantized copy wgrad reads; BF16 under bf16)."""
+    name = QUANTS[int(code)]
+    return c.bytes_activation if name == "bf16" else c.bytes_fp8_activation * element_bytes(name)

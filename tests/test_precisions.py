@@ -1,0 +1,85 @@
+"""--precision bf16|fp8|mxfp8|nvfp4 and the FP8 recipes: rates, casts, memory, args, errors."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from advisor.catalog import TrainConfig, load_cluster, load_gpu, load_model
+from advisor.catalog.specs import QUANTS, SpecError, check_precision, quant_parts
+from advisor.models import vectorized as vz
+from advisor.models.constants import DEFAULT
+from advisor.models.memory import stage_memory
+from advisor.models.predict import predict
+from advisor.models.quant import element_bytes, quant
+from advisor.runners.megatron_args import layout_args
+
+M = load_model("llama3-70b")
+C = load_cluster("gb200x64")
+BASE = dict(tp=4, pp=2, dp=8, mbs=1, gbs=64, seq=8192, sequence_parallel=True)
+
+
+def cfg(**kw):
+    return TrainConfig(**{**BASE, **kw})
+
+
+def test_codes_round_trip():
+    for code, name in enumerate(QUANTS):
+        p, r = quant_parts(code)
+        assert TrainConfig(precision=p, fp8_recipe=r).quant == name
+    assert cfg(precision="fp8").key().endswith("-fp8-none")  # delayed fp8 keeps the old key
+    assert "-fp8-tensorwise-" in cfg(precision="fp8", fp8_recipe="tensorwise").key()
+
+
+def test_block_formats_need_blackwell():
+    with pytest.raises(SpecError, match="needs Blackwell"):
+        check_precision(load_gpu("h100"), "nvfp4")
+    check_precision(load_gpu("b200"), "mxfp8")
+    assert load_gpu("gb200").peak_tflops("nvfp4") == 10000 and load_gpu("gb200").peak_tflops("mxfp8") == 5000
+
+
+def test_scale_bytes_per_element():
+    assert element_bytes("mxfp8") == pytest.approx(1 + 1 / 32)
+    assert element_bytes("nvfp4") == pytest.approx(0.5 + 1 / 16)
+    assert element_bytes("fp8") == 1.0
+    g = load_gpu("gb200")
+    d = quant(g, QUANTS.index("fp8"), DEFAULT)
+    t = quant(g, QUANTS.index("fp8-tensorwise"), DEFAULT)
+    assert (d.cast_fwd_bytes, d.cast_bwd_bytes) == (DEFAULT.fp8_cast_fwd_bytes, DEFAULT.fp8_cast_bwd_bytes)
+    assert t.cast_fwd_bytes == d.cast_fwd_bytes + 2 and t.cast_bwd_bytes == d.cast_bwd_bytes + 2  # amax pass
+    assert quant(g, 0, DEFAULT) is None
+
+
+def test_speed_order_and_memory():
+    tps = {p: predict(M, C, cfg(precision=p), DEFAULT).tokens_per_s_per_gpu for p in ("bf16", "fp8", "mxfp8", "nvfp4")}
+    assert tps["bf16"] < tps["mxfp8"] <= tps["fp8"] < tps["nvfp4"]
+    w = {p: stage_memory(M, cfg(precision=p), DEFAULT)[0].weights_gib for p in ("bf16", "fp8", "mxfp8", "nvfp4")}
+    assert w["bf16"] < w["nvfp4"] < w["fp8"] < w["mxfp8"]  # quantized weight copies, with their scales
+
+
+def test_array_path_matches_per_layout():
+    cfgs = [cfg(precision=p, fp8_recipe=r) for p, r in map(quant_parts, range(len(QUANTS)))]
+    R = vz.evaluate(M, C, vz.Layouts.of(M, cfgs), DEFAULT)
+    for i, x in enumerate(cfgs):
+        p = predict(M, C, x, DEFAULT, check_legal=False)
+        assert R.prediction(i).tokens_per_s_per_gpu == pytest.approx(p.tokens_per_s_per_gpu, rel=1e-9)
+        assert R.prediction(i).memory_gib_per_gpu == pytest.approx(p.memory_gib_per_gpu, rel=1e-9)
+
+
+@pytest.mark.parametrize("p,r,flags", [
+    ("fp8", "delayed", ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"]),
+    ("fp8", "tensorwise", ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]),
+    ("fp8", "blockwise", ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"]),
+    ("mxfp8", "delayed", ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"]),
+    ("nvfp4", "delayed", ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"]),
+])
+def test_megatron_flags(p, r, flags):
+    a = layout_args(cfg(precision=p, fp8_recipe=r))
+    i = a.index(flags[0])
+    assert a[i:i + len(flags)] == flags
+
+
+def test_cli_one_line_error_off_blackwell():
+    r = subprocess.run([sys.executable, "-m", "advisor", "recommend", "-m", "llama3-8b", "-c", "h100x8",
+                        "--precision", "nvfp4"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs Blackwell" in r.stderr
