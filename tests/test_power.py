@@ -110,7 +110,7 @@ def test_calibrated_power_numbers_agree_with_each_other():
     """The issue's deepseek-v3 case: a calibrated mean power next to a sustained demand from
     another evaluation. Every power field of a calibrated prediction now comes from one
     power_at_step evaluation at the calibrated step time."""
-    cfg, p = predict_layout("deepseek-v3", "h100x1024", {"tp": 8, "pp": 8, "ep": 64, "mbs": 1, "gbs": 1024, "seq": 4096,
+    cfg, p = predict_layout("deepseek-v3", "h100x1024", {"tp": 8, "pp": 8, "ep": 64, "etp": 1, "mbs": 1, "gbs": 1024, "seq": 4096,
                                                          "recompute": "full", "pp_first_layers": 5, "pp_last_layers": 8},
                             calibration="default")
     st = p.power["stages"]

@@ -37,7 +37,7 @@ def test_every_enumerated_layout_is_legal_and_dp_is_derived():
 def test_rules_name_the_broken_rule():
     m, c = load_model("llama3-70b"), load_cluster("h100x64")
     assert any("KV groups" in v for v in violations(m, c, TrainConfig(tp=16, pp=1, dp=4, gbs=128)))
-    assert any("spans more than one node" in v for v in violations(m, c, TrainConfig(tp=16, pp=4, dp=1, gbs=128)))
+    assert any("spans more than one NVLink domain" in v for v in violations(m, c, TrainConfig(tp=16, pp=4, dp=1, gbs=128)))
     # 80 layers over pp=3 (tp·pp = 24 of 64 GPUs, so the GPU count is broken too)
     assert any("do not split evenly over pp=3" in v for v in violations(m, c, TrainConfig(tp=8, pp=3, dp=1, gbs=128)))
     assert any("gbs=100" in v for v in violations(m, c, TrainConfig(tp=8, pp=4, dp=2, mbs=4, gbs=100)))
@@ -98,7 +98,7 @@ def test_cli_table_output():
 @pytest.mark.parametrize("args,needle", [
     # typer/click's own usage errors: one line too, not a boxed "Usage ... Error" block
     (["recommend", "--model", "llama3-70b", "--cluster", "h100x64", "--precision", "fp16"],
-     "error: Invalid value for '--precision': 'fp16' is not one of 'bf16', 'fp8'."),
+     "error: Invalid value for '--precision': 'fp16' is not one of 'bf16', 'fp8', 'mxfp8', 'nvfp4'."),
     (["predict", "--model", "llama3-70b", "--cluster", "h100x64", "--tp", "x"], "Invalid value for '--tp'"),
     (["catalog", "foo"], "'foo' is not one of 'models', 'gpus', 'clusters'"),
     (["catalog"], "Missing argument"),
