@@ -13,6 +13,8 @@ import optuna
 import pytest
 
 ray = pytest.importorskip("ray")
+# one worker runs this file's tests (pyproject's --dist loadgroup): each starts a local Ray
+pytestmark = pytest.mark.xdist_group("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 TS = optuna.trial.TrialState
