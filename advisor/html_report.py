@@ -709,10 +709,11 @@ def study_page(storage: str, study_name: str | None = None, command: str | None 
     from advisor.cmd_tune import pareto_cells, pareto_columns
     from advisor.report import layout_text
     from advisor.catalog.specs import TrainConfig
-    from advisor.study import OBJECTIVES, _get, _open_study_storage, study_pareto
+    from advisor.study import OBJECTIVES, study_pareto
+    from advisor.study_storage import dig, open_study_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    st = _open_study_storage(storage)
+    st = open_study_storage(storage)
     names = [s.study_name for s in st.get_all_studies()]
     if study_name is None:
         if len(names) != 1:
@@ -753,9 +754,9 @@ def study_page(storage: str, study_name: str | None = None, command: str | None 
         cost = t.values[1] if t.values and kind == "measured" else None
         rec = a.get("record") if kind == "measured" else None
         rows.append({"trial": t.number, "kind": kind, "tps": tps, "cost": cost, "feasible": _feasible(t),
-                     "predicted": _get(a, "predicted", "tokens_per_s_per_gpu"),
-                     "peak_power_w": _get(rec, "telemetry", "peak_power_w"),
-                     "energy_j_per_token": _get(rec, "telemetry", "energy_per_token_j")})
+                     "predicted": dig(a, "predicted", "tokens_per_s_per_gpu"),
+                     "peak_power_w": dig(rec, "telemetry", "peak_power_w"),
+                     "energy_j_per_token": dig(rec, "telemetry", "energy_per_token_j")})
         table.append([str(t.number), t.state.name.lower(), status or "-", layout,
                       f"{tps:,.0f}" if tps is not None else "-",
                       (f"{cost:.0f}" if obj == "peak_power_w" else f"{cost:.3f}") if cost is not None else "-", note])

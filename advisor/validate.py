@@ -206,19 +206,13 @@ def dataset_file(flag: str, path: str | Path, parents: bool = False) -> Path:
     return p
 
 
-def _redact(url: str) -> str:
-    import re
-
-    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
-
-
 def database_url(flag: str, url: str, timeout_s: float = 5.0) -> str:
     """An RDB URL whose driver is installed and whose server answers within `timeout_s`."""
-    shown = _redact(url)
+    from advisor.study_storage import rdb_url, redact
+
+    shown = redact(url)
     require("sqlalchemy", f"{flag} {shown}")
     import sqlalchemy as sa
-
-    from advisor.study import rdb_url
 
     try:
         u = sa.engine.make_url(rdb_url(url))
