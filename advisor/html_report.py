@@ -11,8 +11,8 @@ the core imports and answers `recommend` without it.
 
 Every number comes from the objects the CLI prints (RecommendResult / Prediction / placement
 Plan / the Optuna study and its records / Calibration), formatted by the same functions as the
-terminal tables where there is one (advisor.report, cmd_tune.pareto_cells, cmd_place.plan_rows,
-cmd_fit.format_report).
+terminal tables where there is one (advisor.report: its tables, pareto_cells, plan_rows,
+format_fit_report).
 """
 from __future__ import annotations
 
@@ -655,7 +655,7 @@ def _megatron_args(m, cfg) -> str:
 # ------------------------------------------------------------------------------------------------
 
 def place_page(plan, model: str, cluster, command: str | None = None) -> Page:
-    from advisor.cmd_place import PLAN_COLUMNS, plan_rows, plan_title
+    from advisor.report import PLAN_COLUMNS, plan_rows, plan_title
 
     c = cluster
     page = Page(plan_title(plan, model, c.name), "place", command)
@@ -706,7 +706,7 @@ def _feasible(t) -> bool:
 def study_page(storage: str, study_name: str | None = None, command: str | None = None) -> Page:
     import optuna
 
-    from advisor.cmd_tune import pareto_cells, pareto_columns
+    from advisor.report import pareto_cells, pareto_columns
     from advisor.report import layout_text
     from advisor.catalog.specs import TrainConfig
     from advisor.study import OBJECTIVES, study_pareto
@@ -827,11 +827,11 @@ def _oof_panel(cal, t: str) -> dict | None:
 
 
 def fit_page(cal, ds, command: str | None = None) -> Page:
-    from advisor.cmd_fit import format_report
+    from advisor.report import format_fit_report
 
     page = Page("calibration fit", "fit", command)
     page.p(f"data: {ds.summary()}")
-    page.text(format_report(cal))
+    page.text(format_fit_report(cal))
     panels = [p for p in (_oof_panel(cal, t) for t in FIT_TARGETS) if p]
     page.h2("Predicted against measured, out of fold")
     page.figure(fig_pred_vs_meas(panels), "fit",
