@@ -41,7 +41,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -53,6 +52,9 @@ from typing import Any, Mapping
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.runners import measure as M
 from advisor.runners import megatron_args as MA
+from advisor.runners.follow import EventFollower, LineFollower, tail
+from advisor.runners.proctree import install_signal_handlers, restore_signal_handlers
+from advisor.runners.records import ERROR_LINE, jsonable
 from advisor.runners.parent_watch import preexec_die_with_parent
 
 GUARD = Path(__file__).with_name("command_guard.py")
@@ -366,29 +368,6 @@ def parse_text(text: str, kind: str = "auto", step_regex: str | None = None, t: 
     return p
 
 
-class _LineFollower:
-    """Complete new lines (split on \\n and \\r: progress bars) of a growing text file."""
-
-    def __init__(self, path: Path):
-        self.path, self.pos, self.buf = path, 0, b""
-
-    def read(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.pos += len(data)
-        self.buf += data
-        *lines, self.buf = re.split(rb"[\r\n]", self.buf)
-        return [ln.decode("utf-8", "replace") for ln in lines if ln]
-
-    def rest(self) -> list[str]:
-        tail, self.buf = self.buf, b""
-        return [tail.decode("utf-8", "replace")] if tail else []
-
-
 # ------------------------------------------------------------------------------ the runner
 def megatron_stage(global_rank: int, cfg: TrainConfig) -> int:
     """The pipeline stage of a rank in Megatron's default order (tp-cp-ep-dp-pp: PP outermost)."""
@@ -419,8 +398,8 @@ class _Trial:
     env: dict[str, str] = field(default_factory=dict)
     launched_at: float | None = None
     parser: LogParser | None = None
-    lines: _LineFollower | None = None
-    step_lines: Any = None  # measure._Follower of the step file
+    lines: LineFollower | None = None
+    step_lines: Any = None  # follow.EventFollower of the step file
     n_lines: int = 0
 
 
@@ -457,7 +436,7 @@ class CommandRunner(M.BatchRunner):
                 stopped: str | None) -> None:
         p = tr.parser or LogParser(self.spec.parser, self.spec.step_regex)
         bounds = bounds_from_steps(p.steps)
-        st = M._JobState(ranks=self._ranks(entry.config, p.memory), bounds=bounds or [],
+        st = M.JobState(ranks=self._ranks(entry.config, p.memory), bounds=bounds or [],
                          started_at=tr.launched_at, torchrun_started=tr.launched_at, first_in_torchrun=True)
         self._extra = command_block(self.spec, tr, rc, stopped, p, entry)
         self._record(entry, st, status, error)
@@ -489,7 +468,7 @@ class CommandRunner(M.BatchRunner):
         (self.run_dir / "entries.json").write_text(json.dumps(
             {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname(), "nproc": self.nproc,
              "runner": "command", "command": self.spec.to_dict(), "node": asdict(self.node),
-             "entries": [M.entry_to_dict(e) for e in runnable]}, default=M._jsonable))
+             "entries": [M.entry_to_dict(e) for e in runnable]}, default=jsonable))
         self._start_telemetry()
         if self.backend is not None:
             try:
@@ -500,7 +479,7 @@ class CommandRunner(M.BatchRunner):
                 self.uuids = []
         self.env.setdefault("hostname", socket.gethostname())
         self.t_begin = time.time()
-        old = M._install_signal_handlers()
+        old = install_signal_handlers()
         trial: tuple[M.Entry, _Trial] | None = None
         try:
             timeouts = 0
@@ -531,7 +510,7 @@ class CommandRunner(M.BatchRunner):
             self._settled()
             raise
         finally:
-            M._restore_signal_handlers(old)
+            restore_signal_handlers(old)
             self._stop_telemetry()
         self._settled()
         return self.records
@@ -560,7 +539,7 @@ class CommandRunner(M.BatchRunner):
         first one (start-up: imports, model build, data) any new line."""
         if tr.parser is None:
             tr.parser = LogParser(self.spec.parser, self.spec.step_regex)
-            tr.lines, tr.step_lines = _LineFollower(tr.log), M._Follower(tr.step_file)
+            tr.lines, tr.step_lines = LineFollower(tr.log), EventFollower(tr.step_file)
         n0 = len(tr.parser.steps)
         now = time.time()
         lines = tr.lines.read()
@@ -618,7 +597,7 @@ class CommandRunner(M.BatchRunner):
         if stopped == "budget":
             return "killed", (f"cut by the time budget ({self.max_seconds:g} s) after {n} measured step(s); "
                               "the job was stopped, partial steps kept")
-        status, reason = classify(M._tail(tr.log), rc)
+        status, reason = classify(tail(tr.log), rc)
         if status == "ok":  # exit 0 before enough steps
             if self.node.nnodes > 1 and not got:
                 return "ok", None  # Megatron-LM prints on the last rank: another node has the steps
@@ -639,7 +618,7 @@ def classify(text: str, rc: int | None) -> tuple[str, str]:
     the worker's own error line (a Python exception, else the last ERROR log line)."""
     status, reason = M.classify_failure(text, rc)
     if status == "crash" and any(w in reason for w in _LAUNCHER_ERRORS):
-        errors = [e for e in M._ERROR_LINE.findall(text) if not any(w in e[1] for w in _LAUNCHER_ERRORS)]
+        errors = [e for e in ERROR_LINE.findall(text) if not any(w in e[1] for w in _LAUNCHER_ERRORS)]
         if errors:
             _, name, _, msg = errors[-1]
             return status, f"{name}: {msg.strip()[:300]}"
@@ -676,7 +655,7 @@ def command_block(spec: CommandSpec, tr: _Trial, rc: int | None, stopped: str | 
             "stopped_by_runner": stopped, "iterations_parsed": len(p.steps),
             "reported_tflops_per_gpu": (sorted(measured)[len(measured) // 2] if measured else None),
             "memory_reported_ranks": sorted(p.memory), "log_path": str(tr.log),
-            "log_tail": M._tail(tr.log, n=LOG_TAIL_CHARS)}
+            "log_tail": tail(tr.log, n=LOG_TAIL_CHARS)}
 
 
 def finish_record(rec: dict[str, Any], extra: Mapping[str, Any], node: NodeInfo) -> None:
@@ -716,7 +695,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
         tr = _Trial(i, run_dir / f"trial{i}.log", run_dir / f"trial{i}.steps.jsonl", info.get("command", ""),
                     info.get("env", {}), info.get("launched_at"))
         mtime = max((p.stat().st_mtime for p in (tr.log, tr.step_file) if p.exists()), default=time.time())
-        tr.parser = parse_text(M._tail(tr.log, n=50_000_000), spec.parser, spec.step_regex, t=mtime)
+        tr.parser = parse_text(tail(tr.log, n=50_000_000), spec.parser, spec.step_regex, t=mtime)
         if tr.step_file.exists():
             for obj in M.read_jsonl(tr.step_file):
                 tr.parser.feed_json(obj, mtime)
@@ -724,7 +703,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
         if len(tr.parser.steps) >= e.warmup + e.steps:
             status, error = "ok", None
         else:
-            st, why = classify(M._tail(tr.log), None)
+            st, why = classify(tail(tr.log), None)
             status, error = (st, why) if st in ("oom", "crash", "timeout") else (
                 "killed", f"the launcher died (SIGKILL?) after {n} measured step(s); steps kept from the job's log")
         runner.records = []
