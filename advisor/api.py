@@ -302,7 +302,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
-    cal = _calibration(calibration, st.name, c.gpu)
+    cal = load_calibration(calibration, st.name, c.gpu)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
     screen_constants = cal.screening_constants if cal is not None else constants
@@ -599,7 +599,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
     the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
     v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision,
          "fp8_recipe": res.workload.fp8_recipe, **dict(values)}
-    cal = _calibration(calibration, res.stack, res.cluster.gpu)
+    cal = load_calibration(calibration, res.stack, res.cluster.gpu)
     cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
     bad = violations(res.model, res.cluster, cfg)
     if bad:
@@ -725,7 +725,7 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
         from advisor.models.calibrate import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
-    cal = _calibration(calibration, stack, c.gpu)
+    cal = load_calibration(calibration, stack, c.gpu)
     cfg = layout_from_flags(m, c, values, stack, checked=checked and not overrides)
     v = violations(m, c, cfg)
     if v:
@@ -748,7 +748,7 @@ def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], consta
     return [C.prediction(i) for i in range(len(cfgs))]
 
 
-def _calibration(spec: Any, stack: str | None = None, gpu=None):
+def load_calibration(spec: Any, stack: str | None = None, gpu=None):
     """A Calibration from None / "none" / "default" (the stack's profile for `gpu`'s generation) /
     a path / a Calibration (lazy import)."""
     if spec is None:
@@ -783,7 +783,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
     from advisor import validate
 
     if not _is_shipped(calibration, stack):  # a file: load it once, not per line (the shipped
-        calibration = _calibration(calibration, stack)  # profiles are cached, one per GPU generation)
+        calibration = load_calibration(calibration, stack)  # profiles are cached, one per GPU generation)
     sets = validate.parse_sets(overrides)
     set_keys = {"power_cap": "power_cap_w"}
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
@@ -810,7 +810,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
             values = {**defaults, **row}
             for k in row:
                 sk = next((s for s, rk in set_keys.items() if rk == k), k)
-                if sk in sets and row[k] is not None and not validate._same(row[k], sets[sk]):
+                if sk in sets and row[k] is not None and not validate.same_number(row[k], sets[sk]):
                     raise validate.InputError(f"{where}{k}={row[k]!r} conflicts with --set {sk}={sets[sk]}")
             for k in ("model", "cluster"):
                 if not isinstance(values.get(k), str) or not values[k].strip():

@@ -90,7 +90,7 @@ def fit_cmd(
     if as_json:
         json.dump({"output": output, "profile": cal.profile, "data": ds.summary(), "rejected": ds.rejected,
                    "cv": cal.cv, "constants": cal.to_payload()["fitted_constants"]}, sys.stdout, indent=1,
-                  default=calibrate._jsonable)
+                  default=calibrate.json_default)
         sys.stdout.write("\n")
         return
     from advisor.report import format_fit_report

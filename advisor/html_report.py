@@ -848,7 +848,7 @@ def dataset_page(paths: Sequence[str], calibration: Any = "default", stack: str 
 
     import numpy as np
 
-    from advisor.api import _calibration
+    from advisor.api import load_calibration
     from advisor.models import predict
     from advisor.models import dataset as dataset_mod
     from advisor.report import layout_text
@@ -856,7 +856,7 @@ def dataset_page(paths: Sequence[str], calibration: Any = "default", stack: str 
     ds = dataset_mod.load(paths)
     if not ds.records:
         raise SpecError(f"{', '.join(paths)}: no usable measurement ({len(ds.rejected)} rejected)")
-    cal = _calibration(calibration, stack)
+    cal = load_calibration(calibration, stack)
     page = Page(f"measurements: {', '.join(Path(p).name for p in paths)}", "dataset", command)
     page.p(f"data: {ds.summary()}")
     if cal is not None:

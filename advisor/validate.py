@@ -438,7 +438,7 @@ def parse_sets(sets: Iterable[str]) -> dict[str, str]:
     return seen
 
 
-def _same(a: Any, b: str) -> bool:
+def same_number(a: Any, b: str) -> bool:
     try:
         return float(a) == float(b)
     except (TypeError, ValueError):
@@ -450,7 +450,7 @@ def set_conflicts(sets: Iterable[str], flags: Mapping[str, Any], given: set[str]
     s = parse_sets(sets)
     for name, value in flags.items():
         key = "power_cap" if name == "power_cap" else name
-        if name in given and key in s and not _same(value, s[key]):
+        if name in given and key in s and not same_number(value, s[key]):
             flag = as_flag(name)
             raise InputError(f"{flag} {value} and --set {key}={s[key]} conflict; give one")
 

@@ -642,7 +642,7 @@ class Calibration:
         joblib.dump(payload, p, compress=3)
         meta = {k: v for k, v in payload.items() if k != "surrogates"}
         meta["surrogates"] = {t: s["kernel"] for t, s in payload["surrogates"].items()}
-        p.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=_jsonable) + "\n")
+        p.with_suffix(".json").write_text(json.dumps(meta, indent=1, default=json_default) + "\n")
         self.source = str(p)
 
     @classmethod
@@ -695,7 +695,7 @@ def interval_coverage(cal: "Calibration", records: Sequence[Record]) -> dict[str
     return out
 
 
-def _jsonable(o):
+def json_default(o):
     if isinstance(o, (np.floating, np.integer)):
         return o.item()
     if isinstance(o, np.ndarray):

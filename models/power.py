@@ -52,10 +52,10 @@ class StagePower:
     stretch_demand_w: float = 0.0  # that stretch's power at the maximum clock (busiest_stretch)
 
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in _STAGE_FIELDS}
+        return {f: getattr(self, f) for f in STAGE_POWER_FIELDS}
 
 
-_STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StagePower))
+STAGE_POWER_FIELDS = tuple(f.name for f in dataclasses.fields(StagePower))
 
 
 @dataclass
