@@ -61,7 +61,8 @@ from advisor.search_spaces.runnable import first_broken_rule, left_out_line
 from advisor.search_spaces.space import (SpaceOptions, Workload, enumerate_layouts, layout_key,
                                          layout_params, optuna_space, optuna_suggest)
 from advisor.study_storage import (GRACE_S, HEARTBEAT_S, OWN_VALUES, Claims, FileLock, dig, fail_stale,  # noqa: F401
-                                   is_url, load_dataset, open_storage, rdb_url, requeue_once, study_records)
+                                   is_url, load_dataset, open_storage, rdb_url, requeue_once, study_pareto,
+                                   study_records)
 
 OBJECTIVES = {"power": "peak_power_w", "energy": "energy_j_per_token"}
 CONSTRAINTS = ("memory", "power", "runs")
@@ -290,25 +291,6 @@ class TuneResult:
                 "counts": self.counts, "launched_by_this_driver": self.launched_here,
                 "measured": self.measured, "stopped": self.stopped, "elapsed_s": self.elapsed_s,
                 "best": self.best, "pareto": self.pareto}
-
-
-def study_pareto(study, obj: str) -> list[dict[str, Any]]:
-    """The Pareto front of a study's launched trials (one row per layout, fastest first); `obj`:
-    the second objective's key (OBJECTIVES)."""
-    out, seen = [], set()
-    for t in sorted(study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
-        k = t.user_attrs.get("layout_key")
-        if k in seen or not t.user_attrs.get("launched"):
-            continue
-        seen.add(k)
-        rec = t.user_attrs.get("record") or {}
-        out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
-                    "tokens_per_s_per_gpu": t.values[0], obj: t.values[1],
-                    "memory_gib": dig(rec, "memory", "max_gib"),
-                    "mean_power_w": dig(rec, "telemetry", "mean_power_w"),
-                    "status": t.user_attrs.get("status"),
-                    "predicted_tokens_per_s_per_gpu": dig(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
-    return out
 
 
 class Tuner:

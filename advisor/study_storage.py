@@ -14,7 +14,7 @@ from advisor.catalog.specs import SpecError
 
 __all__ = [
     "HEARTBEAT_S", "GRACE_S", "OWN_VALUES", "is_url", "fail_stale", "requeue_once", "rdb_url", "open_storage",
-    "redact", "open_study_storage", "study_records", "load_dataset", "FileLock", "Claims", "dig",
+    "redact", "open_study_storage", "study_records", "load_dataset", "FileLock", "Claims", "dig", "study_pareto",
 ]
 
 # RDB heartbeats of in-flight trials (Optuna's): interval and how long a silent trial lives on.
@@ -272,3 +272,22 @@ def dig(d: dict | None, *path: str) -> Any:
             return None
         d = d.get(p)
     return d
+
+
+def study_pareto(study, obj: str) -> list[dict[str, Any]]:
+    """The Pareto front of a study's launched trials (one row per layout, fastest first); `obj`:
+    the second objective's key (OBJECTIVES)."""
+    out, seen = [], set()
+    for t in sorted(study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
+        k = t.user_attrs.get("layout_key")
+        if k in seen or not t.user_attrs.get("launched"):
+            continue
+        seen.add(k)
+        rec = t.user_attrs.get("record") or {}
+        out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
+                    "tokens_per_s_per_gpu": t.values[0], obj: t.values[1],
+                    "memory_gib": dig(rec, "memory", "max_gib"),
+                    "mean_power_w": dig(rec, "telemetry", "mean_power_w"),
+                    "status": t.user_attrs.get("status"),
+                    "predicted_tokens_per_s_per_gpu": dig(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
+    return out

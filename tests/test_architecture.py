@@ -39,8 +39,6 @@ OVER_MAX_LINES = {
     "advisor.html_report": 935,
     "advisor.models.calibrate": 870,
     "advisor.api": 863,
-    "advisor.runners.command": 835,
-    "advisor.study": 802,
 }
 
 
