@@ -38,7 +38,6 @@ OVER_MAX_LINES = {
     "advisor.models.vectorized": 1153,
     "advisor.html_report": 935,
     "advisor.models.calibrate": 870,
-    "advisor.api": 863,
 }
 
 
