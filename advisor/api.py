@@ -296,7 +296,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     screen_constants = cal.screening_constants if cal is not None else constants
     rank_constants = cal.constants if cal is not None else constants
     if overrides:
-        from advisor.models.calibrate import override_workload
+        from advisor.models.overrides import override_workload
 
         m, c, seq, gbs, precision, options = override_workload(m, c, overrides, seq, gbs, precision, options)
     check_precision(c.gpu, precision)
@@ -606,7 +606,7 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
             specs[key] = hit
     m, c = hit
     if overrides:
-        from advisor.models.calibrate import apply_overrides
+        from advisor.models.overrides import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
     cal = load_calibration(calibration, stack, c.gpu)

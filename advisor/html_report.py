@@ -299,7 +299,7 @@ def predict_page(model: str, cluster: str, cfg, p, power_cap_w: float | None = N
 
     m, c = resolve(model, cluster, power_cap_w)
     if sets:
-        from advisor.models.calibrate import apply_overrides
+        from advisor.models.overrides import apply_overrides
 
         m, c, _ = apply_overrides(m, c, {}, sets)
     page = Page(f"{m.name} on {c.name}: {layout_text(cfg)}", "predict", command)

@@ -424,7 +424,7 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
 # -------------------------------------------------------------------------------- conflicts
 def parse_sets(sets: Iterable[str]) -> dict[str, str]:
     """--set KEY=VALUE strings -> {key: raw value}; a key given twice with different values is
-    an error naming both (the typed parse and the known keys are models.calibrate.parse_sets)."""
+    an error naming both (the typed parse and the known keys are models.overrides.parse_sets)."""
     seen: dict[str, str] = {}
     for s in sets or ():
         if "=" not in str(s):
