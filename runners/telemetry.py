@@ -48,7 +48,7 @@ from advisor.runners.telemetry_types import (COLUMNS, COUNTER_FIELDS, CLOCK_EVEN
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "CLOCK_EVENT_REASONS", "SAMPLE_FIELDS", "COUNTER_FIELDS", "COLUMNS", "TelemetryUnavailable",
+    "CLOCK_EVENT_REASONS", "THROTTLE_MASK", "SAMPLE_FIELDS", "COUNTER_FIELDS", "COLUMNS", "TelemetryUnavailable",
     "DeviceInfo", "Sample",
     "Backend", "FakeBackend", "NvmlBackend", "AmdSmiBackend", "open_backend", "Sampler", "Trace",
     "WindowSummary", "summarize", "summarize_steps", "trace_from_burn_json", "normalize_pci_bus_id",

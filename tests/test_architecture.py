@@ -3,7 +3,8 @@
 - arrows one way: catalog -> search_spaces -> models -> runners / placement -> advisor (the surface);
   no module imports one of a higher layer;
 - no import cycle between modules;
-- no private name (`_x`) imported across modules, nor read as `module._x`;
+- no private name (`_x`) imported across modules, nor read as `module._x`; a name imported from a
+  module with an `__all__` is listed there;
 - no library module over MAX_LINES lines (less the allow-list that must only shrink).
 
 Imports anywhere in a file count: module level, inside functions, under `if TYPE_CHECKING:`.
@@ -119,6 +120,25 @@ def private_imports() -> list[str]:
             if name and name.startswith("_") and not name.startswith("__") and target != m]
 
 
+def declared(module: str) -> set[str] | None:
+    """The names of `module`'s __all__, None when it has none."""
+    for node in ast.parse(modules()[module].read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def unlisted_imports() -> list[str]:
+    """Names imported from a module that has an __all__ without being in it."""
+    out = []
+    for m in modules():
+        for target, name, line in imports(m):
+            names = declared(target) if name and target != m else None
+            if names is not None and name not in names:
+                out.append(f"{where(m, line)}: {m} imports {target}.{name}, not in its __all__")
+    return out
+
+
 def import_graph() -> dict[str, set[str]]:
     return {m: {t for t, _, _ in imports(m) if t != m} for m in modules()}
 
@@ -181,6 +201,10 @@ def test_no_private_name_across_modules():
     assert private_imports() == []
 
 
+def test_what_other_modules_import_is_in_all():
+    assert unlisted_imports() == []
+
+
 def test_no_module_over_the_line_limit():
     long = long_modules()
     assert {m: n for m, n in long.items() if m not in OVER_MAX_LINES} == {}, f"over {MAX_LINES} lines"
@@ -195,7 +219,7 @@ def test_the_check_catches_each_kind(tmp_path, monkeypatch):
     (tmp_path / "catalog" / "a.py").write_text("from advisor.api import run\n")          # upward
     (tmp_path / "models" / "b.py").write_text("def f():\n    from advisor.models.c import g\n")
     (tmp_path / "models" / "c.py").write_text("from advisor.models import b\nfrom advisor.models.d import _x\n")
-    (tmp_path / "models" / "d.py").write_text("_x = 1\n" + "y = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "models" / "d.py").write_text("__all__ = []\n_x = 1\n" + "y = 1\n" * MAX_LINES)
     (tmp_path / "advisor" / "api.py").write_text("def run():\n    pass\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     modules.cache_clear()
@@ -204,6 +228,7 @@ def test_the_check_catches_each_kind(tmp_path, monkeypatch):
         assert len(upward_imports()) == 1 and "advisor.api" in upward_imports()[0]
         assert import_cycles() == [["advisor.models.b", "advisor.models.c"]]
         assert len(private_imports()) == 1 and "advisor.models.d._x" in private_imports()[0]
+        assert len(unlisted_imports()) == 1 and "advisor.models.d._x" in unlisted_imports()[0]
         assert long_modules() == {"advisor.models.d": MAX_LINES + 2}
     finally:
         monkeypatch.undo()
@@ -212,6 +237,7 @@ def test_the_check_catches_each_kind(tmp_path, monkeypatch):
 
 if __name__ == "__main__":
     for title, items in (("upward", upward_imports()), ("private", private_imports()),
+                         ("not in __all__", unlisted_imports()),
                          ("cycles", [" <-> ".join(c) for c in import_cycles()]),
                          ("long", [f"{m}: {n}" for m, n in sorted(long_modules().items(), key=lambda x: -x[1])])):
         print(f"== {title}: {len(items)}")
