@@ -13,19 +13,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
-
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load_cluster, load_model, with_power_cap
 from advisor.catalog.specs import check_precision
 from advisor.models.domain import domain_note
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
-from advisor.models.power import CapPoint, CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
+from advisor.models.objectives import OBJECTIVE_CAPS, OBJECTIVES, rank_order, score_arrays, score_prediction
+from advisor.models.power import CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
+from advisor.models.ranking import CapTable, best_at_cap, cap_evaluator, predict_at
 from advisor.screen import RECOMPUTE_COST, NoFeasibleLayout, screen
 from advisor.search_spaces.layout import IllegalLayout, violations
 from advisor.search_spaces.runnable import runs_sequence_parallel
 from advisor.search_spaces.space import SpaceOptions, Workload
 
-OBJECTIVES = ("throughput", "energy", "balanced")
 
 # What recommend / predict / tune predict with unless told otherwise, in the API and the CLI alike
 # (the CLI's --calibration reads it): "default" = the calibration shipped in models/data (or the
@@ -150,17 +149,6 @@ class RecommendResult:
             "warnings": list(self.warnings),
             **({"compared": [x.to_dict() for x in self.compared]} if self.compared else {}),
         }
-
-
-def _score(p: Prediction, objective: str, best_tps: float, best_energy: float) -> float:
-    """Higher is better."""
-    if objective == "throughput":
-        # within 1% of each other, prefer the layout less likely to throttle
-        return p.tokens_per_s_per_gpu * (1.0 - 0.01 * p.throttle_risk)
-    if objective == "energy":
-        return -p.energy_j_per_token * (1.0 + 0.01 * p.throttle_risk)
-    return (0.5 * math.log(p.tokens_per_s_per_gpu / best_tps) + 0.5 * math.log(best_energy / p.energy_j_per_token)
-            - 0.05 * p.throttle_risk)
 
 
 def explain(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, p: Prediction,
@@ -302,13 +290,13 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         raise SpecError("--top must be at least 1")
     t0 = time.perf_counter()
     m, c = resolve(model, cluster, power_cap_w)
-    cal = _calibration(calibration, st.name, c.gpu)
+    cal = load_calibration(calibration, st.name, c.gpu)
     # memory screen with the constants of the level calibration uses for memory; rank with the
     # calibrated constants (the level used for tokens/s); only the head is re-scored in full
     screen_constants = cal.screening_constants if cal is not None else constants
     rank_constants = cal.constants if cal is not None else constants
     if overrides:
-        from advisor.models.calibrate import override_workload
+        from advisor.models.overrides import override_workload
 
         m, c, seq, gbs, precision, options = override_workload(m, c, overrides, seq, gbs, precision, options)
     check_precision(c.gpu, precision)
@@ -331,8 +319,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     R = vz.evaluate(m, c, L, rank_constants, memory=False)
     tps_a, e_a, risk_a = R.tokens_per_s_per_gpu, R.energy_j_per_token, R.throttle_risk
     best_tps, best_e = float(tps_a.max()), float(e_a.min())
-    score = _scores(tps_a, e_a, risk_a, objective, best_tps, best_e)
-    order = _order(score, L)
+    score = score_arrays(tps_a, e_a, risk_a, objective, best_tps, best_e)
+    order = rank_order(score, L)
     rank_scores = score[order].tolist()
     best_tps0, best_e0 = best_tps, best_e
     # the Predictions of the rows shown (and of every row for the HTML report, on demand)
@@ -350,21 +338,21 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                with_constants=rank_constants is cal.constants)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
-        ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+        ranked = sorted(head, key=lambda cp: (-score_prediction(cp[1], objective, best_tps, best_e), cp[0].key()))
     else:
         ranked = _LazyRanked(preds, order)
     grid: list[float] = []
     chosen: dict[str, tuple[float, CapSweep | None]] = {}
     if objective != "throughput":  # choose each head layout's cap, then rank again
         grid = cap_grid(c.gpu, power_caps)
-        pick = "min_energy" if objective == "energy" else "min_energy_within"
+        pick = OBJECTIVE_CAPS[objective]
         n_sweep = max(2 * top, 10)
         cfgs = [cfg for cfg, _ in ranked[:n_sweep]]
         caps = sorted(set(grid) | {float(c.power_cap_w)})
         head = []
 
         def sweep_caps(cfgs: list[TrainConfig]) -> None:
-            at_cap = _CapSweep(m, c, cfgs, caps, rank_constants, cal, calv)
+            at_cap = CapTable(m, c, cfgs, caps, rank_constants, cal, calv)
             for i, cfg in enumerate(cfgs):
                 pts = {cap: at_cap.point(i, cap) for cap in caps}
                 sweep = sweep_of([pts[v] for v in grid], pts[float(c.power_cap_w)])
@@ -378,15 +366,15 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         # ties there), each with its own cap too
         bt = max(p.tokens_per_s_per_gpu for _, p in head)
         be = min(p.energy_j_per_token for _, p in head)
-        best_cap = chosen[min(head, key=lambda cp: (-_score(cp[1], objective, bt, be), cp[0].key()))[0].key()][0]
+        best_cap = chosen[min(head, key=lambda cp: (-score_prediction(cp[1], objective, bt, be), cp[0].key()))[0].key()][0]
         if best_cap != float(c.power_cap_w):
-            more = [cfg for cfg in _best_at_cap(m, c, L, best_cap, objective, rank_constants, cal, calv)
+            more = [cfg for cfg in best_at_cap(m, c, L, best_cap, objective, rank_constants, cal, calv)
                     if cfg.key() not in chosen][:n_sweep]
             if more:
                 sweep_caps(more)
         best_tps = max(p.tokens_per_s_per_gpu for _, p in head)
         best_e = min(p.energy_j_per_token for _, p in head)
-        ranked = sorted(head, key=lambda cp: (-_score(cp[1], objective, best_tps, best_e), cp[0].key()))
+        ranked = sorted(head, key=lambda cp: (-score_prediction(cp[1], objective, best_tps, best_e), cp[0].key()))
     out = []
     first = ranked[0][1]
     # per-stage caps of the layouts shown with PP > 1 (models.power.stage_caps, on arrays), by cap
@@ -408,7 +396,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         out.append(Recommendation(rank=i + 1, config=cfg, prediction=p, megatron_args=megatron_args(m, cfg),
                                   megatron_notes=megatron_notes(m),
                                   reason=explain(m, at, cfg, p, first if i else None),
-                                  score=_score(p, objective, best_tps, best_e), power_cap_w=cap,
+                                  score=score_prediction(p, objective, best_tps, best_e), power_cap_w=cap,
                                   power_caps=sweep.to_dict() if sweep else {},
                                   stage_caps=sc.to_dict() if sc else {},
                                   memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib, band,
@@ -422,56 +410,6 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                            left_out=scr.left_out,
                            warnings=scale_warnings(m, c, wl, out[0].config, out[0].prediction, gbs_given=gbs is not None),
                            domain_note=domain_note(cal, m, c, out[0].config))
-
-
-def _best_at_cap(m: ModelSpec, c: ClusterSpec, L, cap: float, objective: str, constants: Constants, cal,
-                 calv: bool) -> list[TrainConfig]:
-    """The layouts of `L` (rows that fit) in the order of their score at one per-GPU cap (as
-    recommend predicts them: calibrated when a calibration is in use; a layout the calibrated
-    memory says does not fit is left out)."""
-    from advisor.models import vectorized as vz
-
-    at = with_power_cap(c, cap)
-    if cal is None or calv:  # (the cluster as it is, with the cap per row: the same arrays, its memos)
-        R = vz.evaluate(m, c, L, constants, caps=cap, memory=cal is not None)
-        A = vz.Calibrated(cal, R) if cal is not None else R
-        ok = np.asarray(A.feasible, bool) if cal is not None else np.ones(len(L), bool)
-        tps, e, risk = A.tokens_per_s_per_gpu, A.energy_j_per_token, A.throttle_risk
-    else:
-        preds = _predict_many(m, at, [L.config(i) for i in range(len(L))], constants, cal)
-        ok = np.array([p.feasible for p in preds], bool)
-        tps, e, risk = (np.array([getattr(p, k) for p in preds]) for k in
-                        ("tokens_per_s_per_gpu", "energy_j_per_token", "throttle_risk"))
-    idx = np.flatnonzero(ok)
-    if not len(idx):
-        return []
-    score = _scores(tps[idx], e[idx], risk[idx], objective, float(tps[idx].max()), float(e[idx].min()))
-    return [L.config(int(idx[j])) for j in _order(score, L.take(idx))]
-
-
-def _scores(tps, energy, risk, objective: str, best_tps: float, best_e: float):
-    """_score on arrays (the same formulas)."""
-    if objective == "throughput":
-        return tps * (1.0 - 0.01 * risk)
-    if objective == "energy":
-        return -energy * (1.0 + 0.01 * risk)
-    return 0.5 * np.log(tps / best_tps) + 0.5 * np.log(best_e / energy) - 0.05 * risk
-
-
-def _order(score, L):
-    """Rows by descending score, equal scores by layout key (as sorted(key=(-score, key)))."""
-    order = np.argsort(-score, kind="stable")
-    s = score[order]
-    out = order.copy()
-    i, n = 0, len(order)
-    while i < n:
-        j = i + 1
-        while j < n and s[j] == s[i]:
-            j += 1
-        if j - i > 1:
-            out[i:j] = sorted(order[i:j], key=L.key)
-        i = j
-    return out
 
 
 class _LazyPredictions(Sequence):
@@ -512,60 +450,6 @@ class _LazyRanked(Sequence):
         return self.preds[self.order[i]]
 
 
-class _CapSweep:
-    """A head's predictions at every cap of a sweep, evaluated as one array (caps vary fastest)."""
-
-    def __init__(self, m, c, cfgs, caps, constants, cal, calv):
-        from advisor.models import vectorized as vz
-
-        self.m, self.c, self.cfgs, self.caps, self.constants, self.cal = m, c, cfgs, list(caps), constants, cal
-        self.col = {cap: j for j, cap in enumerate(self.caps)}
-        L = vz.Layouts.of(m, cfgs).repeat(len(self.caps))
-        capv = np.tile(np.array(self.caps, float), len(cfgs))
-        if cal is None or calv:
-            R = vz.evaluate(m, c, L, constants, caps=capv, memory=cal is not None)
-            self.arr = vz.Calibrated(cal, R, caps=capv) if cal is not None else R
-            self.ref = None
-        else:  # a calibration with surrogates: the reference, cap by cap
-            self.arr = None
-            self.ref = {cap: _predict_many(m, with_power_cap(c, cap), cfgs, constants, cal) for cap in self.caps}
-
-    def point(self, i: int, cap: float) -> CapPoint:
-        if self.ref is not None:
-            p = self.ref[cap][i]
-            return CapPoint(cap, p.step_time_s, p.energy_j_per_token, p.mean_power_w, p.sm_clock_mhz, p.clock_ratio)
-        r = i * len(self.caps) + self.col[cap]
-        a = self.arr
-        sm = float(a.sm_clock_mhz[r])
-        return CapPoint(cap, float(a.step_time_s[r]), float(a.energy_j_per_token[r]), float(a.mean_power_w[r]),
-                        None if math.isnan(sm) else sm, float(a.clock_ratio[r]))
-
-    def prediction(self, i: int, cap: float) -> Prediction:
-        if self.ref is not None:
-            return self.ref[cap][i]
-        return self.arr.prediction(i * len(self.caps) + self.col[cap], with_power_cap(self.c, cap))
-
-
-def _predict_at(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal) -> Prediction:
-    """The prediction advisor prints for (layout, cluster with its cap): calibrated when a
-    calibration is in use."""
-    return cal.predict(m, c, cfg, check_legal=False) if cal is not None else predict(m, c, cfg, constants, check_legal=False)
-
-
-def _predict_many(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], constants: Constants, cal) -> list[Prediction]:
-    if cal is not None:
-        return cal.predict_many(m, c, cfgs, check_legal=False)
-    return [predict(m, c, cfg, constants, check_legal=False) for cfg in cfgs]
-
-
-def _cap_evaluator(m: ModelSpec, c: ClusterSpec, cfg: TrainConfig, constants: Constants, cal):
-    """evaluate(cap) -> CapPoint with the same predictions advisor prints (one source)."""
-    def evaluate(cap: float) -> CapPoint:
-        p = _predict_at(m, with_power_cap(c, cap), cfg, constants, cal)
-        return CapPoint(cap, p.step_time_s, p.energy_j_per_token, p.mean_power_w, p.sm_clock_mhz, p.clock_ratio)
-    return evaluate
-
-
 # ------------------------------------------------------------------------------------------------
 # another layout next to the top-1: where it ranks and where the time goes differently
 # ------------------------------------------------------------------------------------------------
@@ -599,7 +483,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
     the top-1's tokens/s, where it would rank, and the step-time categories that differ most."""
     v = {"seq": res.workload.seq, "gbs": res.workload.gbs, "precision": res.workload.precision,
          "fp8_recipe": res.workload.fp8_recipe, **dict(values)}
-    cal = _calibration(calibration, res.stack, res.cluster.gpu)
+    cal = load_calibration(calibration, res.stack, res.cluster.gpu)
     cfg = layout_from_flags(res.model, res.cluster, v, res.stack)
     bad = violations(res.model, res.cluster, cfg)
     if bad:
@@ -611,7 +495,7 @@ def compare(res: RecommendResult, values: Mapping[str, Any], calibration: Any = 
     rank = None
     if p.feasible and res.rank_scores:  # scored as the ranking scored every layout
         pr = predict(res.model, res.cluster, cfg, cal.constants if cal is not None else DEFAULT, check_legal=False)
-        own = _score(pr, res.objective, *res.rank_basis)
+        own = score_prediction(pr, res.objective, *res.rank_basis)
         rank = 1 + sum(1 for x in res.rank_scores if x > own)
     # per-step seconds in each category, scaled to the same tokens per step (same workload)
     diffs = {k: top.breakdown.get(k, 0.0) - p.breakdown.get(k, 0.0) for k, _ in _TERMS}
@@ -694,15 +578,15 @@ def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: M
     from advisor.models import vectorized as vz
 
     calv = cal is None or vz.vectorizable(cal)
-    p = _predict_group(m, c, [cfg], constants, cal)[0] if calv else _predict_at(m, c, cfg, constants, cal)
+    p = _predict_group(m, c, [cfg], constants, cal)[0] if calv else predict_at(m, c, cfg, constants, cal)
     if energy_caps:
         grid = cap_grid(c.gpu, power_caps)
         if calv:  # every cap in one array evaluation (the points cap_sweep would evaluate one by one)
-            at = _CapSweep(m, c, [cfg], sorted(set(grid) | {float(c.power_cap_w)}),
+            at = CapTable(m, c, [cfg], sorted(set(grid) | {float(c.power_cap_w)}),
                            cal.constants if cal is not None else constants, cal, True)
             sweep = sweep_of([at.point(0, v) for v in grid], at.point(0, float(c.power_cap_w)))
         else:
-            sweep = cap_sweep(_cap_evaluator(m, c, cfg, constants, cal), grid, c.power_cap_w)
+            sweep = cap_sweep(cap_evaluator(m, c, cfg, constants, cal), grid, c.power_cap_w)
         consts = cal.power_constants if cal is not None else constants
         sc = (vz.stage_caps_many(m, c, [cfg], consts)[0] if calv else stage_caps(m, c, cfg, consts)) if cfg.pp > 1 else None
         p.power_caps = {"sweep": sweep.to_dict(), "stage_caps": sc.to_dict() if sc else {}}
@@ -722,10 +606,10 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
             specs[key] = hit
     m, c = hit
     if overrides:
-        from advisor.models.calibrate import apply_overrides
+        from advisor.models.overrides import apply_overrides
 
         m, c, values = apply_overrides(m, c, values, overrides)
-    cal = _calibration(calibration, stack, c.gpu)
+    cal = load_calibration(calibration, stack, c.gpu)
     cfg = layout_from_flags(m, c, values, stack, checked=checked and not overrides)
     v = violations(m, c, cfg)
     if v:
@@ -734,7 +618,7 @@ def _layout_to_predict(model, cluster, values, power_cap_w, calibration, overrid
 
 
 def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], constants: Constants, cal) -> list:
-    """The predictions `_predict_at` gives, of several layouts of one model on one cluster, on
+    """The predictions `predict_at` gives, of several layouts of one model on one cluster, on
     arrays (models.vectorized); a calibration with surrogates goes through its predict_many."""
     from advisor.models import vectorized as vz
 
@@ -748,7 +632,7 @@ def _predict_group(m: ModelSpec, c: ClusterSpec, cfgs: list[TrainConfig], consta
     return [C.prediction(i) for i in range(len(cfgs))]
 
 
-def _calibration(spec: Any, stack: str | None = None, gpu=None):
+def load_calibration(spec: Any, stack: str | None = None, gpu=None):
     """A Calibration from None / "none" / "default" (the stack's profile for `gpu`'s generation) /
     a path / a Calibration (lazy import)."""
     if spec is None:
@@ -783,7 +667,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
     from advisor import validate
 
     if not _is_shipped(calibration, stack):  # a file: load it once, not per line (the shipped
-        calibration = _calibration(calibration, stack)  # profiles are cached, one per GPU generation)
+        calibration = load_calibration(calibration, stack)  # profiles are cached, one per GPU generation)
     sets = validate.parse_sets(overrides)
     set_keys = {"power_cap": "power_cap_w"}
     defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
@@ -810,7 +694,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
             values = {**defaults, **row}
             for k in row:
                 sk = next((s for s, rk in set_keys.items() if rk == k), k)
-                if sk in sets and row[k] is not None and not validate._same(row[k], sets[sk]):
+                if sk in sets and row[k] is not None and not validate.same_number(row[k], sets[sk]):
                     raise validate.InputError(f"{where}{k}={row[k]!r} conflicts with --set {sk}={sets[sk]}")
             for k in ("model", "cluster"):
                 if not isinstance(values.get(k), str) or not values[k].strip():
@@ -854,7 +738,7 @@ def predict_batch(lines: Iterable[str], constants: Constants = DEFAULT, calibrat
             for k, j in enumerate(js):
                 out, (m_, c_, cfg, cal_), n = todo[j]
                 try:
-                    p = preds[k] if preds is not None else _predict_at(m_, c_, cfg, constants, cal_)
+                    p = preds[k] if preds is not None else predict_at(m_, c_, cfg, constants, cal_)
                     out["config"] = cfg.to_dict()
                     out["prediction"] = p.to_dict(copy=False)  # made for this line alone
                 except (SpecError, ValueError, TypeError, ArithmeticError) as e:

@@ -31,13 +31,13 @@ def _gpu_source(gpu) -> str:
 
 def _cluster_sources() -> dict[str, str]:
     """name -> `source` of each catalog cluster file (ClusterSpec itself keeps no source)."""
-    from advisor.catalog.loaders import _data_dir, _read_yaml
+    from advisor.catalog.loaders import data_dir, read_yaml
 
     out = {}
-    for f in sorted(_data_dir("clusters").iterdir(), key=lambda p: p.name):
+    for f in sorted(data_dir("clusters").iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
             what = f"catalog clusters/{f.name}"
-            data = _read_yaml(f, what)
+            data = read_yaml(f, what)
             out[str(data.get("name") or what)] = str(data.get("source") or "")
     return out
 

@@ -90,34 +90,10 @@ def fit_cmd(
     if as_json:
         json.dump({"output": output, "profile": cal.profile, "data": ds.summary(), "rejected": ds.rejected,
                    "cv": cal.cv, "constants": cal.to_payload()["fitted_constants"]}, sys.stdout, indent=1,
-                  default=calibrate._jsonable)
+                  default=calibrate.json_default)
         sys.stdout.write("\n")
         return
-    print(format_report(cal))
+    from advisor.report import format_fit_report
+
+    print(format_fit_report(cal))
     print(f"wrote {output} (and {output.rsplit('.', 1)[0]}.json): profile {cal.profile}")
-
-
-def format_report(cal) -> str:
-    """The CV table and the fitted constants, as text."""
-    from advisor.models.calibrate import FIT_BOUNDS, MODES
-    from advisor.models.constants import DEFAULT
-
-    cv = cal.cv
-    lines = [f"cross-validation: {cv['scheme']}, {cv['level']:.0%} intervals from out-of-fold residuals",
-             f"{'target':22s} {'n':>4s} {'metric':7s} " + " ".join(f"{m + ' err/R2':>22s}" for m in MODES)
-             + "  used"]
-    for t, row in cv["targets"].items():
-        cells = []
-        for m in MODES:
-            e, r = row[m]["error"], row[m]["r2"]
-            cells.append(f"{e:10.2f} / {r:7.3f}    " if e == e else f"{'-':>22s}")
-        lines.append(f"{t:22s} {row['n']:4d} {row['metric']:7s} " + " ".join(f"{c:>22s}" for c in cells)
-                     + f"  {row['chosen']}" + (f" ({row['why']})" if row["chosen"] == "analytical" else ""))
-    lines.append("constants (default -> fitted):")
-    for k in FIT_BOUNDS:
-        a, b = getattr(DEFAULT, k), getattr(cal.constants, k)
-        mark = "" if abs(b / a - 1) < 0.01 else "  *"
-        lines.append(f"  {k:24s} {a:12.5g} -> {b:12.5g}{mark}")
-    if cal.fit_info.get("at_bound"):
-        lines.append(f"  at their bounds: {', '.join(cal.fit_info['at_bound'])}")
-    return "\n".join(lines)

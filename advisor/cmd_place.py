@@ -69,37 +69,8 @@ def place_cmd(
         html_report.save(html, html_report.place_page(p, m.name, c))
 
 
-PLAN_COLUMNS = ("stage", "layers", "demand W", "node", "GPUs (PCI order)", "°C identity", "°C planned", "slowdown")
-
-
-def plan_rows(p) -> list[list[str]]:
-    """One row per (stage, node) of a placement plan, in PLAN_COLUMNS: the terminal and the HTML report."""
-    run = p.candidate if p.applied else p.identity
-    gpn = len(p.gpus[0])
-    per_stage = p.cfg.tp * p.cfg.cp * p.cfg.dp
-    names = p.node_names
-    rows = []
-    for row in p.stage_map():
-        s, n = row["stage"], names.index(row["node"])
-        h = p.heats[s]
-        ranks = [r for r in range(gpn) if (n * gpn + r) // per_stage == s]
-        ident = [p.identity.temps[n][r] for r in ranks]  # identity: local rank r on GPU r
-        planned = [run.temps[n][g] for g in row["gpus"]]
-        rows.append([str(s), str(h.layers), f"{h.demand_mean_w:.0f}", row["node"], ",".join(map(str, row["gpus"])),
-                     f"{max(ident):.0f}", f"{max(planned):.0f}", f"{run.stage_slowdown[s]:.3f}"])
-    return rows
-
-
-def plan_title(p, model: str, cluster: str) -> str:
-    """The plan's title, its layout spelled as every other command spells it (TP·PP·DP..., mbs,
-    recompute): the terminal and the HTML report."""
-    from advisor.report import layout_text
-
-    return f"placement of {model} {layout_text(p.cfg)} mbs {p.cfg.mbs} {p.cfg.recompute} on {cluster}"
-
-
 def _print_plan(p, model: str, cluster: str) -> None:
-    from advisor.report import make_console
+    from advisor.report import PLAN_COLUMNS, make_console, plan_rows, plan_title
     from rich.table import Table
 
     t = Table(title=plan_title(p, model, cluster))

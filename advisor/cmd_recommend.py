@@ -98,7 +98,7 @@ def check_power_caps(model: str, cluster: str, power_cap: float | None, sets, po
         return
     from advisor.api import resolve
     from advisor.catalog import SpecError
-    from advisor.models.calibrate import apply_overrides
+    from advisor.models.overrides import apply_overrides
     from advisor.models.power import cap_grid
     from advisor.validate import InputError
 

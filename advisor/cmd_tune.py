@@ -193,33 +193,10 @@ def _calibration_line(plan) -> str:
     return line
 
 
-def pareto_columns(objective: str) -> tuple[tuple[str, str], ...]:
-    """(header, justification) of the Pareto table of a study: the terminal and the HTML report."""
-    obj = "peak W" if objective == "power" else "J/token"
-    return (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
-            ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
-            ("predicted tok/s/GPU", "right"))
-
-
-def pareto_cells(r: dict, objective: str) -> list[str]:
-    """One row of study_pareto() as the cells of pareto_columns()."""
-    from advisor.catalog.specs import TrainConfig
-    from advisor.report import layout_text
-
-    key = "peak_power_w" if objective == "power" else "energy_j_per_token"
-    c = TrainConfig.from_dict(r["config"])
-    v = r[key]
-    return [str(r["trial"]), layout_text(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
-            f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
-            f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
-            f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
-            f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-"]
-
-
 def _print_result(res) -> None:
     from rich.table import Table
 
-    from advisor.report import make_console
+    from advisor.report import make_console, pareto_cells, pareto_columns
 
     plan = res.plan
     con = make_console()

@@ -2,7 +2,8 @@
 size x layout x power cap), the Pareto set and the pick, in advisor.html_report's style."""
 from __future__ import annotations
 
-from advisor.html_report import Page, new_figure, styled
+from advisor.html_figures import new_figure, styled
+from advisor.html_report import Page
 from advisor.models import goodput as gp
 from advisor.plan import PlanResult, layout_label
 

@@ -232,3 +232,76 @@ def print_comparison(x, console: Console | None = None) -> None:
     console.print(f"[bold]compared[/] {layout_text(x.config)} mbs {x.config.mbs} {x.config.recompute}: "
                   f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU = {x.ratio_to_top:.3f} of #1 ({where})")
     print_text(console, f"  {x.why}")
+
+
+PLAN_COLUMNS = ("stage", "layers", "demand W", "node", "GPUs (PCI order)", "°C identity", "°C planned", "slowdown")
+
+
+def plan_rows(p) -> list[list[str]]:
+    """One row per (stage, node) of a placement plan, in PLAN_COLUMNS: the terminal and the HTML report."""
+    run = p.candidate if p.applied else p.identity
+    gpn = len(p.gpus[0])
+    per_stage = p.cfg.tp * p.cfg.cp * p.cfg.dp
+    names = p.node_names
+    rows = []
+    for row in p.stage_map():
+        s, n = row["stage"], names.index(row["node"])
+        h = p.heats[s]
+        ranks = [r for r in range(gpn) if (n * gpn + r) // per_stage == s]
+        ident = [p.identity.temps[n][r] for r in ranks]  # identity: local rank r on GPU r
+        planned = [run.temps[n][g] for g in row["gpus"]]
+        rows.append([str(s), str(h.layers), f"{h.demand_mean_w:.0f}", row["node"], ",".join(map(str, row["gpus"])),
+                     f"{max(ident):.0f}", f"{max(planned):.0f}", f"{run.stage_slowdown[s]:.3f}"])
+    return rows
+
+
+def plan_title(p, model: str, cluster: str) -> str:
+    """The plan's title, its layout spelled as every other command spells it (TP·PP·DP..., mbs,
+    recompute): the terminal and the HTML report."""
+    return f"placement of {model} {layout_text(p.cfg)} mbs {p.cfg.mbs} {p.cfg.recompute} on {cluster}"
+
+
+def pareto_columns(objective: str) -> tuple[tuple[str, str], ...]:
+    """(header, justification) of the Pareto table of a study: the terminal and the HTML report."""
+    obj = "peak W" if objective == "power" else "J/token"
+    return (("trial", "right"), ("layout", "left"), ("mbs", "right"), ("recomp", "left"),
+            ("tok/s/GPU", "right"), (obj, "right"), ("mean W", "right"), ("GiB", "right"),
+            ("predicted tok/s/GPU", "right"))
+
+
+def pareto_cells(r: dict, objective: str) -> list[str]:
+    """One row of study_pareto() as the cells of pareto_columns()."""
+    key = "peak_power_w" if objective == "power" else "energy_j_per_token"
+    c = TrainConfig.from_dict(r["config"])
+    v = r[key]
+    return [str(r["trial"]), layout_text(c), str(c.mbs), c.recompute[:4], f"{r['tokens_per_s_per_gpu']:,.0f}",
+            f"{v:.0f}" if key == "peak_power_w" else f"{v:.3f}",
+            f"{r['mean_power_w']:.0f}" if r.get("mean_power_w") else "-",
+            f"{r['memory_gib']:.1f}" if r.get("memory_gib") else "-",
+            f"{r['predicted_tokens_per_s_per_gpu']:,.0f}" if r.get("predicted_tokens_per_s_per_gpu") else "-"]
+
+
+def format_fit_report(cal) -> str:
+    """The CV table and the fitted constants of a calibration, as text: `advisor fit` and its HTML report."""
+    from advisor.models.calibrate import FIT_BOUNDS, MODES
+    from advisor.models.constants import DEFAULT
+
+    cv = cal.cv
+    lines = [f"cross-validation: {cv['scheme']}, {cv['level']:.0%} intervals from out-of-fold residuals",
+             f"{'target':22s} {'n':>4s} {'metric':7s} " + " ".join(f"{m + ' err/R2':>22s}" for m in MODES)
+             + "  used"]
+    for t, row in cv["targets"].items():
+        cells = []
+        for m in MODES:
+            e, r = row[m]["error"], row[m]["r2"]
+            cells.append(f"{e:10.2f} / {r:7.3f}    " if e == e else f"{'-':>22s}")
+        lines.append(f"{t:22s} {row['n']:4d} {row['metric']:7s} " + " ".join(f"{c:>22s}" for c in cells)
+                     + f"  {row['chosen']}" + (f" ({row['why']})" if row["chosen"] == "analytical" else ""))
+    lines.append("constants (default -> fitted):")
+    for k in FIT_BOUNDS:
+        a, b = getattr(DEFAULT, k), getattr(cal.constants, k)
+        mark = "" if abs(b / a - 1) < 0.01 else "  *"
+        lines.append(f"  {k:24s} {a:12.5g} -> {b:12.5g}{mark}")
+    if cal.fit_info.get("at_bound"):
+        lines.append(f"  at their bounds: {', '.join(cal.fit_info['at_bound'])}")
+    return "\n".join(lines)

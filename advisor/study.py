@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 import uuid
@@ -61,13 +60,13 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 from advisor.search_spaces.runnable import first_broken_rule, left_out_line
 from advisor.search_spaces.space import (SpaceOptions, Workload, enumerate_layouts, layout_key,
                                          layout_params, optuna_space, optuna_suggest)
+from advisor.study_storage import (GRACE_S, HEARTBEAT_S, OWN_VALUES, Claims, FileLock, dig, fail_stale,  # noqa: F401
+                                   is_url, load_dataset, open_storage, rdb_url, requeue_once, study_pareto,
+                                   study_records)
 
 OBJECTIVES = {"power": "peak_power_w", "energy": "energy_j_per_token"}
 CONSTRAINTS = ("memory", "power", "runs")
 DEFAULT_STORAGE = "advisor-studies.journal"
-# RDB heartbeats of in-flight trials (Optuna's): interval and how long a silent trial lives on.
-HEARTBEAT_S = int(os.environ.get("ADVISOR_TUNE_HEARTBEAT_S", "20"))
-GRACE_S = int(os.environ.get("ADVISOR_TUNE_GRACE_S", "60"))
 POWER_TOLERANCE = 0.02  # NVML power readings are +-5 W / a few percent
 FAILED_IN_A_ROW = "trials in a row failed"  # TuneResult.stopped when max_failures is reached
 INTERRUPTED = "interrupted"  # TuneResult.stopped on SIGINT / SIGTERM, and the status of the trials it cut
@@ -267,250 +266,6 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
                 cal, calibration_info(s.calibration, cal), left_out_line(stack, left_out) if stack else "")
 
 
-# ------------------------------------------------------------------------------------ storage
-def _is_url(storage: str) -> bool:
-    return "://" in storage
-
-
-def _fail_stale(study) -> None:
-    """RDB: fail trials whose driver stopped sending heartbeats (the callback re-enqueues them)."""
-    import warnings
-
-    import optuna
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
-
-
-def _requeue_once(study, trial) -> None:
-    """Enqueue the parameters of a trial its driver left unfinished (one retry per such trial)."""
-    if trial.params:
-        study.enqueue_trial(dict(trial.params), user_attrs={"retry_of": trial.number})
-
-
-def rdb_url(url: str) -> str:
-    """SQLAlchemy 2.1 reads postgresql:// as psycopg 3; use psycopg2 when only it is installed."""
-    if url.startswith("postgresql://"):
-        import importlib.util
-
-        if importlib.util.find_spec("psycopg") is None and importlib.util.find_spec("psycopg2") is not None:
-            return "postgresql+psycopg2://" + url[len("postgresql://"):]
-    return url
-
-
-def open_storage(storage: str):
-    import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    if _is_url(storage):
-        import sqlalchemy as sa
-
-        for attempt in range(5):
-            try:
-                return optuna.storages.RDBStorage(
-                    rdb_url(storage), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
-                    heartbeat_stale_trial_callback=_requeue_once, engine_kwargs={"pool_pre_ping": True})
-            except sa.exc.SQLAlchemyError:  # two drivers creating the schema of a new database at once
-                if attempt == 4:
-                    raise
-                time.sleep(0.5 + attempt)
-    Path(storage).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(Path(storage).expanduser())))
-
-
-# ------------------------------------------------------------------------------------------------
-# records of `advisor tune` studies (Optuna journal file or RDB URL)
-# ------------------------------------------------------------------------------------------------
-
-# values_from of a trial told from its own record (Tuner._values: measured, or its failure)
-OWN_VALUES = ("measured", "not measured")
-
-
-def _redact(url: str) -> str:
-    """An RDB URL without its password."""
-    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
-
-
-def _open_study_storage(storage: str):
-    import optuna
-
-    from advisor.models.dataset import DatasetError
-
-    if _is_url(storage):
-        if storage.startswith("sqlite:///") and not Path(storage[len("sqlite:///"):]).is_file():
-            raise DatasetError(f"{storage}: no such file")
-        try:
-            return optuna.storages.RDBStorage(rdb_url(storage))
-        except Exception as e:  # noqa: BLE001 - driver, network or schema: one line for the user
-            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-            raise DatasetError(f"{_redact(storage)}: cannot open the study storage ({type(e).__name__}"
-                               f"{': ' + msg if msg else ''})") from None
-    p = Path(storage).expanduser()
-    if not p.is_file():
-        raise DatasetError(f"{p}: no such study journal file")
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
-    try:
-        return JournalStorage(JournalFileBackend(str(p)))
-    except Exception as e:  # noqa: BLE001 - a corrupt journal is a bad file
-        raise DatasetError(f"{p}: not an Optuna journal file ({type(e).__name__})") from None
-
-
-def study_records(storage: str, study_name: str | None = None) -> tuple[list[tuple[str, dict]], list[dict]]:
-    """The measurement records of the trials of `advisor tune` studies in `storage` (a journal
-    file or an RDB URL; every study in it, or only `study_name`): ([(source, record)], one info
-    dict per study for Dataset.files). The tune driver keeps each measured trial's full record
-    in the trial's user attribute "record"; a trial whose values were copied from another trial
-    (a duplicate layout: "duplicate_of", or values_from other than its own measurement) is left
-    out, so that no measurement counts twice."""
-    import optuna
-
-    from advisor.models.dataset import DatasetError
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    st = _open_study_storage(storage)
-    is_url = _is_url(storage)
-    label = _redact(storage) if is_url else Path(storage).name
-    shown = _redact(storage) if is_url else str(Path(storage).expanduser())
-    try:
-        summaries = st.get_all_studies()
-    except Exception as e:  # noqa: BLE001
-        raise DatasetError(f"{shown}: cannot read its studies ({type(e).__name__})") from None
-    names = [s.study_name for s in summaries]
-    if study_name is not None:
-        if study_name not in names:
-            raise DatasetError(f"{shown}: no study named {study_name!r} (studies: {', '.join(names) or 'none'})")
-        summaries = [s for s in summaries if s.study_name == study_name]
-    if not summaries:
-        raise DatasetError(f"{shown}: no study in this storage")
-    raw = Path(storage).expanduser().read_bytes() if not is_url else b""
-    out: list[tuple[str, dict]] = []
-    infos = []
-    for s in summaries:
-        trials = st.get_all_trials(s._study_id, deepcopy=False)
-        tag = label if len(names) == 1 else f"{label}[{s.study_name}]"
-        recs, copied = [], 0
-        for t in trials:
-            rec = t.user_attrs.get("record")
-            if rec is None:
-                continue
-            vf = t.user_attrs.get("values_from")
-            own = vf is None or (isinstance(vf, str) and vf.startswith(OWN_VALUES))
-            if t.user_attrs.get("duplicate_of") is not None or not own:
-                copied += 1
-                continue
-            recs.append((f"{tag}:trial {t.number}", rec))
-        copied += sum(1 for t in trials if t.user_attrs.get("record") is None
-                      and t.user_attrs.get("duplicate_of") is not None)
-        digest = hashlib.sha256(raw if raw else json.dumps([r for _, r in recs], sort_keys=True,
-                                                            default=str).encode()).hexdigest()
-        infos.append({"path": shown, "study": s.study_name, "sha256": digest, "lines": len(recs),
-                      "trials": len(trials), "copied": copied})
-        out.extend(recs)
-    return out, infos
-
-
-def load_dataset(paths=(), studies=(), study_name: str | None = None):
-    """models.dataset.load on measurement JSONL files plus the records of `advisor tune` studies
-    (journal files or RDB URLs; every study in each, or only `study_name`)."""
-    from advisor.models import dataset
-
-    recs, infos = [], []
-    for storage in studies:
-        r, i = study_records(storage, study_name)
-        recs += r
-        infos += i
-    return dataset.load(paths, records=recs, sources=infos)
-
-
-class _FileLock:
-    """One driver per journal study: an exclusive flock, released by the kernel if we die."""
-
-    def __init__(self, path: Path):
-        import fcntl
-
-        self.path = path
-        self.f = open(path, "a+")
-        try:
-            fcntl.flock(self.f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.f.seek(0)
-            who = self.f.read().strip() or "another process"
-            self.f.close()
-            raise SpecError(f"study is being run by another driver ({who}); wait for it, or use a "
-                            f"PostgreSQL --storage for several drivers") from None
-        self.f.seek(0)
-        self.f.truncate()
-        self.f.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-        self.f.flush()
-
-    def release(self) -> None:
-        """Remove the lock file while still holding the lock, then let go (a driver that opened
-        it meanwhile fails its non-blocking flock: it never waits for this inode)."""
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        self.f.close()
-
-
-class _Claims:
-    """Which trial measures which layout. In memory for a single driver; a table for RDB."""
-
-    def __init__(self, url: str | None, study_name: str):
-        self.mem: dict[str, int] = {}
-        self.study_name = study_name
-        self.engine = None
-        if url:
-            import sqlalchemy as sa
-
-            self.sa = sa
-            self.engine = sa.create_engine(rdb_url(url), pool_pre_ping=True)
-            meta = sa.MetaData()
-            self.table = sa.Table("advisor_layout_claims", meta,
-                                  sa.Column("study_name", sa.String(512), primary_key=True),
-                                  sa.Column("layout_key", sa.String(512), primary_key=True),
-                                  sa.Column("trial_number", sa.Integer, nullable=False))
-            try:
-                meta.create_all(self.engine)
-            except sa.exc.SQLAlchemyError:  # created by another driver at the same moment
-                pass
-
-    def claim(self, key: str, number: int) -> int:
-        """Claim `key` for trial `number`; returns the owner (`number` when the claim is ours)."""
-        if self.engine is None:
-            return self.mem.setdefault(key, number)
-        sa, t = self.sa, self.table
-        try:
-            with self.engine.begin() as c:
-                c.execute(t.insert().values(study_name=self.study_name, layout_key=key, trial_number=number))
-            return number
-        except sa.exc.IntegrityError:
-            with self.engine.begin() as c:
-                return c.execute(sa.select(t.c.trial_number).where(
-                    (t.c.study_name == self.study_name) & (t.c.layout_key == key))).scalar_one()
-
-    def take_over(self, key: str, old: int, new: int) -> bool:
-        """Move the claim from a trial that will never finish; False if someone else did first."""
-        if self.engine is None:
-            if self.mem.get(key) == old:
-                self.mem[key] = new
-                return True
-            return False
-        t = self.table
-        with self.engine.begin() as c:
-            r = c.execute(t.update().where((t.c.study_name == self.study_name) & (t.c.layout_key == key)
-                                           & (t.c.trial_number == old)).values(trial_number=new))
-            return r.rowcount == 1
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.dispose()
-
-
 # --------------------------------------------------------------------------------- the study
 @dataclass
 class TuneResult:
@@ -538,33 +293,6 @@ class TuneResult:
                 "best": self.best, "pareto": self.pareto}
 
 
-def _get(d: dict | None, *path: str) -> Any:
-    for p in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(p)
-    return d
-
-
-def study_pareto(study, obj: str) -> list[dict[str, Any]]:
-    """The Pareto front of a study's launched trials (one row per layout, fastest first); `obj`:
-    the second objective's key (OBJECTIVES)."""
-    out, seen = [], set()
-    for t in sorted(study.best_trials, key=lambda t: (-t.values[0], t.values[1], t.number)):
-        k = t.user_attrs.get("layout_key")
-        if k in seen or not t.user_attrs.get("launched"):
-            continue
-        seen.add(k)
-        rec = t.user_attrs.get("record") or {}
-        out.append({"trial": t.number, "key": k, "config": t.user_attrs.get("layout"),
-                    "tokens_per_s_per_gpu": t.values[0], obj: t.values[1],
-                    "memory_gib": _get(rec, "memory", "max_gib"),
-                    "mean_power_w": _get(rec, "telemetry", "mean_power_w"),
-                    "status": t.user_attrs.get("status"),
-                    "predicted_tokens_per_s_per_gpu": _get(t.user_attrs, "predicted", "tokens_per_s_per_gpu")})
-    return out
-
-
 class Tuner:
     """Drives one study; see the module docstring. `run()` returns a TuneResult."""
 
@@ -583,10 +311,10 @@ class Tuner:
         self.obj = OBJECTIVES[self.s.objective]
         self.lock, url, self.spool = None, None, None
         if storage is None:
-            url = plan.storage if _is_url(plan.storage) else None
-            if not _is_url(plan.storage):
+            url = plan.storage if is_url(plan.storage) else None
+            if not is_url(plan.storage):
                 base = str(Path(plan.storage).expanduser()) + f".{_safe(plan.study_name)}"
-                self.lock = _FileLock(Path(base + ".lock"))
+                self.lock = FileLock(Path(base + ".lock"))
                 self.spool = Path(base + ".spool.jsonl")
             storage = open_storage(plan.storage)
         self.storage = storage
@@ -601,7 +329,7 @@ class Tuner:
         self.study = optuna.create_study(study_name=plan.study_name, storage=storage, sampler=sampler,
                                          directions=["maximize", "minimize"], load_if_exists=True)
         self._check_attrs()
-        self.claims = _Claims(url, plan.study_name)
+        self.claims = Claims(url, plan.study_name)
         self.executor = executor
         self.inflight: dict[int, tuple[Any, Any]] = {}  # trial number -> (trial, heartbeat thread)
         self.jobs_inflight = 0  # launches (of up to `batch` trials each) not back yet
@@ -649,7 +377,7 @@ class Tuner:
         """Trials a dead driver left RUNNING (journal) or that stopped beating (RDB)."""
         TS = self.optuna.trial.TrialState
         if self.lock is None:
-            _fail_stale(self.study)
+            fail_stale(self.study)
             return
         spooled = self._spooled()
         for t in self.study.get_trials(deepcopy=False, states=(TS.RUNNING,)):
@@ -669,7 +397,7 @@ class Tuner:
             self.study._storage.set_trial_user_attr(trial._trial_id, k, v)
         self.study.tell(trial, state=TS.FAIL)
         if retry_a_retry or frozen.user_attrs.get("retry_of") is None:
-            _requeue_once(self.study, frozen)
+            requeue_once(self.study, frozen)
 
     def _spooled(self) -> dict[str, dict]:
         """Records in this study's spool, by id (a torn last line, from a kill, is skipped)."""
@@ -752,13 +480,13 @@ class Tuner:
         cap = self.plan.cluster.gpu.memory_gib
         pred_obj = p.peak_power_w if self.obj == "peak_power_w" else p.energy_j_per_token
         status = (rec or {}).get("status")
-        mem = _get(rec, "memory", "max_gib") or p.memory_gib_per_gpu
+        mem = dig(rec, "memory", "max_gib") or p.memory_gib_per_gpu
         cons = {"memory": mem / cap - 1, "power": p.mean_power_w / self.cap_w - 1 - POWER_TOLERANCE, "runs": 0.0}
         if status == "ok":
-            tps = _get(rec, "throughput", "tokens_per_s_per_gpu")
+            tps = dig(rec, "throughput", "tokens_per_s_per_gpu")
             key = "peak_power_w" if self.obj == "peak_power_w" else "energy_per_token_j"
-            obj = _get(rec, "telemetry", key)
-            mean_w = _get(rec, "telemetry", "mean_power_w")
+            obj = dig(rec, "telemetry", key)
+            mean_w = dig(rec, "telemetry", "mean_power_w")
             if mean_w:
                 cons["power"] = mean_w / self.cap_w - 1 - POWER_TOLERANCE
             if tps and obj:
@@ -995,7 +723,7 @@ class Tuner:
                 for job in self.executor.wait(1.0):
                     self._finish(job)
                 if self.lock is None and time.time() - last_stale_check > HEARTBEAT_S:
-                    _fail_stale(self.study)
+                    fail_stale(self.study)
                     last_stale_check = time.time()
         except BaseException:
             self._abandon()

@@ -206,19 +206,13 @@ def dataset_file(flag: str, path: str | Path, parents: bool = False) -> Path:
     return p
 
 
-def _redact(url: str) -> str:
-    import re
-
-    return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
-
-
 def database_url(flag: str, url: str, timeout_s: float = 5.0) -> str:
     """An RDB URL whose driver is installed and whose server answers within `timeout_s`."""
-    shown = _redact(url)
+    from advisor.study_storage import rdb_url, redact
+
+    shown = redact(url)
     require("sqlalchemy", f"{flag} {shown}")
     import sqlalchemy as sa
-
-    from advisor.study import rdb_url
 
     try:
         u = sa.engine.make_url(rdb_url(url))
@@ -430,7 +424,7 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
 # -------------------------------------------------------------------------------- conflicts
 def parse_sets(sets: Iterable[str]) -> dict[str, str]:
     """--set KEY=VALUE strings -> {key: raw value}; a key given twice with different values is
-    an error naming both (the typed parse and the known keys are models.calibrate.parse_sets)."""
+    an error naming both (the typed parse and the known keys are models.overrides.parse_sets)."""
     seen: dict[str, str] = {}
     for s in sets or ():
         if "=" not in str(s):
@@ -444,7 +438,7 @@ def parse_sets(sets: Iterable[str]) -> dict[str, str]:
     return seen
 
 
-def _same(a: Any, b: str) -> bool:
+def same_number(a: Any, b: str) -> bool:
     try:
         return float(a) == float(b)
     except (TypeError, ValueError):
@@ -456,7 +450,7 @@ def set_conflicts(sets: Iterable[str], flags: Mapping[str, Any], given: set[str]
     s = parse_sets(sets)
     for name, value in flags.items():
         key = "power_cap" if name == "power_cap" else name
-        if name in given and key in s and not _same(value, s[key]):
+        if name in given and key in s and not same_number(value, s[key]):
             flag = as_flag(name)
             raise InputError(f"{flag} {value} and --set {key}={s[key]} conflict; give one")
 

@@ -67,12 +67,12 @@ def simulated_file() -> str:
 
 # ------------------------------------------------------------------------------------------------
 def section_accuracy(ds, folds: int, by_depth: bool = False):
-    from advisor.cmd_fit import format_report
+    from advisor.report import format_fit_report
     from advisor.models import calibrate
 
     t0 = time.perf_counter()
     cal = calibrate.fit(ds, folds=folds, by_depth=by_depth)
-    print(format_report(cal))
+    print(format_fit_report(cal))
     print(f"(fit + CV in {time.perf_counter() - t0:.0f} s)")
     print_oof_by_file(cal)
     print("80% interval of the level used, and the share of out-of-fold rows inside it:")

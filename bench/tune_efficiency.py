@@ -9,7 +9,7 @@ Two kinds of grid:
   model shape x cluster x seq / gbs / precision) with >= --min-layouts measured layouts is a grid.
   The studies are the real `advisor.study.Tuner` on `make_plan`'s plan with its layouts cut down
   to the measured ones, and each trial is answered with the measured record of its layout
-  (`advisor.runners.replay`). Without --measured and --simulated, data/measurements/*.jsonl is
+  (`advisor.replay`). Without --measured and --simulated, data/measurements/*.jsonl is
   searched for a group with >= --min-grid measured layouts.
 * simulated (`--simulated`, or no measured grid big enough): every runnable layout of a small
   case run through the simulated runner (labelled "simulated").
@@ -44,7 +44,7 @@ import time
 import optuna
 
 from advisor.api import default_workload, resolve
-from advisor.runners.replay import (TOL, MeasuredGroup, Replay, load_groups, tokens_per_gpu,
+from advisor.replay import (TOL, MeasuredGroup, Replay, load_groups, tokens_per_gpu,
                                     trials_to_within)
 from advisor.runners.simulate import run_trial
 from advisor.search_spaces.space import layout_key

@@ -58,7 +58,7 @@ def _unknown(kind: str, name: str, names: list[str], hint: str) -> CatalogError:
 
 
 # ---------------------------------------------------------------------------------------- files
-def _data_dir(kind: str):
+def data_dir(kind: str):
     return resources.files(__package__) / "data" / kind
 
 
@@ -67,7 +67,7 @@ def _data_dir(kind: str):
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def _read_yaml(path, what: str) -> dict[str, Any]:
+def read_yaml(path, what: str) -> dict[str, Any]:
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_LOADER)
     except yaml.YAMLError as e:
@@ -130,11 +130,11 @@ def _table(kind: str, build: Callable[[dict, str], Any]) -> tuple[dict[str, Any]
     """(name -> spec, lookup key -> name) for one catalog folder."""
     specs: dict[str, Any] = {}
     index: dict[str, str] = {}
-    for f in sorted(_data_dir(kind).iterdir(), key=lambda p: p.name):
+    for f in sorted(data_dir(kind).iterdir(), key=lambda p: p.name):
         if not f.name.endswith(".yaml"):
             continue
         what = f"catalog {kind}/{f.name}"
-        data = _read_yaml(f, what)
+        data = read_yaml(f, what)
         aliases = data.get("aliases") or []
         spec = build(data, what)
         specs[spec.name] = spec
@@ -158,9 +158,9 @@ def _gpus() -> tuple[dict[str, GPUSpec], dict[str, str]]:
 @lru_cache(maxsize=None)
 def _clusters() -> dict[str, ClusterSpec]:
     out = {}
-    for f in sorted(_data_dir("clusters").iterdir(), key=lambda p: p.name):
+    for f in sorted(data_dir("clusters").iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
-            c = _cluster_from_yaml(_read_yaml(f, f"catalog clusters/{f.name}"),
+            c = _cluster_from_yaml(read_yaml(f, f"catalog clusters/{f.name}"),
                                    f"catalog clusters/{f.name}", None, notes=False)
             out[c.name] = c
     return out
@@ -173,7 +173,7 @@ def _model_from_path(path: Path) -> ModelSpec:
     if not path.is_file():
         raise CatalogError(f"{path}: no such file")
     if path.suffix.lower() in (".yaml", ".yml"):
-        return _model_from_yaml(_read_yaml(path, str(path)), str(path))
+        return _model_from_yaml(read_yaml(path, str(path)), str(path))
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -205,9 +205,9 @@ def load_model(name_or_path: str) -> ModelSpec:
 @lru_cache(maxsize=None)
 def _recipes() -> dict[str, dict]:
     out = {}
-    for f in sorted(_data_dir("models").iterdir(), key=lambda p: p.name):
+    for f in sorted(data_dir("models").iterdir(), key=lambda p: p.name):
         if f.name.endswith(".yaml"):
-            data = _read_yaml(f, f"catalog models/{f.name}")
+            data = read_yaml(f, f"catalog models/{f.name}")
             if data.get("recipe"):
                 out[str(data.get("name"))] = dict(data["recipe"])
     return out
@@ -414,7 +414,7 @@ def load_cluster(spec: str, power_cap_w: float | None = None) -> ClusterSpec:
         p = Path(s).expanduser()
         if not p.is_file():
             raise CatalogError(f"{p}: no such file")
-        return _cluster_from_yaml(_read_yaml(p, str(p)), str(p), power_cap_w)
+        return _cluster_from_yaml(read_yaml(p, str(p)), str(p), power_cap_w)
     named = _clusters()
     key = normalize_name(s)
     for c in named.values():

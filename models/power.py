@@ -30,6 +30,7 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 from advisor.models import dvfs
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.dvfs import Phase
+from advisor.models.objectives import TIME_SLACK, Energy, MaxSlowdown, Time
 from advisor.models.step_time import StageTime, StepTime, stage_times, step_time
 
 
@@ -52,10 +53,10 @@ class StagePower:
     stretch_demand_w: float = 0.0  # that stretch's power at the maximum clock (busiest_stretch)
 
     def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in _STAGE_FIELDS}
+        return {f: getattr(self, f) for f in STAGE_POWER_FIELDS}
 
 
-_STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StagePower))
+STAGE_POWER_FIELDS = tuple(f.name for f in dataclasses.fields(StagePower))
 
 
 @dataclass
@@ -326,7 +327,6 @@ def _risk(stages: list[StagePower], busiest: StagePower, crit: int, slowdown: fl
 # caps: sweep, energy-optimal, per stage
 # ------------------------------------------------------------------------------------------------
 
-TIME_SLACK = 0.05  # "within 5% of the fastest step"
 
 
 def cap_grid(gpu, spec: str | Sequence[float] | None = None, step_w: float = 25.0) -> list[float]:
@@ -409,11 +409,7 @@ def cap_sweep(evaluate: Callable[[float], CapPoint], grid: Sequence[float], clus
 
 def sweep_of(pts: Sequence[CapPoint], default: CapPoint) -> CapSweep:
     """The CapSweep of evaluated points (`default`: the point at the cluster's cap)."""
-    fastest = min(pts, key=lambda p: (round(p.step_time_s, 9), p.power_cap_w))
-    best = min(pts, key=lambda p: (p.energy_j_per_token, -p.power_cap_w))
-    ok = [p for p in pts if p.step_time_s <= fastest.step_time_s * (1 + TIME_SLACK)]
-    within = min(ok, key=lambda p: (p.energy_j_per_token, -p.power_cap_w))
-    return CapSweep(pts, fastest, best, within, default)
+    return CapSweep(pts, Time().select(pts), Energy().select(pts), MaxSlowdown(TIME_SLACK).select(pts), default)
 
 
 @dataclass

@@ -139,7 +139,7 @@ _MOE = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
 _MOE_PARTS = ("moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory_s", "moe_expert_compute_s",
               "moe_expert_memory_s")
 _EP_IDLE = ("moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
-_ADDITIVE = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
+ADDITIVE_TERMS = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
              "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS + _EP_IDLE
 
 
@@ -203,7 +203,7 @@ def loss_bytes_per_logit(model: ModelSpec, c: Constants) -> float:
     return 6.0 + (c.norm_passes * c.bytes_activation if model.final_logit_softcap else 0.0)
 
 
-def _layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
+def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
                    st: StageTime, tp_link: Link, cp_link: Link, ep_link: Link, etp_link: Link,
                    util_acc: list[float]) -> float:
     """Add one layer's forward costs for one microbatch to `st`; returns forward compute seconds.
@@ -359,10 +359,10 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Con
             if i not in per_kind:  # i represents its kind
                 one = StageTime(stage=stage)
                 u1 = [0.0, 0.0]
-                _layer_forward(model, i, cfg, cluster, c, one, tp_link, cp_link, ep_link, etp_link, u1)
+                layer_forward(model, i, cfg, cluster, c, one, tp_link, cp_link, ep_link, etp_link, u1)
                 per_kind[i] = (one, u1)
             one, u1 = per_kind[i]
-            for name in _ADDITIVE:
+            for name in ADDITIVE_TERMS:
                 setattr(st, name, getattr(st, name) + n * getattr(one, name))
             util[0] += n * u1[0]
             util[1] += n * u1[1]

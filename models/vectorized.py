@@ -28,19 +28,19 @@ import numpy as np
 from advisor.catalog.specs import MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig, quant_parts
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.memory import logits_bytes_per_logit
-from advisor.models.power import _STAGE_FIELDS as _POWER_STAGE_FIELDS
+from advisor.models.power import STAGE_POWER_FIELDS
 from advisor.models.quant import weight_copy_bytes
-from advisor.models.step_time import _ADDITIVE, StageTime, loss_bytes_per_logit
-from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, _extra_codes, _unique_rows  # noqa: F401 (Layouts: API)
+from advisor.models.step_time import ADDITIVE_TERMS, StageTime, loss_bytes_per_logit
+from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, extra_codes, unique_rows  # noqa: F401 (Layouts: API)
 
 # StageTime fields that are sums over a stage's layers of one layer's forward costs (the ones
 # step_time.stage_times adds up per layer kind), and every StageTime field after `stage`, in its
 # order (a stage row is StageTime(stage, *row)); the StagePower fields the arrays hold (stage and
 # the SM clock in MHz are derived when a row becomes a StagePower)
-UNIT_FIELDS = _ADDITIVE
+UNIT_FIELDS = ADDITIVE_TERMS
 STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageTime) if f.name != "stage")
 STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s")
-POWER_FIELDS = tuple(f for f in _POWER_STAGE_FIELDS if f not in ("stage", "sm_clock_mhz"))
+POWER_FIELDS = tuple(f for f in STAGE_POWER_FIELDS if f not in ("stage", "sm_clock_mhz"))
 
 
 def _quant_fields(code) -> dict:
@@ -54,9 +54,9 @@ def _quant_fields(code) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 def _kinds(model: ModelSpec) -> list[int]:
-    from advisor.search_spaces.layout import _kind_reps
+    from advisor.search_spaces.layout import kind_representatives
 
-    return sorted(set(_kind_reps(model)))
+    return sorted(set(kind_representatives(model)))
 
 
 class _Memo:
@@ -77,7 +77,7 @@ class _Memo:
         """([K, len(UNIT_FIELDS)] one layer's forward costs per kind, [K, 2] GEMM utilisation sums)."""
         hit = self.units.get(key)
         if hit is None:
-            from advisor.models.step_time import StageTime, _layer_forward, group_link
+            from advisor.models.step_time import StageTime, layer_forward, group_link
 
             tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
             cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
@@ -91,7 +91,7 @@ class _Memo:
             for j, i in enumerate(self.kinds):
                 one = StageTime(stage=0)
                 u = [0.0, 0.0]
-                _layer_forward(self.model, i, cfg, cl, c, one, *links, u)
+                layer_forward(self.model, i, cfg, cl, c, one, *links, u)
                 vals[j] = [getattr(one, f) for f in UNIT_FIELDS]
                 util[j] = u
             hit = self.units[key] = (vals, util)
@@ -182,7 +182,7 @@ def _memo(model: ModelSpec, cluster: ClusterSpec, c: Constants) -> _Memo:
 def _gather_blocks(cols: Sequence[np.ndarray], block_of, S: "_Stages") -> np.ndarray:
     """Flat per-stage rows of per-key [pp, ...] blocks: the rows with the same values in `cols`
     share the block `block_of(r)` of their first row r; stage s of row r gets its row k."""
-    first, inv = _unique_rows(cols)
+    first, inv = unique_rows(cols)
     blocks = [block_of(int(r)) for r in first]
     sizes = np.array([len(b) for b in blocks], np.int64)
     off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
@@ -207,7 +207,7 @@ def _memory(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "_Stages
     m = L.num_microbatches
     r, k = S.row, S.k
     routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
-    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, _extra_codes(L, routers)])
+    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
     per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
                                   int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i])) for i in first])
     key = inv[r]
@@ -328,14 +328,14 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     e = c.bytes_activation
     m = L.num_microbatches
     extras = L.extras
-    codes = _extra_codes(L, extras)
+    codes = extra_codes(L, extras)
     seq_mlp = (np.array([not x[1] for x in extras], bool) if not L.same_extras
                else np.full(len(extras), not extras[0][1]) if extras else False)
     # the microbatch count matters to a MoE layer with SequentialMLP (its per-step host work) and
     # with the 1F1B all-to-all overlap (the first and last microbatch have no partner)
     per_m = seq_mlp | (np.array([x[5] for x in extras], bool) if not L.same_extras
                        else np.full(len(extras), bool(extras[0][5])) if extras else False)
-    first, inv = _unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
+    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
                                np.where(per_m, m, 0)])
     units, utils = [], []
     for i in first:

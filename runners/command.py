@@ -41,7 +41,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -53,13 +52,17 @@ from typing import Any, Mapping
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.runners import measure as M
 from advisor.runners import megatron_args as MA
+from advisor.runners.follow import EventFollower, LineFollower, tail
+from advisor.runners.proctree import install_signal_handlers, restore_signal_handlers
+from advisor.runners.command_log import (GIB_PER_MB, LogParser, Step, bounds_from_steps, classify,  # noqa: F401
+                                          parse_text)
+from advisor.runners.records import jsonable
 from advisor.runners.parent_watch import preexec_die_with_parent
 
 GUARD = Path(__file__).with_name("command_guard.py")
 STEP_FILE_ENV = "ADVISOR_STEP_FILE"
 PARSERS = ("auto", "megatron", "nemo", "regex", "json")
 LOG_TAIL_CHARS = 4000
-GIB_PER_MB = 1 / 1024.0  # Megatron's "memory (MB)" is MiB
 
 PLACEHOLDERS = {
     "megatron_args": "the layout as Megatron-LM arguments (layout_args) plus --train-iters {iters} "
@@ -272,123 +275,6 @@ def build_command(spec: CommandSpec, model: ModelSpec, cfg: TrainConfig, iters: 
     return render(spec.template, values), env
 
 
-# --------------------------------------------------------------------------------- parsing
-_MEGATRON_STEP = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|.*?elapsed time per iteration \(ms\):\s*([0-9.]+)")
-_MEGATRON_TFLOPS = re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*([0-9.]+)")
-_MEGATRON_MEMORY = re.compile(
-    r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| "
-    r"max allocated: ([0-9.]+) \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
-_NEMO_STEP = re.compile(r"global_step\s*[:=]\s*([0-9.]+).*?train_step_timing in s\s*[:=]\s*([0-9.]+)")
-
-
-@dataclass
-class Step:
-    seconds: float  # one iteration's time
-    t: float  # when the line was read (unix)
-    iteration: int | None = None
-    tflops: float | None = None  # what the job itself reported
-
-
-class LogParser:
-    """Turns the job's log lines (and step-file JSON lines) into iterations and memory reports."""
-
-    def __init__(self, kind: str = "auto", step_regex: str | None = None):
-        self.kind = kind
-        self.rx = re.compile(step_regex) if step_regex else None
-        self.steps: list[Step] = []
-        self.memory: dict[int, dict[str, float]] = {}  # rank -> peak_allocated_gib, peak_reserved_gib
-        self._last_iter: int | None = None
-        self._last_t: float | None = None  # step file: the previous boundary
-
-    def _add(self, seconds: float, t: float, iteration: int | None, tflops: float | None = None) -> None:
-        if iteration is not None and self._last_iter is not None:
-            if iteration <= self._last_iter:
-                return  # a repeated line (a progress bar redrawn, a second rank printing it)
-            n = iteration - self._last_iter  # a log interval > 1: its average, once per iteration
-        else:
-            n = 1
-        if iteration is not None:
-            self._last_iter = iteration
-        self.steps += [Step(seconds, t, iteration, tflops)] * n
-
-    def feed_line(self, line: str, t: float) -> None:
-        if self.kind in ("auto", "megatron"):
-            m = _MEGATRON_STEP.search(line)
-            if m:
-                tf = _MEGATRON_TFLOPS.search(line)
-                self._add(float(m.group(2)) / 1000.0, t, int(m.group(1)), float(tf.group(1)) if tf else None)
-                return
-            m = _MEGATRON_MEMORY.search(line)
-            if m:
-                self.memory[int(m.group(1))] = {"peak_allocated_gib": float(m.group(4)) * GIB_PER_MB,
-                                                "peak_reserved_gib": float(m.group(6)) * GIB_PER_MB,
-                                                "after_iterations": int(m.group(2))}
-                return
-        if self.kind in ("auto", "nemo"):
-            m = _NEMO_STEP.search(line)
-            if m:
-                self._add(float(m.group(2)), t, int(float(m.group(1))))
-                return
-        if self.kind == "regex" and self.rx is not None:
-            m = self.rx.search(line)
-            if m:
-                g = m.groupdict()
-                sec = float(g["s"]) if g.get("s") is not None else float(g["ms"]) / 1000.0
-                it = g.get("iter")
-                self._add(sec, t, int(float(it)) if it is not None else None)
-
-    def feed_json(self, obj: Mapping[str, Any], t: float) -> None:
-        """One line of the step file (read in every parser mode)."""
-        if not isinstance(obj, Mapping):
-            return
-        rank = obj.get("rank", 0)
-        if obj.get("peak_allocated_gib") is not None and isinstance(rank, int):
-            self.memory[rank] = {"peak_allocated_gib": float(obj["peak_allocated_gib"]),
-                                 "peak_reserved_gib": float(obj.get("peak_reserved_gib") or obj["peak_allocated_gib"])}
-        it = obj.get("step")
-        it = int(it) if isinstance(it, (int, float)) else None
-        if obj.get("step_time_s") is not None:
-            self._add(float(obj["step_time_s"]), float(obj.get("t", t)), it)
-        elif obj.get("step_time_ms") is not None:
-            self._add(float(obj["step_time_ms"]) / 1000.0, float(obj.get("t", t)), it)
-        elif obj.get("t") is not None:
-            tt = float(obj["t"])
-            if self._last_t is not None:
-                self._add(tt - self._last_t, tt, it)
-            self._last_t = tt
-
-
-def parse_text(text: str, kind: str = "auto", step_regex: str | None = None, t: float = 0.0) -> LogParser:
-    """A whole log at once (tests, salvage)."""
-    p = LogParser(kind, step_regex)
-    for line in re.split(r"[\r\n]", text):
-        p.feed_line(line, t)
-    return p
-
-
-class _LineFollower:
-    """Complete new lines (split on \\n and \\r: progress bars) of a growing text file."""
-
-    def __init__(self, path: Path):
-        self.path, self.pos, self.buf = path, 0, b""
-
-    def read(self) -> list[str]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.pos)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.pos += len(data)
-        self.buf += data
-        *lines, self.buf = re.split(rb"[\r\n]", self.buf)
-        return [ln.decode("utf-8", "replace") for ln in lines if ln]
-
-    def rest(self) -> list[str]:
-        tail, self.buf = self.buf, b""
-        return [tail.decode("utf-8", "replace")] if tail else []
-
-
 # ------------------------------------------------------------------------------ the runner
 def megatron_stage(global_rank: int, cfg: TrainConfig) -> int:
     """The pipeline stage of a rank in Megatron's default order (tp-cp-ep-dp-pp: PP outermost)."""
@@ -419,8 +305,8 @@ class _Trial:
     env: dict[str, str] = field(default_factory=dict)
     launched_at: float | None = None
     parser: LogParser | None = None
-    lines: _LineFollower | None = None
-    step_lines: Any = None  # measure._Follower of the step file
+    lines: LineFollower | None = None
+    step_lines: Any = None  # follow.EventFollower of the step file
     n_lines: int = 0
 
 
@@ -457,7 +343,7 @@ class CommandRunner(M.BatchRunner):
                 stopped: str | None) -> None:
         p = tr.parser or LogParser(self.spec.parser, self.spec.step_regex)
         bounds = bounds_from_steps(p.steps)
-        st = M._JobState(ranks=self._ranks(entry.config, p.memory), bounds=bounds or [],
+        st = M.JobState(ranks=self._ranks(entry.config, p.memory), bounds=bounds or [],
                          started_at=tr.launched_at, torchrun_started=tr.launched_at, first_in_torchrun=True)
         self._extra = command_block(self.spec, tr, rc, stopped, p, entry)
         self._record(entry, st, status, error)
@@ -489,7 +375,7 @@ class CommandRunner(M.BatchRunner):
         (self.run_dir / "entries.json").write_text(json.dumps(
             {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname(), "nproc": self.nproc,
              "runner": "command", "command": self.spec.to_dict(), "node": asdict(self.node),
-             "entries": [M.entry_to_dict(e) for e in runnable]}, default=M._jsonable))
+             "entries": [M.entry_to_dict(e) for e in runnable]}, default=jsonable))
         self._start_telemetry()
         if self.backend is not None:
             try:
@@ -500,7 +386,7 @@ class CommandRunner(M.BatchRunner):
                 self.uuids = []
         self.env.setdefault("hostname", socket.gethostname())
         self.t_begin = time.time()
-        old = M._install_signal_handlers()
+        old = install_signal_handlers()
         trial: tuple[M.Entry, _Trial] | None = None
         try:
             timeouts = 0
@@ -531,7 +417,7 @@ class CommandRunner(M.BatchRunner):
             self._settled()
             raise
         finally:
-            M._restore_signal_handlers(old)
+            restore_signal_handlers(old)
             self._stop_telemetry()
         self._settled()
         return self.records
@@ -560,7 +446,7 @@ class CommandRunner(M.BatchRunner):
         first one (start-up: imports, model build, data) any new line."""
         if tr.parser is None:
             tr.parser = LogParser(self.spec.parser, self.spec.step_regex)
-            tr.lines, tr.step_lines = _LineFollower(tr.log), M._Follower(tr.step_file)
+            tr.lines, tr.step_lines = LineFollower(tr.log), EventFollower(tr.step_file)
         n0 = len(tr.parser.steps)
         now = time.time()
         lines = tr.lines.read()
@@ -618,7 +504,7 @@ class CommandRunner(M.BatchRunner):
         if stopped == "budget":
             return "killed", (f"cut by the time budget ({self.max_seconds:g} s) after {n} measured step(s); "
                               "the job was stopped, partial steps kept")
-        status, reason = classify(M._tail(tr.log), rc)
+        status, reason = classify(tail(tr.log), rc)
         if status == "ok":  # exit 0 before enough steps
             if self.node.nnodes > 1 and not got:
                 return "ok", None  # Megatron-LM prints on the last rank: another node has the steps
@@ -630,40 +516,8 @@ class CommandRunner(M.BatchRunner):
         return status, reason
 
 
-_LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's own report of a failed worker
-_ERROR_LOG_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(?:ERROR|FATAL|CRITICAL)\b.*$", re.M)
-
-
-def classify(text: str, rc: int | None) -> tuple[str, str]:
-    """measure.classify_failure, but a failure reported through torchrun's ChildFailedError names
-    the worker's own error line (a Python exception, else the last ERROR log line)."""
-    status, reason = M.classify_failure(text, rc)
-    if status == "crash" and any(w in reason for w in _LAUNCHER_ERRORS):
-        errors = [e for e in M._ERROR_LINE.findall(text) if not any(w in e[1] for w in _LAUNCHER_ERRORS)]
-        if errors:
-            _, name, _, msg = errors[-1]
-            return status, f"{name}: {msg.strip()[:300]}"
-        logged = _ERROR_LOG_LINE.findall(text)
-        if logged:
-            return status, logged[-1].strip()[:300]
-    return status, reason
-
-
 def _measured(tr: _Trial, e: M.Entry) -> int:
     return max(0, len(tr.parser.steps if tr.parser else []) - e.warmup)
-
-
-def bounds_from_steps(steps: list[Step]) -> list[float] | None:
-    """Step boundaries (unix) from iteration times, anchored at the time the last step was read:
-    bounds[k+1] - bounds[k] is iteration k's own time, so assemble_record's step times are the
-    job's own numbers and the telemetry window is the measured iterations (to within the
-    launcher's 0.1 s poll)."""
-    if not steps:
-        return None
-    b = [steps[-1].t]
-    for s in reversed(steps):
-        b.append(b[-1] - s.seconds)
-    return b[::-1]
 
 
 def command_block(spec: CommandSpec, tr: _Trial, rc: int | None, stopped: str | None, p: LogParser,
@@ -676,7 +530,7 @@ def command_block(spec: CommandSpec, tr: _Trial, rc: int | None, stopped: str | 
             "stopped_by_runner": stopped, "iterations_parsed": len(p.steps),
             "reported_tflops_per_gpu": (sorted(measured)[len(measured) // 2] if measured else None),
             "memory_reported_ranks": sorted(p.memory), "log_path": str(tr.log),
-            "log_tail": M._tail(tr.log, n=LOG_TAIL_CHARS)}
+            "log_tail": tail(tr.log, n=LOG_TAIL_CHARS)}
 
 
 def finish_record(rec: dict[str, Any], extra: Mapping[str, Any], node: NodeInfo) -> None:
@@ -716,7 +570,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
         tr = _Trial(i, run_dir / f"trial{i}.log", run_dir / f"trial{i}.steps.jsonl", info.get("command", ""),
                     info.get("env", {}), info.get("launched_at"))
         mtime = max((p.stat().st_mtime for p in (tr.log, tr.step_file) if p.exists()), default=time.time())
-        tr.parser = parse_text(M._tail(tr.log, n=50_000_000), spec.parser, spec.step_regex, t=mtime)
+        tr.parser = parse_text(tail(tr.log, n=50_000_000), spec.parser, spec.step_regex, t=mtime)
         if tr.step_file.exists():
             for obj in M.read_jsonl(tr.step_file):
                 tr.parser.feed_json(obj, mtime)
@@ -724,7 +578,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
         if len(tr.parser.steps) >= e.warmup + e.steps:
             status, error = "ok", None
         else:
-            st, why = classify(M._tail(tr.log), None)
+            st, why = classify(tail(tr.log), None)
             status, error = (st, why) if st in ("oom", "crash", "timeout") else (
                 "killed", f"the launcher died (SIGKILL?) after {n} measured step(s); steps kept from the job's log")
         runner.records = []

@@ -21,7 +21,8 @@ import time
 
 import psutil
 
-from parent_watch import _load_prctl  # beside this file (sys.path[0] when run as a script)
+from parent_watch import load_prctl  # beside this file (sys.path[0] when run as a script)
+from proctree import alive, send
 
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = float(os.environ.get("ADVISOR_GUARD_GRACE_S", "10"))
@@ -30,34 +31,19 @@ GRACE_S = float(os.environ.get("ADVISOR_GUARD_GRACE_S", "10"))
 def stop_tree(grace_s: float = GRACE_S) -> None:
     """SIGTERM every descendant, SIGKILL those left after grace_s, reap them all."""
     procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
+    send(procs, "terminate")
     t0 = time.time()
     while time.time() - t0 < grace_s:
         _reap()
-        procs = [p for p in procs if _alive(p)]
+        procs = [p for p in procs if alive(p)]
         if not procs:
             return
         time.sleep(0.1)
-    for p in psutil.Process().children(recursive=True) + procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    send(psutil.Process().children(recursive=True) + procs, "kill")
     t0 = time.time()
     while time.time() - t0 < 5 and psutil.Process().children(recursive=True):
         _reap()
         time.sleep(0.05)
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _reap() -> dict[int, int]:
@@ -85,7 +71,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: command_guard.py -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    prctl = _load_prctl()
+    prctl = load_prctl()
     if prctl:
         prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     stop = {"signal": None}

@@ -20,11 +20,13 @@ import signal
 import sys
 from typing import Any, Callable
 
+__all__ = ["PR_SET_PDEATHSIG", "load_prctl", "preexec_die_with_parent", "die_with_parent"]
+
 PR_SET_PDEATHSIG = 1
 _prctl: Any = None
 
 
-def _load_prctl():
+def load_prctl():
     global _prctl
     if _prctl is None:
         _prctl = False
@@ -44,7 +46,7 @@ def _load_prctl():
 def preexec_die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     """A ``preexec_fn``: the child gets `sig` when this process dies, even by SIGKILL. Everything
     is resolved before the fork; the child only makes two system calls."""
-    prctl = _load_prctl()
+    prctl = load_prctl()
     if not prctl:
         return None
     parent, sig = os.getpid(), int(sig)
@@ -62,7 +64,7 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> boo
     collective cannot run a Python handler). `parent` is the pid the caller knows as its parent
     (default: the current one); if that parent is already gone, the signal comes at once.
     True when armed."""
-    prctl = _load_prctl()
+    prctl = load_prctl()
     if not prctl:
         return False
     parent = os.getppid() if parent is None else parent

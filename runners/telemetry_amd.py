@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from .telemetry import DeviceInfo, Sample, TelemetryUnavailable, normalize_pci_bus_id
+from .telemetry_types import DeviceInfo, Sample, TelemetryUnavailable, normalize_pci_bus_id
 
 
 def _num(v: Any) -> float | None:

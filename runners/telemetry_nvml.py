@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from .telemetry import COUNTER_FIELDS, DeviceInfo, Sample, TelemetryUnavailable, normalize_pci_bus_id
+from .telemetry_types import COUNTER_FIELDS, DeviceInfo, Sample, TelemetryUnavailable, normalize_pci_bus_id
 
 NVML_SUCCESS = 0
 SCOPE_ALL_LINKS = 0xFFFFFFFF

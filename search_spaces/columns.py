@@ -23,7 +23,7 @@ _COLS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "dist", "rc", "split"
 def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
                       options: SpaceOptions = SpaceOptions()):
     """models.vectorized.Layouts of every legal layout, in enumerate_layouts' order."""
-    from advisor.search_spaces.layout import _plan
+    from advisor.search_spaces.layout import plan_from_parts
 
     blocks: list[np.ndarray] = []
     splits: list[dict] = []
@@ -60,12 +60,12 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
     col = {k: a[:, j] for j, k in enumerate(_COLS)}
     n = len(a)
     # pipeline plans: one per distinct (pp, vp, split)
-    first, inv = _unique_rows([col["pp"], col["vp"], col["split"]])
+    first, inv = unique_rows([col["pp"], col["vp"], col["split"]])
     plans = []
     for r in first:
         pp, vp, sid = col["pp"][r], col["vp"][r], col["split"][r]
         s = splits[int(sid)]
-        plans.append(_plan(model.num_layers, int(pp), int(vp), s.get("pp_first_layers"), s.get("pp_last_layers"),
+        plans.append(plan_from_parts(model.num_layers, int(pp), int(vp), s.get("pp_first_layers"), s.get("pp_last_layers"),
                            bool(s.get("account_for_embedding", False)), bool(s.get("account_for_loss", False)),
                            s.get("pipeline_layout")))
     dpcp = col["dp"] * col["cp"] > 1
@@ -207,7 +207,7 @@ class Layouts:
         return self.take(np.repeat(np.arange(len(self)), n))
 
 
-def _extra_codes(L: "Layouts", values: Sequence) -> np.ndarray:
+def extra_codes(L: "Layouts", values: Sequence) -> np.ndarray:
     """_codes of per-row values of L.extras (all 0 when every row has the same extras)."""
     if L.same_extras:
         return np.zeros(len(values), np.int64)
@@ -220,7 +220,7 @@ def _codes(values: Sequence) -> np.ndarray:
     return np.fromiter((ids.setdefault(v, len(ids)) for v in values), np.int64, len(values))
 
 
-def _unique_rows(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def unique_rows(cols: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """(index of the first row of each distinct combination, inverse: each row's combination)."""
     a = [np.asarray(x, np.int64) for x in cols]
     n = len(a[0])

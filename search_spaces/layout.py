@@ -127,7 +127,7 @@ def _even_chunks(total: int, pp: int, vp: int) -> tuple[int, ...]:
 
 
 @lru_cache(maxsize=4096)
-def _plan(num_layers: int, pp: int, vp: int, first: int | None, last: int | None, acc_e: bool, acc_l: bool,
+def plan_from_parts(num_layers: int, pp: int, vp: int, first: int | None, last: int | None, acc_e: bool, acc_l: bool,
           layout: str | None) -> PipelinePlan:
     if layout is not None:
         if first is not None or last is not None or acc_e or acc_l:
@@ -184,7 +184,7 @@ def pipeline_plan(model: ModelSpec | int, cfg: TrainConfig) -> PipelinePlan:
     """The config's pipeline plan (even, first/last, account-for or explicit layout); raises
     IllegalLayout naming the rule when the split is not one megatron-core builds."""
     n = model if isinstance(model, int) else model.num_layers
-    return _plan(n, cfg.pp, cfg.vp, cfg.pp_first_layers, cfg.pp_last_layers, bool(cfg.account_for_embedding),
+    return plan_from_parts(n, cfg.pp, cfg.vp, cfg.pp_first_layers, cfg.pp_last_layers, bool(cfg.account_for_embedding),
                  bool(cfg.account_for_loss), cfg.pipeline_layout)
 
 
@@ -238,7 +238,7 @@ def layer_kind_counts(model: ModelSpec, layers: range | tuple[int, ...]) -> dict
 
 
 @lru_cache(maxsize=256)
-def _kind_reps(model: ModelSpec) -> tuple[int, ...]:
+def kind_representatives(model: ModelSpec) -> tuple[int, ...]:
     """The representative (first layer of its kind) of every layer."""
     first: dict[str, int] = {}
     return tuple(first.setdefault(layer_kind(model, i), i) for i in range(model.num_layers))
@@ -246,7 +246,7 @@ def _kind_reps(model: ModelSpec) -> tuple[int, ...]:
 
 @lru_cache(maxsize=8192)
 def _kind_counts(model: ModelSpec, layers: range | tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    reps = _kind_reps(model)
+    reps = kind_representatives(model)
     counts: dict[int, int] = {}
     for i in layers:
         counts[reps[i]] = counts.get(reps[i], 0) + 1

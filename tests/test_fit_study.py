@@ -13,6 +13,7 @@ import pytest
 from advisor.models import calibrate as C
 from advisor.models import dataset as D
 from advisor import study as S
+from advisor.study_storage import redact
 
 ROOT = Path(__file__).resolve().parents[1]
 JOURNAL = ROOT / "data" / "studies" / "llama3-8b-h200x4.journal"
@@ -107,7 +108,7 @@ def test_study_in_an_rdb_url(tmp_path, records):
     assert ds.files[0]["path"] == url and ds.records[0].source == f"{url}:trial 0"
     with pytest.raises(D.DatasetError, match="no such file"):
         S.load_dataset(studies=[f"sqlite:///{tmp_path / 'none.db'}"])
-    assert S._redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
+    assert redact("postgresql://u:secret@h/db") == "postgresql://u:***@h/db"
 
 
 def test_cli_fit_on_a_study_alone_and_with_data(tmp_path, records):

@@ -146,7 +146,7 @@ def test_a_blank_plot_fails_the_check(browser, tmp_path):
     from advisor import html_report as hr
 
     page = hr.Page("blank", "test")
-    fig, axes = hr._figure(6, 3)
+    fig, axes = hr.new_figure(6, 3)
     axes[0][0].set_axis_off()
     page.figure(fig, "blank", "nothing drawn")
     browser.get(hr.write(tmp_path / "blank.html", page).as_uri())

@@ -115,12 +115,13 @@ def test_tune_and_fit_write_their_reports(tmp_path, capsys):
 def test_study_report_pareto_is_the_tune_table(tmp_path):
     import optuna
 
-    from advisor.cmd_tune import pareto_cells
+    from advisor.report import pareto_cells
     from advisor.html_report import study_page
-    from advisor.study import _open_study_storage, study_pareto
+    from advisor.study import study_pareto
+    from advisor.study_storage import open_study_storage
 
     text = study_page(str(STUDY)).html()
-    study = optuna.load_study(study_name=None, storage=_open_study_storage(str(STUDY)))
+    study = optuna.load_study(study_name=None, storage=open_study_storage(str(STUDY)))
     front = study_pareto(study, "peak_power_w")
     assert front
     for r in front:

@@ -110,7 +110,7 @@ def test_jsonl_append_survives_partial_write(tmp_path):
 
 def test_jsonl_strict_json(tmp_path):
     p = tmp_path / "d.jsonl"
-    M.append_jsonl(p, M._finite({"x": float("nan"), "y": [1.0, float("inf")]}))
+    M.append_jsonl(p, M.finite({"x": float("nan"), "y": [1.0, float("inf")]}))
     assert M.read_jsonl(p) == [{"x": None, "y": [1.0, None]}]
 
 

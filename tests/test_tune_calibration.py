@@ -192,7 +192,7 @@ def test_resumed_study_without_the_attribute_loads(tmp_path):
 def test_committed_study_made_before_the_option_resumes(tmp_path):
     """The 4 x H200 study in data/studies (made before --calibration) reopens with the default
     calibration and the surrogate sampler, and measures one more trial (replayed)."""
-    from advisor.runners.replay import ReplayExecutor, load_groups
+    from advisor.replay import ReplayExecutor, load_groups
 
     src = ROOT / "data" / "studies" / "llama3-8b-h200x4.journal"
     data = [ROOT / "data" / "measurements" / f for f in ("h200x4-campaign.jsonl", "tune-llama3-8b-h200x4.jsonl")]
@@ -227,7 +227,7 @@ def test_bench_passes_the_calibration_to_the_studies(tmp_path, capsys):
     bench = load_bench("tune_efficiency")
     assert bench.main(["--calibration", str(tmp_path / "nope.joblib"), "--simulated"]) == 2
     assert "no such calibration file" in capsys.readouterr().err
-    from advisor.runners.replay import Replay, load_groups
+    from advisor.replay import Replay, load_groups
 
     grid = ROOT / "data" / "measurements" / "h200x4-campaign.jsonl"
     if not grid.is_file():

@@ -1,4 +1,4 @@
-"""Replaying measured trials (advisor.runners.replay, bench/tune_efficiency.py --measured): the real
+"""Replaying measured trials (advisor.replay, bench/tune_efficiency.py --measured): the real
 study on a tiny synthetic measured grid never proposes an unmeasured layout, and "trials to within
 2% of the best" is counted right. CPU only, a few seconds."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from advisor.api import resolve
 from advisor.catalog.specs import TrainConfig
 from advisor.runners.ray_exec import Job
-from advisor.runners.replay import (Replay, ReplayExecutor, ReplayMiss, load_groups, tokens_per_gpu,
+from advisor.replay import (Replay, ReplayExecutor, ReplayMiss, load_groups, tokens_per_gpu,
                                     trials_to_within)
 from advisor.runners.simulate import new_record
 from advisor.search_spaces.space import layout_key

@@ -243,7 +243,8 @@ def test_the_shipped_profiles_json_twins_load_as_their_joblib_files():
 def test_recommend_ranks_as_the_reference_would():
     """recommend's arrays rank every feasible layout as predict() would: the same scores, in the
     same order, for the throughput, energy and balanced objectives."""
-    from advisor.api import _score, recommend
+    from advisor.api import recommend
+    from advisor.models.objectives import score_prediction as _score
 
     for objective in ("throughput", "energy", "balanced"):
         res = recommend("llama3-70b", "h100x64", calibration=None, objective=objective, top=3,
