@@ -65,24 +65,26 @@ def evaluate(paths, calibration=None, constants=DEFAULT):
     return ds, rows
 
 
+def group_stats(rs) -> dict:
+    """MAPE / bias / rank correlation of one group of `evaluate` rows."""
+    col = lambda k: [r[k] for r in rs]  # noqa: E731
+    return {
+        "n": len(rs),
+        "tps_mape_pct": _mape(col("tps_pred"), col("tps_meas")),
+        "tps_bias_pct": _bias(col("tps_pred"), col("tps_meas")),
+        "tps_spearman": _rho(col("tps_pred"), col("tps_meas")),
+        "mem_mape_pct": _mape(col("mem_pred"), col("mem_meas")),
+        "peak_power_mape_pct": _mape(col("peak_pred"), col("peak_meas")),
+        "mean_power_mape_pct": _mape(col("mean_pred"), col("mean_meas")),
+    }
+
+
 def summarize(rows):
     groups = defaultdict(list)
     for r in rows:
         groups[r["group"]].append(r)
     groups["ALL"] = rows
-    out = {}
-    for g, rs in groups.items():
-        col = lambda k: [r[k] for r in rs]  # noqa: E731
-        out[g] = {
-            "n": len(rs),
-            "tps_mape_pct": _mape(col("tps_pred"), col("tps_meas")),
-            "tps_bias_pct": _bias(col("tps_pred"), col("tps_meas")),
-            "tps_spearman": _rho(col("tps_pred"), col("tps_meas")),
-            "mem_mape_pct": _mape(col("mem_pred"), col("mem_meas")),
-            "peak_power_mape_pct": _mape(col("peak_pred"), col("peak_meas")),
-            "mean_power_mape_pct": _mape(col("mean_pred"), col("mean_meas")),
-        }
-    return out
+    return {g: group_stats(rs) for g, rs in groups.items()}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_measurements import _bias, _mape, _rho, evaluate  # noqa: E402  (beside this file)
+from compare_measurements import evaluate, group_stats  # noqa: E402  (beside this file)
 
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 
@@ -36,10 +36,9 @@ def feature(rid: str) -> str:
 
 
 def _row(name, rs) -> str:
-    col = lambda k: [r[k] for r in rs]  # noqa: E731
-    return (f"{name:<24} {len(rs):>3} {_mape(col('tps_pred'), col('tps_meas')):>9.1f}% "
-            f"{_bias(col('tps_pred'), col('tps_meas')):>+6.1f}% {_rho(col('tps_pred'), col('tps_meas')):>6.2f} "
-            f"{_mape(col('mem_pred'), col('mem_meas')):>8.1f}%")
+    s = group_stats(rs)
+    return (f"{name:<24} {s['n']:>3} {s['tps_mape_pct']:>9.1f}% {s['tps_bias_pct']:>+6.1f}% "
+            f"{s['tps_spearman']:>6.2f} {s['mem_mape_pct']:>8.1f}%")
 
 
 def main(argv=None) -> int:

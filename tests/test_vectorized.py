@@ -204,7 +204,7 @@ def test_power_at_a_given_step_takes_the_unexplained_time_as_waits():
     res = vz.evaluate(m, c, vz.Layouts.of(m, cfgs), DEFAULT)
     factor = np.linspace(0.7, 1.6, len(cfgs))
     step = res.step_time_s * factor
-    where, arrays = vz._power_at_step(res, step, None)
+    where, arrays = vz.power_at_step(res, step, None)
     bad = []
     for i, cfg in enumerate(cfgs):
         ref = power_at_step(m, c, cfg, float(step[i]), DEFAULT)
