@@ -7,9 +7,13 @@
 #                                 bash bench/te_device.sh run SECONDS [BATCH ...]
 #   later calls on the same warm machine: the same `run` (TE is installed once).
 #   bash bench/te_device.sh tests     # the GPU runner tests, TE included
+#   bash bench/te_device.sh nccl      # NCCL bandwidth vs size (bench/nccl_bw_gpu.py), 4 GPUs
+#   bash bench/te_device.sh window    # TE fused attention with sliding windows (#29), 1 GPU
+#   bash bench/te_device.sh tune SECONDS TRIALS   # a real `tune --runner megatron --stack te` study
+#                                     # (carry .whl/optuna, sqlalchemy, alembic, mako, colorlog, markupsafe)
 # Records land in $OUT/<batch>.jsonl: commit them as data/measurements/h100x4-te*.jsonl.
 set -uo pipefail
-step=${1:?usage: bash bench/te_device.sh part N | run SECONDS [BATCH ...] | tests}
+step=${1:?usage: bash bench/te_device.sh part N | run SECONDS [BATCH ...] | tests | nccl | window | tune SECONDS TRIALS}
 OUT=${OUT:-/tmp/advisor-out}
 mkdir -p "$OUT"
 if [ "$step" = part ]; then
@@ -27,12 +31,30 @@ nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,power.limit,driver_version --f
 case "$step" in
 run)
   budget=${2:-500}; shift 2
-  python3 bench/te_campaign.py run --budget "$budget" --out "$OUT" ${1:+--batches "$@"}
-  rm -rf "$OUT"/*.runs
+  # jobs already measured (data/measurements/h100x4-te*.jsonl) are skipped; the canary batch runs
+  # only with CANARY=1 (its features were verified by the committed records)
+  for f in data/measurements/h100x4-te*.jsonl; do cp "$f" "$OUT/prior-$(basename "$f")"; done
+  python3 bench/te_campaign.py run --budget "$budget" --out "$OUT" $([ -n "${CANARY:-}" ] || echo --no-canary) ${1:+--batches "$@"}
+  rm -rf "$OUT"/*.runs "$OUT"/prior-*.jsonl
   python3 bench/te_campaign.py table "$OUT"/x4-te*.jsonl
   ;;
 tests)
   timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_runner.py 2>&1 | tail -15
+  ;;
+nccl)
+  timeout 240 python3 -m torch.distributed.run --nproc_per_node 4 bench/nccl_bw_gpu.py "$OUT/h100x4-nccl-bw.jsonl" 2>&1 | grep -v -i warn | tail -90
+  ;;
+window)
+  timeout 200 python3 bench/window_attention_gpu.py "$OUT/h100x1-window-attention.jsonl" 2>&1 | grep -v -i warn | tail -45
+  ;;
+tune)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/optuna-*.whl \
+    .whl/sqlalchemy-*.whl .whl/alembic-*.whl .whl/mako-*.whl .whl/colorlog-*.whl .whl/markupsafe-*.whl || exit 2
+  secs=${2:-300}; trials=${3:-8}
+  timeout $((secs + 120)) python3 -m advisor tune --runner megatron --stack te --ray-address inline \
+    --model llama3-8b --layers 8 --cluster h100x4 --seq 4096 --gbs 32 --trials "$trials" --batch 4 \
+    --timeout "$secs" --trial-timeout 240 --storage "$OUT/tune-te.journal" \
+    --dataset "$OUT/tune-llama3-8b-h100x4-te.jsonl" 2>&1 | grep -v -i warn | tail -40
   ;;
 *) echo "error: unknown step '$step'"; exit 2 ;;
 esac
