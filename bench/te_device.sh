@@ -6,6 +6,7 @@
 #   call 5 (carry .te/part4 .te/whl .te/te.sha256 .te/install-te.sh .whl/megatron_core-*.whl):
 #                                 bash bench/te_device.sh run SECONDS [BATCH ...]
 #   later calls on the same warm machine: the same `run` (TE is installed once).
+#   NO_CANARY=1 bash bench/te_device.sh run 540 x4-te-edge   # the OOM-edge batch alone (issue #27)
 #   bash bench/te_device.sh tests     # the GPU runner tests, TE included
 # Records land in $OUT/<batch>.jsonl: commit them as data/measurements/h100x4-te*.jsonl.
 set -uo pipefail
@@ -27,7 +28,7 @@ nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,power.limit,driver_version --f
 case "$step" in
 run)
   budget=${2:-500}; shift 2
-  python3 bench/te_campaign.py run --budget "$budget" --out "$OUT" ${1:+--batches "$@"}
+  python3 bench/te_campaign.py run --budget "$budget" --out "$OUT" ${NO_CANARY:+--no-canary} ${1:+--batches "$@"}
   rm -rf "$OUT"/*.runs
   python3 bench/te_campaign.py table "$OUT"/x4-te*.jsonl
   ;;
