@@ -8,6 +8,7 @@ sequence parallelism, context parallelism, FP8, MoE with TP), measured on one 4-
     python bench/te_campaign.py run --budget 520 --out DIR   # on the GPUs, after TE is installed:
                                                  # the canary batch, then the main batches minus
                                                  # the features whose canary failed
+    python bench/te_campaign.py predict [BATCH ...]  # te profile's predicted peak per job (default x4-te-edge)
     python bench/te_campaign.py table DATASET.jsonl ...
 
 Every job is a batch line with "stack": "te". Its id names the model and the feature it covers
@@ -128,8 +129,63 @@ def moe() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32))
 
 
+def edge() -> list[dict]:
+    """Issue #27 item 4: walk the campaign's shapes to the OOM edge (by micro-batch, layers,
+    recompute, PP with VP, EP), two or three points per walk straddling the te profile's
+    predicted edge (`python bench/te_campaign.py predict x4-te-edge`); an OOM is a record."""
+    dense = [
+        ("rc", dict(dp=4, mbs=8, recompute="full")), ("rc", dict(dp=4, mbs=8, recompute="selective")),
+        ("seq", dict(dp=4, mbs=4, seq=8192, gbs=16, recompute="full")),
+        ("seq", dict(dp=4, mbs=4, seq=8192, gbs=16)),
+        ("layers", dict(dp=4, mbs=4, layers=12)), ("layers", dict(dp=4, mbs=4, layers=16)),
+        ("pp", dict(pp=4, vp=2, dp=1, mbs=4, layers=16, gbs=16)),
+        ("pp", dict(pp=2, vp=2, dp=2, mbs=4, layers=16)),
+        ("pp", dict(pp=4, vp=2, dp=1, mbs=4, layers=24, gbs=16)),
+    ]
+    mix = [
+        ("ep", dict(dp=4, ep=4, mbs=8)), ("ep", dict(dp=4, ep=2, mbs=8)), ("ep", dict(dp=4, ep=1, mbs=8)),
+        ("rc", dict(dp=4, ep=4, mbs=4, layers=8, recompute="full")), ("rc", dict(dp=4, ep=4, mbs=4, layers=8)),
+        ("pp", dict(pp=2, vp=2, dp=2, ep=2, mbs=2, layers=8)),
+    ]
+    qw = [
+        ("rc", dict(dp=4, ep=4, mbs=8, recompute="full")), ("rc", dict(dp=4, ep=4, mbs=8, recompute="selective")),
+        ("ep", dict(dp=4, ep=2, mbs=4)), ("ep", dict(dp=4, ep=1, mbs=4)),
+    ]
+    return (_jobs("llama3-8b", "e8b", dense, layers=8, seq=4096, gbs=32)
+            + _jobs(MIXTRAL_PROXY, "emix", mix, layers=4, seq=4096, gbs=32)
+            + _jobs(QWEN3_PROXY, "eqw3", qw, layers=12, seq=4096, gbs=32))
+
+
+def predict(names: list[str]) -> int:
+    """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
+    models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
+    from advisor.catalog import load_gpu
+    from advisor.models import memory_band as MB
+    from advisor.models.calibrate import resolve_calibration
+    from advisor.models.memory import peak_memory_gib
+    from advisor.runners import measure as M
+
+    c = resolve_calibration("default", "te").screening_constants
+    gib = load_gpu("h100").memory_gib
+    usable = MB.usable_gib(gib, MB.default_margin(c.memory_usable_fraction))
+    print(f"H100 {gib:.0f} GiB, usable {usable:.1f} GiB (te profile, default margin)")
+    print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6}  verdict")
+    for name in names:
+        for line in (CONFIGS / f"{name}.jsonl").read_text().splitlines():
+            e = M.entry_from_line(json.loads(line), 4)
+            if e.refused:
+                print(f"{e.id:18} REFUSED {e.refused}")
+                continue
+            k, g = e.config, peak_memory_gib(e.model, e.config, c)
+            up = MB.band("te", e.model.is_moe).interval(g)[1]
+            lay = (f"L{e.model.num_layers} s{k.seq} TP{k.tp} PP{k.pp}v{k.vp} EP{k.ep} DP{k.dp} "
+                   f"mbs{k.mbs} rc={k.recompute}")
+            print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f}  {'fits' if up <= usable else 'OVER'}")
+    return 0
+
+
 BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3() + nemotron(),
-           "x4-te-moe": moe}
+           "x4-te-moe": moe, "x4-te-edge": edge}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
@@ -251,6 +307,15 @@ def table(paths: list[str]) -> None:
             print(f"{r['id']:<18} {r['status']:<7} {lay:<28} mbs{c['mbs']} {c['precision']:<4} {c['recompute']:<9} "
                   f"{th.get('tokens_per_s_per_gpu') or 0:>9,.0f} tok/s/GPU  {m.get('max_gib') or 0:5.1f} GiB  "
                   f"{(r.get('error') or '')[:120]}")
+            ph = max(r.get("memory_phases") or [], key=lambda x: x["peak_gib"], default=None)
+            fail = [f"rank {k} in {v.get('phase')}" for k, v in (m.get("at_failure") or {}).items()]
+            if ph:  # the per-phase memory of the fullest stage (runners/mem_probe.py)
+                print(f"{'':18} stage {ph['stage']}: static {ph['static_gib']:.1f}, fwd-bwd peak "
+                      f"{ph['forward_backward_peak_gib']:.1f}, optimizer peak {ph['optimizer_peak_gib']:.1f}, "
+                      f"reserved {ph['reserved_peak_gib']:.1f}, outside allocator "
+                      f"{ph['outside_allocator_gib'] or 0:.1f} GiB, {ph['num_alloc_retries']} retries")
+            elif fail:
+                print(f"{'':18} out of memory: {', '.join(fail)}")
 
 
 def main(argv=None) -> int:
@@ -258,6 +323,8 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("write")
     sub.add_parser("rehearse")
+    pr = sub.add_parser("predict")
+    pr.add_argument("batches", nargs="*", default=["x4-te-edge"])
     r = sub.add_parser("run")
     r.add_argument("--budget", type=float, default=520.0)
     r.add_argument("--out", type=Path, required=True)
@@ -270,6 +337,8 @@ def main(argv=None) -> int:
         write()
     elif a.cmd == "rehearse":
         return rehearse()
+    elif a.cmd == "predict":
+        return predict(a.batches)
     elif a.cmd == "run":
         return run(a.budget, a.out, a.batches, not a.no_canary)
     else:

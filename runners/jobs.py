@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.runners import megatron_args as MA
+from advisor.runners.mem_probe import per_stage as memory_per_stage
 from advisor.runners.records import SCHEMA, finite
 
 # How the worker runs what megatron-core leaves open (records before these existed: K/V repeated
@@ -228,8 +229,14 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
                          "max_reserved_gib": max((a for a in resv if a is not None), default=None)}
         oom = {r: ranks[r]["oom"] for r in ranks if ranks[r].get("oom")}
         if oom:
-            rec["memory"]["at_failure"] = {str(r): {k: v for k, v in o.items() if k.endswith("_gib")}
+            rec["memory"]["at_failure"] = {str(r): {k: v for k, v in o.items()
+                                                    if k.endswith("_gib") or k in ("phase", "num_alloc_retries")}
                                           for r, o in oom.items()}
+    phases = memory_per_stage({r: {"stage": ((ranks.get(r) or {}).get("built") or {}).get("stage"),
+                                   "memory_phases": ((ranks.get(r) or {}).get("done") or {}).get("memory_phases")}
+                               for r in range(world)})
+    if phases:  # per pipeline stage, its rank with the largest step peak (runners/mem_probe.py)
+        rec["memory_phases"] = phases
     probe = ((ranks.get(0) or {}).get("done") or {}).get("moe_probe")
     if probe:  # MoE sub-step times of rank 0 (runners/moe_probe.py), from steps after the measured ones
         rec["moe_probe"] = probe

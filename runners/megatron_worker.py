@@ -43,6 +43,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from mem_probe import point as mem_point, summarize as summarize_memory  # beside this file
 from moe_probe import (MoEPhaseTimer, patch_grouped_experts, probe_grouped_mm,  # beside this file
                        summarize as summarize_moe)
 from parent_watch import die_with_parent  # beside this file (sys.path[0] when run as a script)
@@ -57,6 +58,8 @@ GQA = os.environ.get("ADVISOR_SDPA_GQA", "native")
 # (megatron-core's TransformerConfig default, one batch_isend_irecv) deadlocked on 4xH200 whenever
 # PP = 4, VP = 2 and the microbatches were exactly 4 (data/measurements/h200x4-hang-probe.jsonl).
 INTERLEAVED_P2P = "batched" if os.environ.get("ADVISOR_OVERLAP_P2P") == "0" else "overlap"
+# Per-phase memory (runners/mem_probe.py): one extra, untimed step after the measured ones.
+MEMORY_PHASES = os.environ.get("ADVISOR_MEMORY_PHASES", "1") != "0"
 EXIT_OOM, EXIT_CRASH = 3, 4
 # How this torch runs grouped-GEMM experts (moe_probe.probe_grouped_mm), set in main().
 GROUPED_MM = "not probed"
@@ -251,7 +254,7 @@ def forward_step(data_iterator, model):
     return out, loss_func
 
 
-def train_step(job, config, model, optimizer, iters):
+def forward_backward(job, model, optimizer, iters):
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
@@ -260,14 +263,38 @@ def train_step(job, config, model, optimizer, iters):
        model=model if len(model) > 1 else model[0], num_microbatches=job["num_microbatches"],
        seq_length=job["seq"], micro_batch_size=job["mbs"], decoder_seq_length=job["seq"],
        forward_only=False)
+
+
+def train_step(job, config, model, optimizer, iters):
+    forward_backward(job, model, optimizer, iters)
     optimizer.step()
+
+
+def probe_memory(job, model, optimizer, iters, points, state):
+    """One more step after the measured ones (which ran without it), its allocator peak counter
+    reset before the forward-backward schedule and again before optimizer.step(): the peak of
+    each phase (runners/mem_probe.py). Host-side counters, no snapshot, no extra sync inside."""
+    points["step_start"] = mem_point(torch.cuda)
+    torch.cuda.reset_peak_memory_stats()
+    state["phase"] = "probe forward_backward"
+    forward_backward(job, model, optimizer, iters)
+    points["forward_backward"] = mem_point(torch.cuda)
+    torch.cuda.reset_peak_memory_stats()
+    state["phase"] = "probe optimizer"
+    optimizer.step()
+    torch.cuda.synchronize()
+    points["optimizer"] = mem_point(torch.cuda, device=True)
+    return summarize_memory(points)
 
 
 def run_job(job, ev, rank, state):
     i = job["index"]
     torch.cuda.reset_peak_memory_stats()
+    points = {"start": mem_point(torch.cuda)}
     ev("start", cfg=i, allocated_gib=torch.cuda.memory_allocated() / GIB)
+    state["phase"] = "build"
     config, model, optimizer, n_params = build(job)
+    points["built"] = mem_point(torch.cuda)
     state.update(model=model, optimizer=optimizer, config=config)
     ev("built", cfg=i, params=n_params,
        stage=parallel_state.get_pipeline_model_parallel_rank(),
@@ -287,6 +314,7 @@ def run_job(job, ev, rank, state):
         ev("step", cfg=i, k=0, tt=bounds[0])
     n_total = job["warmup"] + job["steps"]
     k = 0
+    state["phase"] = "steps"
     while k < n_total:
         train_step(job, config, model, optimizer, iters)
         torch.cuda.synchronize()
@@ -307,6 +335,9 @@ def run_job(job, ev, rank, state):
     peaks = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
              "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
     extra = {}
+    if MEMORY_PHASES:
+        extra["memory_phases"] = probe_memory(job, model, optimizer, iters, points, state)
+    state["phase"] = "after"
     if job.get("moe_profile_steps") and job["tc"].get("num_moe_experts"):
         try:
             extra["moe_probe"] = profile_moe(job, config, model, optimizer, iters)
@@ -477,7 +508,8 @@ def main(argv=None):
                allocated_gib=torch.cuda.memory_allocated() / GIB,
                reserved_gib=torch.cuda.memory_reserved() / GIB,
                peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-               peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+               peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, phase=state.get("phase"),
+               num_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries"))
             if world > 1:
                 sys.stdout.flush()
                 os._exit(EXIT_OOM)

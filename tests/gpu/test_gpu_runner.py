@@ -41,8 +41,16 @@ def test_batch_on_local_gpus(tmp_path):
         assert r["steps"]["measured"] == 3 and r["throughput"]["tokens_per_s"] > 0
         assert len(r["rank_map"]) == n and all(rm["uuid"].startswith("GPU-") for rm in r["rank_map"])
         assert max(r["memory"]["start_allocated_gib_per_rank"]) < 1.0  # nothing left from earlier jobs
+        # per-phase memory (runners/mem_probe.py): one entry per pipeline stage, peaks over static
+        ph = r["memory_phases"]
+        assert [p["stage"] for p in ph] == sorted({rm["stage"] for rm in r["rank_map"]})
+        for p in ph:
+            assert 0 < p["static_gib"] <= p["peak_gib"] <= p["reserved_peak_gib"]
+            assert p["forward_backward_transient_gib"] > 0 and p["outside_allocator_gib"] > 0
         if r["telemetry"] is not None:
             assert set(r["telemetry"]["per_gpu"]) == {rm["uuid"] for rm in r["rank_map"]}
+    oom = recs[-2]["memory"]["at_failure"]
+    assert all(v.get("phase") in ("build", "steps") for v in oom.values())  # the phase it hit
 
 
 def test_no_worker_outlives_a_sigkilled_launcher_and_torchrun(tmp_path):

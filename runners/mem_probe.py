@@ -1,0 +1,84 @@
+"""Per-phase memory of one training step, as the CUDA caching allocator sees it (issue #27, item 1).
+Part of the GPU worker (never imports ``advisor``, nor torch: ``point`` is handed ``torch.cuda``),
+so the summary is testable on CPU with fake numbers.
+
+The worker reads ``point`` at named moments of one extra step run after the measured ones (so the
+timed steps are untouched): ``start`` (before the model is built), ``built`` (model, gradient
+buffers, fp32 main parameters), ``step_start`` (the steady state between steps: + the optimizer's
+states), ``forward_backward`` (its peak counter reset just before the step's zero-grad and
+forward-backward schedule), ``optimizer`` (reset just before ``optimizer.step()``, read after it,
+with ``torch.cuda.mem_get_info``: the whole device as the driver sees it).
+"""
+from __future__ import annotations
+
+GIB = 2 ** 30
+# memory_stats() keys read at every point (bytes or counts; the counts are cumulative per process).
+STATS = ("num_alloc_retries", "num_ooms", "inactive_split_bytes.all.current",
+         "inactive_split_bytes.all.peak")
+PHASES = ("forward_backward", "optimizer")
+
+
+def point(cuda, device: bool = False) -> dict:
+    """The allocator's state now: bytes allocated / reserved, their peaks since the last
+    reset_peak_memory_stats, a few memory_stats counters, and with ``device`` the device's used
+    bytes (total - free, from cudaMemGetInfo: CUDA context, NCCL and library buffers included)."""
+    st = cuda.memory_stats()
+    out = {"allocated": cuda.memory_allocated(), "max_allocated": cuda.max_memory_allocated(),
+           "reserved": cuda.memory_reserved(), "max_reserved": cuda.max_memory_reserved(),
+           **{k: st.get(k, 0) for k in STATS}}
+    if device:
+        free, total = cuda.mem_get_info()
+        out["device_used"] = total - free
+    return out
+
+
+def _gib(b: float | None) -> float | None:
+    return None if b is None else b / GIB
+
+
+def summarize(points: dict[str, dict]) -> dict:
+    """GiB per phase from ``point`` readings (see the module doc for the names).
+
+    static_gib: allocated between steps (weights, gradient buffers, optimizer states, buffers);
+    <phase>_peak_gib: the allocator's peak during the phase, <phase>_transient_gib: that peak
+    over static; peak_gib / peak_phase: the step's peak (max over phases, not a sum);
+    reserved_peak_gib and reserved_over_peak_gib (reserved minus allocated at the peak: the
+    caching allocator's cached, fragmented memory); inactive_split_peak_gib: the largest
+    inactive-split bytes of a phase; outside_allocator_gib: device used minus reserved (CUDA
+    context, NCCL, libraries' own cudaMalloc); num_alloc_retries / num_ooms: allocator retries
+    (cudaMalloc failed, cache freed, retried) and OOMs from the job's start to the probe's end."""
+    static = points["step_start"]["allocated"]
+    out: dict = {"built_gib": _gib(points.get("built", {}).get("allocated")), "static_gib": _gib(static)}
+    peaks = {}
+    for ph in PHASES:
+        p = points[ph]
+        peaks[ph] = p["max_allocated"]
+        out[f"{ph}_peak_gib"] = _gib(p["max_allocated"])
+        out[f"{ph}_transient_gib"] = _gib(p["max_allocated"] - static)
+    phase = max(PHASES, key=lambda ph: peaks[ph])
+    reserved_peak = max(points[ph]["max_reserved"] for ph in PHASES)
+    end = points[PHASES[-1]]
+    first = points.get("start", points["step_start"])
+    out.update(
+        peak_gib=_gib(peaks[phase]), peak_phase=phase,
+        reserved_peak_gib=_gib(reserved_peak),
+        reserved_over_peak_gib=_gib(reserved_peak - peaks[phase]),
+        inactive_split_peak_gib=_gib(max(points[ph]["inactive_split_bytes.all.peak"] for ph in PHASES)),
+        device_used_gib=_gib(end.get("device_used")),
+        outside_allocator_gib=_gib(end["device_used"] - end["reserved"]) if "device_used" in end else None,
+        num_alloc_retries=end["num_alloc_retries"] - first["num_alloc_retries"],
+        num_ooms=end["num_ooms"] - first["num_ooms"])
+    return out
+
+
+def per_stage(ranks: dict[int, dict]) -> list[dict] | None:
+    """For each pipeline stage, the summary of its rank with the largest step peak, with that
+    rank and stage: ``ranks`` maps rank -> {"stage": int, "memory_phases": summary}."""
+    best: dict[int, dict] = {}
+    for r in sorted(ranks):
+        mp, stage = ranks[r].get("memory_phases"), ranks[r].get("stage")
+        if not mp or stage is None or mp.get("peak_gib") is None:
+            continue
+        if stage not in best or mp["peak_gib"] > best[stage]["peak_gib"]:
+            best[stage] = {"stage": stage, "rank": r, **mp}
+    return [best[s] for s in sorted(best)] or None
