@@ -44,6 +44,8 @@ LAYOUT = {"ok": BASE, "oom": BASE.replace(mbs=2, gbs=8), "crash": BASE.replace(m
 RUNNERS = R.RUNNERS
 REQUIRED = ("schema", "id", "timestamp", "status", "error", "model_name", "model", "layers", "config",
             "cluster", "env", "stack", "steps", "throughput", "memory", "telemetry", "runner", "simulated")
+pytestmark = pytest.mark.xdist_group("runner_contract")  # one worker runs the module's trials once
+
 CANNOT = {  # (runner, outcome): why the contract cannot ask it of that runner
     ("simulate", "refused"): "the simulated runner runs every layout (the study screens legality before)",
     ("simulate", "timeout"): "the simulated runner has no watchdog: its executor times it out (ray_exec)",
