@@ -320,6 +320,7 @@ class CommandRunner(M.BatchRunner):
         super().__init__(entries, dataset, node.nproc, **kw)
         self.spec, self.node = spec, node
         self.uuids: list[tuple[str, str | None, str]] = []  # (uuid, PCI bus id, name) per local rank
+        self.salvaged_from: str | None = None  # the run folder a salvage reads (records say so)
 
     # -- records -------------------------------------------------------------------------------
     def _ranks(self, cfg: TrainConfig, memory: Mapping[int, Mapping[str, float]]) -> dict[int, dict[str, Any]]:
@@ -353,6 +354,8 @@ class CommandRunner(M.BatchRunner):
         if extra is not None:
             finish_record(rec, extra, self.node)
             self._extra = None
+        if self.salvaged_from is not None:  # before it is appended: the dataset's copy says so too
+            rec["salvaged_from"] = self.salvaged_from
         super()._emit(rec)
 
     # -- the batch -----------------------------------------------------------------------------
@@ -561,6 +564,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
     node = NodeInfo(**meta.get("node", {"nproc": meta.get("nproc", 1)}))
     done = {r.get("id") for r in M.read_jsonl(dataset)} if Path(dataset).is_file() else set()
     runner = CommandRunner([], None, spec, node, run_dir=run_dir, telemetry="off")
+    runner.salvaged_from = str(run_dir)
     out = []
     for i, e in enumerate(entries):
         info_path = run_dir / f"trial{i}.json"
@@ -584,9 +588,7 @@ def salvage_run_dir(run_dir: Path, dataset: str | Path, meta: Mapping[str, Any])
         runner.records = []
         runner.dataset = dataset
         runner._settle(e, tr, status, error, None, "launcher died")
-        rec = runner.records[-1]
-        rec["salvaged_from"] = str(run_dir)
-        out.append(rec)
+        out.append(runner.records[-1])
     return out
 
 
@@ -675,7 +677,8 @@ def execute_command(model: ModelSpec, cluster, cfgs: list[TrainConfig], timeout_
     runner = CommandRunner(entries, spool, spec, node,
                            timeout=float(o.get("progress_timeout_s", min(timeout_s, 600.0))),
                            telemetry_hz=float(o.get("telemetry_hz", 20.0)))
-    return runner.run()
+    by_id = {r["id"]: r for r in runner.run()}  # refusals are recorded first: back in the layouts' order
+    return [by_id[e.id] for e in entries if e.id in by_id]
 
 
 def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> str | None:

@@ -203,6 +203,7 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
                    if entry.stack == "te" else {}),
                 **{k: env.get(k, hello0.get(k)) for k in RUNNER_ENV if env.get(k, hello0.get(k))}},
         "steps": None, "throughput": None, "memory": None, "telemetry": None, "rank_map": [],
+        "runner": "megatron", "simulated": False,  # the command runner's finish_record says "command"
     }
     # rank map
     for r in sorted(ranks):

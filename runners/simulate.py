@@ -26,8 +26,7 @@ from typing import Any, Mapping
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.predict import predict
-
-SCHEMA = "advisor.measurement/1"
+from advisor.runners.records import SCHEMA
 DEFAULTS = {"sigma": 0.03, "seed": 0, "oom_margin": 0.05, "delay_s": 0.0, "steps": 10, "inject": {}}
 
 
@@ -41,6 +40,7 @@ def new_record(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, status:
         "cluster": {"name": cluster.name, "gpu": cluster.gpu.name, "num_nodes": cluster.num_nodes,
                     "gpus_per_node": cluster.gpus_per_node},
         "env": {"hostname": socket.gethostname(), "pid": os.getpid()},
+        "stack": None,  # the runner's software stack: none simulated, unknown when a job failed as a whole
         "steps": None, "throughput": None, "memory": None, "telemetry": None,
         "runner": runner, "simulated": runner == "simulate",
     }

@@ -314,7 +314,7 @@ class Sampler:
                     s = self.backend.read(i, counters)
                 except Exception as e:  # a flaky read must not kill the thread; it is counted
                     self.errors += 1
-                    self.last_error = f"{d.uuid}: {type(e).__name__}: {e}"
+                    self.last_error = f"{d.uuid}: {type(e).__name__}: {' '.join(str(e).split())}"  # one line
                     continue
                 cols = self._cols[d.uuid]
                 cols["t"].append(s.t)

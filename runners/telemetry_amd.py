@@ -38,7 +38,8 @@ def _temp(v: Any) -> float | None:
 
 
 def _err(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}"
+    """One line: amdsmi's AmdSmiLibraryException prints "Error code:\\n\\t<code> | <info>" (ROCm 6.x)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 class AmdSmiBackend:
@@ -163,15 +164,18 @@ class AmdSmiBackend:
         return acc * res * 1e-6 if acc is not None and res is not None else None
 
     def read(self, i: int, counters: bool = True) -> Sample:
-        """``counters=False`` skips the energy counter; the violation accumulators are read every
-        time because the throttle bits come from the same call."""
+        """``counters=False`` skips the energy counter. The violation accumulators are read every
+        time, because the throttle bits come from the same call, but the violation ns they give
+        are left out of such a reading (None), as every counter is (Sample's contract)."""
         h, plan = self._handles[i], self._plans[i]
-        s = Sample(t=time.time())
+        s = Sample(t=self.clock())
         for name, fn in plan["calls"].items():
             if counters or name != "energy_j":
                 setattr(s, name, fn(h))
         if plan["throttle"] == "violation":
             self._read_violation(i, h, s)
+            if not counters:
+                s.power_violation_ns = s.thermal_violation_ns = None
         elif plan["throttle"] == "metrics":
             bits = _num(self.smi.amdsmi_get_gpu_metrics_info(h).get("indep_throttle_status"))
             if bits is not None:

@@ -270,7 +270,7 @@ class NvmlBackend:
         h, plan = self._handles[i], self._plans[i]
         fields, entries_all, calls = ((plan["fields"], plan["entries"], plan["calls"]) if counters else
                                       (plan["fast_fields"], plan["fast_entries"], plan["fast_calls"]))
-        s = Sample(t=time.time())
+        s = Sample(t=self.clock())
         if entries_all:
             fvs = self.nvml.nvmlDeviceGetFieldValues(h, entries_all)
             k = 0
