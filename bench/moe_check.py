@@ -1,6 +1,7 @@
 """How well the MoE model (models/moe.py) predicts what it measures.
 
     python bench/moe_check.py [--quick] [--no-published] [--constants-out models/data/moe_local_fit.json]
+    python bench/moe_check.py --write-te    # the TE stack's MoE constants into models/data/te_calibration.joblib
 
 1. Our runner (`local` stack): every ok MoE record of data/measurements/ (1 x H100 proxies of
    four shapes, and the 4 x H200 Mixtral proxy). The MoE constants of `MOE_LOCAL_FIT` are fitted
@@ -273,7 +274,7 @@ def published_check(quick: bool) -> None:
     from advisor.models.profiles import STACKS, apply_layout_defaults
 
     runs = [r for r in P.load() if r.moe and r.usable and r.gpu_type == "H100"]
-    te = Calibration.load(STACKS["te"].file).screening_constants.replace(**MOE.MOE_TE_SETTINGS)
+    te = MOE.te_moe_constants(Calibration.load(STACKS["te"].file).screening_constants)
     rows = []
     for r in runs:
         cfg = apply_layout_defaults(r.cfg, "te")
@@ -343,7 +344,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer fit iterations")
     ap.add_argument("--no-published", action="store_true")
     ap.add_argument("--constants-out", type=Path, help="write the all-shape local fit as JSON")
+    ap.add_argument("--write-te", action="store_true",
+                    help="write the TE stack's MoE constants (moe.te_moe_constants) into the shipped te profile "
+                         "and exit (its dense constants unchanged: MoE constants act on MoE layers only)")
     a = ap.parse_args(argv)
+    if a.write_te:
+        from advisor.models.profiles import STACKS
+
+        cal = Calibration.load(STACKS["te"].file)
+        cal.constants = MOE.te_moe_constants(cal.constants)
+        cal.save(STACKS["te"].file)
+        print(f"wrote {STACKS['te'].file}")
+        return 0
     t0 = time.time()
     ok, c = local_check(a.quick)
     if a.constants_out:
