@@ -508,4 +508,6 @@ MOE_TE_FIT: dict[str, tuple[float, float]] = {
     # per layer-microbatch host sync of the experts phase: TE's GroupedLinear takes the tokens per
     # expert as a host list (a device-to-host copy and a launch gap every MoE layer)
     "moe_expert_overhead_s": (1e-5, 3e-3),
+    # TE GroupedLinear's host issue time per local expert: 6 cuBLASLt calls at 5-60 us each
+    "moe_grouped_expert_host_s": (3e-5, 3.6e-4),
 }
