@@ -1,6 +1,7 @@
 """How well the MoE model (models/moe.py) predicts what it measures.
 
     python bench/moe_check.py [--quick] [--no-published] [--constants-out models/data/moe_local_fit.json]
+    python bench/moe_check.py --write-te    # the TE stack's MoE constants into models/data/te_calibration.joblib
 
 1. Our runner (`local` stack): every ok MoE record of data/measurements/ (1 x H100 proxies of
    four shapes, and the 4 x H200 Mixtral proxy). The MoE constants of `MOE_LOCAL_FIT` are fitted
@@ -273,7 +274,7 @@ def published_check(quick: bool) -> None:
     from advisor.models.profiles import STACKS, apply_layout_defaults
 
     runs = [r for r in P.load() if r.moe and r.usable and r.gpu_type == "H100"]
-    te = Calibration.load(STACKS["te"].file).screening_constants.replace(**MOE.MOE_TE_SETTINGS)
+    te = MOE.te_moe_constants(Calibration.load(STACKS["te"].file).screening_constants)
     rows = []
     for r in runs:
         cfg = apply_layout_defaults(r.cfg, "te")
@@ -300,9 +301,18 @@ def published_check(quick: bool) -> None:
     for x in rows:
         x["w"] = 1.0 / math.sqrt(dup[(x["run"].model_key, x["cfg"].key(), x["run"].precision_reported)])
 
+    # our own TE MoE runs (4 x H100, data/measurements/h100x4-te.jsonl, first record of each job) join
+    # every fit: they pin the expert phase (grouped GEMM rate, GroupedLinear's host time) that the
+    # published rows see only through whole steps
+    own = [r for r in moe_rows("te") if "-call" not in r["rec"].id]
+
+    def own_err(c):
+        return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, c, check_legal=False)
+                                  .tokens_per_s_per_gpu / x["rec"].y["tokens_per_s_per_gpu"]) for x in own])
+
     def res_fn(rs, c):
-        return np.array([x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu)
-                         for x in rs])
+        pub = [x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu) for x in rs]
+        return np.concatenate([pub, own_err(c)])
 
     print(f"\n== 3. published H100 MoE runs (te profile + MOE_TE_SETTINGS): {len(rows)} rows")
     models = sorted({x["run"].model_key for x in rows})
@@ -331,9 +341,14 @@ def published_check(quick: bool) -> None:
     print(f"   MAPE: te + MoE settings {100 * statistics.mean(all0):.1f}%, leave-one-model-out fit "
           f"{100 * statistics.mean(all1):.1f}% (goal <= {PUBLISHED_MAPE_GOAL:.0f}%); per model: "
           + ", ".join(f"{k} {100 * statistics.mean(e1[k]):.0f}%" for k in models))
+    own_mape = statistics.mean(abs(math.exp(v) - 1) for k in models for v in own_err(fitted[k]))
+    print(f"   our {len(own)} TE MoE runs (in every fit): {100 * statistics.mean(abs(math.exp(v) - 1) for v in own_err(te)):.1f}% "
+          f"with the shipped settings, {100 * own_mape:.1f}% mean over the leave-one-model-out fits")
     c_all = fit(rows, te, MOE.MOE_TE_FIT, 10 if quick else 25, res_fn=res_fn)
     e = statistics.mean(abs(pred(x, c_all).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu - 1) for x in rows)
-    print(f"   proposed te values (fitted on all {len(rows)} rows, in sample {100 * e:.1f}%): "
+    e_own = statistics.mean(abs(math.exp(v) - 1) for v in own_err(c_all))
+    print(f"   proposed te values (fitted on all {len(rows)} rows and our TE runs, in sample {100 * e:.1f}%, "
+          f"our TE runs {100 * e_own:.1f}%): "
           + ", ".join(f"{n}={getattr(c_all, n):.4g} (range {MOE.MOE_TE_FIT[n][0]:g}-{MOE.MOE_TE_FIT[n][1]:g})"
                       for n in MOE.MOE_TE_FIT))
 
@@ -343,7 +358,18 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer fit iterations")
     ap.add_argument("--no-published", action="store_true")
     ap.add_argument("--constants-out", type=Path, help="write the all-shape local fit as JSON")
+    ap.add_argument("--write-te", action="store_true",
+                    help="write the TE stack's MoE constants (moe.te_moe_constants) into the shipped te profile "
+                         "and exit (its dense constants unchanged: MoE constants act on MoE layers only)")
     a = ap.parse_args(argv)
+    if a.write_te:
+        from advisor.models.profiles import STACKS
+
+        cal = Calibration.load(STACKS["te"].file)
+        cal.constants = MOE.te_moe_constants(cal.constants)
+        cal.save(STACKS["te"].file)
+        print(f"wrote {STACKS['te'].file}")
+        return 0
     t0 = time.time()
     ok, c = local_check(a.quick)
     if a.constants_out:

@@ -435,13 +435,17 @@ class TrainConfig:
     moe_shared_expert_overlap: bool = False
     # TE's fused top-k / score / aux-loss kernels (--moe-router-fusion).
     moe_router_fusion: bool = False
+    # TE's fused permute / unpermute / chunk-sort kernels (--moe-permute-fusion; megatron-core's
+    # default is off, Megatron-Bridge's MoE recipes turn it on).
+    moe_permute_fusion: bool = False
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0
                                or cf != cf or cf == float("inf")):
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
-        for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion"):
+        for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
+                  "moe_permute_fusion"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:
@@ -537,18 +541,19 @@ class TrainConfig:
 # The TrainConfig fields of the MoE knobs, in the order of TrainConfig.moe_knobs() / Layouts.extras.
 MOE_KNOBS: tuple[str, ...] = ("moe_dispatcher", "moe_grouped_gemm", "moe_router", "moe_capacity_factor",
                               "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap",
-                              "moe_router_fusion")
-MOE_KNOB_DEFAULTS: tuple = ("alltoall", True, "aux_loss", None, False, False, False, False)
+                              "moe_router_fusion", "moe_permute_fusion")
+MOE_KNOB_DEFAULTS: tuple = ("alltoall", True, "aux_loss", None, False, False, False, False, False)
 
 
 def moe_knobs_key(knobs: tuple) -> str:
     """The key suffix of a MOE_KNOBS tuple: the knobs that differ from the defaults."""
-    disp, grouped, router, cf, pad, a2a, shared, fusion = knobs
+    disp, grouped, router, cf, pad, a2a, shared, fusion, pfusion = knobs
     return ((f"-{disp}" if disp != "alltoall" else "")
             + ("-seqmlp" if not grouped else "")
             + (f"-{router}" if router != "aux_loss" else "")
             + (f"-cf{cf:g}" if cf is not None else "") + ("-pad" if pad else "")
-            + ("-a2aovl" if a2a else "") + ("-shovl" if shared else "") + ("-rfuse" if fusion else ""))
+            + ("-a2aovl" if a2a else "") + ("-shovl" if shared else "") + ("-rfuse" if fusion else "")
+            + ("-pfuse" if pfusion else ""))
 
 
 _TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

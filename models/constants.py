@@ -289,6 +289,13 @@ class Constants:
     # (~20 kernels and their autograd) in turn; the phase takes at least this per local expert,
     # forward + backward. Measured 0.7-1.3 ms per expert on the H100 VM (fitted; 50 us - 5 ms).
     moe_sequential_expert_s: float = 0.00081
+    # Grouped GEMM on: host seconds per local expert per layer-microbatch, forward + backward, that
+    # the experts phase takes at least. 0 for one grouped kernel over all experts (this runner's
+    # torch._grouped_mm; TE's CUTLASS grouped GEMM). Transformer Engine's GroupedLinear in BF16 on
+    # Hopper (TE 2.x general_grouped_gemm -> nvte_multi_stream_cublas_gemm) issues one cuBLASLt GEMM
+    # per expert, each with its own descriptors and heuristic query, for fc1 and fc2 forward and
+    # their dgrad and wgrad: 6 calls per expert (the te profile's value: models/moe.py MOE_TE_SETTINGS).
+    moe_grouped_expert_host_s: float = 0.0
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)
@@ -311,6 +318,18 @@ class Constants:
     # once forward and once backward (transformer_engine.pytorch.router, fused_topk_with_score_function
     # and fused_compute_score_for_moe_aux_loss), instead of moe_router_passes unfused passes.
     moe_router_fused_passes: float = 2.0
+    # ... and their launch cost per layer-microbatch, forward + backward: a few fused kernels, or a
+    # CUDA-graph replay of the router (the Qwen3 recipes' "TE cuda graphs attn/moe_router/
+    # moe_preprocess", published_fit.csv notes), instead of ~30 unfused kernels growing with E
+    # (set, not fitted: ~10 launches at ~5 us).
+    moe_router_fused_overhead_s: float = 5e-5
+    # --moe-permute-fusion (TrainConfig.moe_permute_fusion; Megatron-Bridge's MoE recipes set it,
+    # megatron-core's default is off): TE's moe_permute / moe_unpermute / sort_chunks_by_index, one
+    # read and one write of the routed tokens each way (~4 passes forward + backward; 6.2 as fitted
+    # with the te profile's MoE constants on the published rows, moe.MOE_TE_FIT's first fit), a few
+    # launches per layer-microbatch and no per-expert chunk loop.
+    moe_permute_fused_passes: float = 6.2
+    moe_permute_fused_overhead_s: float = 5e-5
     # DeepEP (megatron-core's flex dispatcher, DeepEP backend), its normal kernels' published
     # bottleneck bandwidths (deepseek-ai/DeepEP, docs/legacy.md "Performance", H800 with ~160 GB/s
     # NVLink and one CX7 400 Gb/s (~50 GB/s) NIC per GPU, 4096 tokens, h 7168, top-8): in a node

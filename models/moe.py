@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
-from advisor.models.constants import Constants
+from advisor.models.constants import DEFAULT, Constants
 
 # The per-term times `predict --json` shows in its breakdown (seconds per step, slowest stage).
 TERMS = ("moe_router_s", "moe_permute_s", "moe_dispatch_s", "moe_expert_gemm_s")
@@ -247,7 +247,10 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     r_gemm = 3 * tg
     # (--moe-router-fusion: TE's fused top-k / softmax / aux-loss kernels pass over them fewer times)
     r_mem = (c.moe_router_fused_passes if cfg.moe_router_fusion else c.moe_router_passes) * T * E * 4 / hbm
-    r_over = c.moe_router_overhead_s + E * c.moe_router_per_expert_s
+    # launch cost: ~30 small kernels unfused; TE's fused router kernels (or the recipes' CUDA-graphed
+    # router) launch a few, whatever E
+    r_over = (c.moe_router_fused_overhead_s if cfg.moe_router_fusion
+              else c.moe_router_overhead_s + E * c.moe_router_per_expert_s)
     out.router = r_gemm + r_mem + r_over
     out.router_gemm, out.router_mem = r_gemm, r_mem
     out.gemm += r_gemm
@@ -257,9 +260,12 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
 
     # permute / unpermute (alltoall: before / after the all-to-all and the local chunk re-sort;
     # allgather: the local permutation of the gathered tokens), forward and backward, busiest rank
-    p_mem = c.moe_permute_passes * routed * imb * h * e / hbm
-    p_over = c.moe_permute_overhead_s
-    if cfg.moe_dispatcher == "alltoall" and E_loc > 1:
+    # (--moe-permute-fusion: TE's moe_permute / moe_unpermute / sort_chunks_by_index kernels, one
+    # launch each and no host-side chunk loop; unfused: megatron-core's index_select / scatter_add)
+    fused = cfg.moe_permute_fusion
+    p_mem = (c.moe_permute_fused_passes if fused else c.moe_permute_passes) * routed * imb * h * e / hbm
+    p_over = c.moe_permute_fused_overhead_s if fused else c.moe_permute_overhead_s
+    if cfg.moe_dispatcher == "alltoall" and E_loc > 1 and not fused:
         p_over += E_loc * c.moe_permute_per_expert_s
     out.permute = p_mem + p_over
     out.permute_mem = p_mem
@@ -315,9 +321,15 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     # SequentialMLP's host loop when that is slower)
     x_mem += E_loc * (h * mats * f + f * h) * c.grad_accum_bytes_per_param / hbm
     gpu = x_gemm + x_mem + c.moe_expert_overhead_s
-    # SequentialMLP: the host launches expert after expert (the GPU waits when that is slower)
-    host = E_loc * c.moe_sequential_expert_s if not cfg.moe_grouped_gemm else 0.0
-    out.expert = max(gpu, host)
+    # the host launches expert after expert: SequentialMLP each expert's MLP (the GPU waits when
+    # that is slower); TE's GroupedLinear one cuBLAS GEMM per local expert in each of its six GEMM
+    # groups (moe_grouped_expert_host_s; 0 where one grouped kernel runs all experts)
+    if cfg.moe_grouped_gemm:
+        # grouped: the host issues the per-expert GEMMs after the token counts reached it (a
+        # device-to-host sync that drains the GPU), so its issue time adds to the GPU's
+        out.expert = gpu + E_loc * c.moe_grouped_expert_host_s
+    else:
+        out.expert = max(gpu, E_loc * c.moe_sequential_expert_s)
     out.gemm += x_gemm - x_stream
     out.memory_bound += x_mem + x_stream
     out.expert_gemm, out.expert_mem = x_gemm - x_stream, x_mem + x_stream
@@ -448,17 +460,17 @@ MOE_LOCAL_FIT: dict[str, tuple[float, float]] = {
 }
 
 # The Transformer Engine stack (NeMo / Megatron-Bridge MoE recipes) before fitting: settings of the
-# stack, each with its source. Fused permutation (--moe-permute-fusion, TE's moe_permute /
-# moe_unpermute / sort_chunks_by_index kernels: one read and one write of the routed tokens each
-# way, no host-side chunk loop); the router and the dispatch preprocessing captured in CUDA graphs
-# (the Qwen3 recipes' "TE cuda graphs attn/moe_router/moe_preprocess", published_fit.csv notes),
-# so their launch costs are those of a graph replay; grouped GEMM (TE GroupedLinear).
+# stack, each with its source. The recipes' fused permutation and fused / CUDA-graphed router are
+# layout knobs (moe_permute_fusion, moe_router_fusion: the te profile's layout defaults,
+# models/profiles.py), priced by their own constants; a TE run without them (this runner's) pays
+# megatron-core's unfused costs, which are the same code as the local stack's (measured there).
+# Grouped GEMM is TE's GroupedLinear: in BF16 and FP8 on Hopper one cuBLASLt GEMM per expert.
 MOE_TE_SETTINGS: dict[str, float] = {
-    "moe_permute_passes": 6.2,  # fused: ~4 (one read + write each way); fitted 6.2 with the rest below
-    "moe_permute_per_expert_s": 1e-8,
-    "moe_permute_overhead_s": 5e-5,
-    "moe_router_overhead_s": 5e-5,
-    "moe_router_per_expert_s": 1e-8,
+    # host issue time per local expert per layer-microbatch of TE's GroupedLinear (6 cuBLASLt GEMMs:
+    # fc1 / fc2 forward, their dgrad and wgrad, each with descriptor set-up and heuristic query),
+    # not fitted: 6 of the ~20 kernels each expert's MLP launches in SequentialMLP, whose measured
+    # host cost is moe_sequential_expert_s = 0.81 ms per expert (6 / 20 x 0.81 ms = 0.243 ms)
+    "moe_grouped_expert_host_s": 0.243e-3,
     # activations as megatron-core keeps them with TE's fused permutation and activation: per
     # routed token the permuted input and the expert output (h each), fc1 output and activation
     # (3f gated); fp32 router logits and probabilities (2 copies over E)
@@ -475,12 +487,27 @@ MOE_TE_SETTINGS: dict[str, float] = {
 # Proposed for the te profile's fit on the published H100 MoE rows (bench/moe_check.py prints the
 # fit and its leave-one-model-out error): the exposed all-to-all fraction (1F1B / shared-expert
 # overlap, DeepEP), the grouped GEMM's efficiency and saturation, the fused permutation's passes.
+# The unfused router and permutation constants: megatron-core's own code, the same under TE (a TE
+# run without --moe-router-fusion / --moe-permute-fusion pays them), so every profile keeps the
+# values measured on the local stack (models/constants.py) for them.
+MOE_UNFUSED: tuple[str, ...] = ("moe_router_passes", "moe_router_overhead_s", "moe_router_per_expert_s",
+                                "moe_permute_passes", "moe_permute_overhead_s", "moe_permute_per_expert_s")
+
+
+def te_moe_constants(c: Constants) -> Constants:
+    """`c` (a te profile's constants) with the MoE settings of the TE stack: MOE_TE_SETTINGS, and the
+    unfused router / permutation constants as measured (MOE_UNFUSED)."""
+    return c.replace(**{n: getattr(DEFAULT, n) for n in MOE_UNFUSED}, **MOE_TE_SETTINGS)
+
+
 MOE_TE_FIT: dict[str, tuple[float, float]] = {
     "moe_a2a_exposed": (0.05, 1.0),
     "moe_gemm_efficiency": (0.3, 1.0),
     "moe_gemm_half_tokens": (16.0, 4096.0),
-    "moe_permute_passes": (2.0, 16.0),
+    "moe_permute_fused_passes": (2.0, 16.0),
     # per layer-microbatch host sync of the experts phase: TE's GroupedLinear takes the tokens per
     # expert as a host list (a device-to-host copy and a launch gap every MoE layer)
     "moe_expert_overhead_s": (1e-5, 3e-3),
+    # TE GroupedLinear's host issue time per local expert: 6 cuBLASLt calls at 5-60 us each
+    "moe_grouped_expert_host_s": (3e-5, 3.6e-4),
 }

@@ -51,8 +51,11 @@ STACKS: dict[str, Stack] = {
     "te": Stack(
         "te", "Megatron-Core + Transformer Engine (fitted on published runs)",
         DATA / "te_calibration.joblib",
-        # NeMo / Megatron-Bridge performance recipes set tp_comm_overlap for TP > 1 (userbuffers)
-        {"tp_comm_overlap": True},
+        # NeMo / Megatron-Bridge performance recipes set tp_comm_overlap for TP > 1 (userbuffers),
+        # and their MoE recipes TE's fused permutation (moe_permute_fusion = True, e.g. Megatron-Bridge
+        # recipes/qwen/qwen3_moe*.py, deepseek) and a fused (DeepSeek-V3) or CUDA-graphed (Qwen3)
+        # router, priced as moe_router_fusion
+        {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(

@@ -60,6 +60,8 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
         return "the flex dispatcher needs DeepEP, which the runner's machines do not have"
     if model.is_moe and stack == "local" and cfg.moe_router_fusion:
         return "moe_router_fusion needs Transformer Engine's fused router kernels"
+    if model.is_moe and stack == "local" and cfg.moe_permute_fusion:
+        return "moe_permute_fusion needs Transformer Engine's fused permutation kernels"
     if stack == "te":
         if cfg.tp_comm_overlap:
             # TE's userbuffers can map NVLink multicast, which the lent machines must not use
@@ -178,6 +180,7 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
             overlap_moe_expert_parallel_comm=cfg.moe_a2a_overlap,
             delay_wgrad_compute=cfg.moe_a2a_overlap,
             moe_router_fusion=cfg.moe_router_fusion,
+            moe_permute_fusion=cfg.moe_permute_fusion,
         )
         if cfg.moe_dispatcher == "flex":
             kw["moe_flex_dispatcher_backend"] = "deepep"
@@ -461,7 +464,7 @@ def moe_knob_args(cfg: TrainConfig) -> list[str]:
     builds them from TransformerConfig / ModelParallelConfig fields): the dispatcher (flex with
     the DeepEP backend; --moe-enable-deepep is 0.19's deprecated spelling), forced balancing,
     the capacity factor and padding, the 1F1B all-to-all overlap (with --delay-wgrad-compute,
-    which Megatron-LM's MoE guide pairs it with), shared-expert overlap and router fusion."""
+    which Megatron-LM's MoE guide pairs it with), shared-expert overlap, router and permute fusion."""
     a = ["--moe-token-dispatcher-type", cfg.moe_dispatcher]
     if cfg.moe_dispatcher == "flex":
         a += ["--moe-flex-dispatcher-backend", "deepep"]
@@ -477,6 +480,8 @@ def moe_knob_args(cfg: TrainConfig) -> list[str]:
         a.append("--moe-shared-expert-overlap")
     if cfg.moe_router_fusion:
         a.append("--moe-router-fusion")
+    if cfg.moe_permute_fusion:
+        a.append("--moe-permute-fusion")
     return a
 
 

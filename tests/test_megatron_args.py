@@ -378,7 +378,7 @@ def test_issue24_moe_knobs_print_as_megatron_0_19_flags():
     TransformerConfig / ModelParallelConfig, from which Megatron-LM builds these flags)."""
     ds = load_model("deepseek-v3").with_layers(4)
     cfg = TrainConfig(dp=8, ep=8, gbs=64, moe_dispatcher="flex", moe_capacity_factor=1.25,
-                      moe_a2a_overlap=True, moe_router_fusion=True)
+                      moe_a2a_overlap=True, moe_router_fusion=True, moe_permute_fusion=True)
     for a in (MA.megatron_lm_args(ds, cfg), MA.layout_args(cfg)):
         assert _val(a, "--moe-token-dispatcher-type") == "flex"
         assert _val(a, "--moe-flex-dispatcher-backend") == "deepep"
@@ -386,6 +386,7 @@ def test_issue24_moe_knobs_print_as_megatron_0_19_flags():
         assert "--moe-pad-expert-input-to-capacity" not in a
         assert "--overlap-moe-expert-parallel-comm" in a and "--delay-wgrad-compute" in a
         assert "--moe-router-fusion" in a and "--moe-shared-expert-overlap" not in a
+        assert "--moe-permute-fusion" in a
     pad = TrainConfig(dp=8, ep=8, gbs=64, moe_capacity_factor=1.0, moe_pad_to_capacity=True,
                       moe_shared_expert_overlap=True)
     a = MA.megatron_lm_args(ds, pad, runner=True)
@@ -395,13 +396,15 @@ def test_issue24_moe_knobs_print_as_megatron_0_19_flags():
     assert kw["moe_token_dispatcher_type"] == "flex" and kw["moe_flex_dispatcher_backend"] == "deepep"
     assert kw["moe_expert_capacity_factor"] == 1.25 and not kw["moe_pad_expert_input_to_capacity"]
     assert kw["overlap_moe_expert_parallel_comm"] and kw["delay_wgrad_compute"] and kw["moe_router_fusion"]
+    assert kw["moe_permute_fusion"]
     # defaults print nothing new
     plain = MA.megatron_lm_args(ds, TrainConfig(dp=8, ep=8, gbs=64))
     assert not {"--moe-expert-capacity-factor", "--overlap-moe-expert-parallel-comm", "--moe-router-fusion",
-                "--moe-flex-dispatcher-backend"} & set(plain)
+                "--moe-flex-dispatcher-backend", "--moe-permute-fusion"} & set(plain)
     # the runner's machines have no DeepEP; the local stack has no fused router
     assert "DeepEP" in MA.refusal_reason(ds, cfg, stack="te")
     assert "Transformer Engine" in MA.refusal_reason(ds, TrainConfig(dp=8, ep=8, gbs=64, moe_router_fusion=True))
+    assert "Transformer Engine" in MA.refusal_reason(ds, TrainConfig(dp=8, ep=8, gbs=64, moe_permute_fusion=True))
 
 
 @pytest.mark.parametrize("changes,needle", [

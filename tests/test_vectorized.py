@@ -144,7 +144,7 @@ def test_new_moe_knobs_agree_per_layout_and_on_arrays():
         knobs = [{"moe_dispatcher": "flex"}, {"moe_capacity_factor": 1.0},
                  {"moe_capacity_factor": 1.25, "moe_pad_to_capacity": True}, {"moe_a2a_overlap": True},
                  {"moe_dispatcher": "flex", "moe_a2a_overlap": True}, {"moe_shared_expert_overlap": True},
-                 {"moe_router_fusion": True}]
+                 {"moe_router_fusion": True}, {"moe_permute_fusion": True, "moe_router_fusion": True}]
         variants = [cfg.replace(**knobs[i % len(knobs)]) for i, cfg in enumerate(picked)] + picked[:2]
         res = vz.evaluate(m, c, vz.Layouts.of(m, variants), DEFAULT)
         for i, cfg in enumerate(variants):
