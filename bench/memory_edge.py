@@ -7,7 +7,8 @@ memory, leave-one-architecture-out, dense and MoE apart.
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
 previous trial's leftovers: 7.5 GiB on the h100x1-moe-a/b batches). Predicted: models.memory's
-fullest stage with the stack's profile constants (recommend's memory screen); its allocator part is
+fullest stage with the stack's profile constants (recommend's memory screen) and what the stack's
+runner runs differently (models.memory_band.RUNNER_SETTINGS: the te runner's cross entropy); its allocator part is
 that less the profile's runtime-overhead term (memory outside torch's allocator, which the measured
 peak does not hold). A record's stack is
 its own `stack` key, else `te` when its env names Transformer Engine, else `local`.
@@ -92,7 +93,8 @@ def rows(paths: list[str]) -> list[dict]:
             cluster = cluster_of(rec)
             stack = record_stack(rec)
             if stack not in cals:
-                cals[stack] = resolve_calibration("default", stack).screening_constants
+                cals[stack] = resolve_calibration("default", stack).screening_constants.replace(
+                    **MB.RUNNER_SETTINGS.get(stack, {}))
             c = cals[stack]
             start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
