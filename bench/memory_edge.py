@@ -7,17 +7,21 @@ memory, leave-one-architecture-out, dense and MoE apart.
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
 previous trial's leftovers: 7.5 GiB on the h100x1-moe-a/b batches). Predicted: models.memory's
-fullest stage with the stack's profile constants (recommend's memory screen). A record's stack is
+fullest stage with the stack's profile constants (recommend's memory screen) and what the stack's
+runner runs differently (models.memory_band.RUNNER_SETTINGS: the te runner's cross entropy); its allocator part is
+that less the profile's runtime-overhead term (memory outside torch's allocator, which the measured
+peak does not hold). A record's stack is
 its own `stack` key, else `te` when its env names Transformer Engine, else `local`.
 
-The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted ratio of
-the stack's dense or MoE runs. Leave-one-architecture-out: for each architecture, the band of the
+The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted-allocator
+ratio of the stack's dense or MoE runs. Leave-one-architecture-out: for each architecture, the band of the
 other architectures of its class, and how many of the held-out runs fall under its upper end;
 MAPE "LOAO" divides each prediction by the median ratio of the other architectures (a scale fitted
 without the run's architecture), "as shipped" is the profile as it is (its memory constants were
 fitted on 3 of these architectures: docs/calibration.md).
 Memory outside torch's allocator: each OOM message's "this process has X GiB memory in use" minus
-what torch had reserved (allocated + reserved but unallocated).
+what torch had reserved (allocated + reserved but unallocated); a stack without OOM messages keeps
+its profile's runtime-overhead term for it (counted once, not added on top).
 """
 from __future__ import annotations
 
@@ -89,12 +93,14 @@ def rows(paths: list[str]) -> list[dict]:
             cluster = cluster_of(rec)
             stack = record_stack(rec)
             if stack not in cals:
-                cals[stack] = resolve_calibration("default", stack).screening_constants
+                cals[stack] = resolve_calibration("default", stack).screening_constants.replace(
+                    **MB.RUNNER_SETTINGS.get(stack, {}))
             c = cals[stack]
             start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": peak_memory_gib(model, cfg, c),
+                        "overhead": c.runtime_overhead_gib,
                         "measured": meas, "start": start, "outside": outside_allocator_gib(rec.get("error") or "")})
     return out
 
@@ -106,7 +112,7 @@ def loao(ok: list[dict]) -> dict:
         rs = [r for r in ok if bool(r["moe"]) == bool(k)]
         if not rs:
             continue
-        ratio = np.array([r["measured"] / r["predicted"] for r in rs])
+        ratio = np.array([r["measured"] / (r["predicted"] - r["overhead"]) for r in rs])
         arch = np.array([r["arch"] for r in rs])
         covered, scaled_err = 0, []
         for a in sorted(set(arch)):
@@ -132,10 +138,14 @@ def fit(rs: list[dict]) -> dict:
         s = loao(ok)
         if set(s) != set(MB.CLASSES):
             continue
-        stacks[stack] = {**s, "outside_gib": max(outside) if outside else 0.0, "records": f"{len(ok)} ok runs, "
-                         f"{len(outside)} OOM messages"}
+        overhead = {r["overhead"] for r in mine}
+        if len(overhead) != 1:
+            raise SystemExit(f"error: the {stack} records were predicted with several runtime overheads {overhead}")
+        stacks[stack] = {**s, "overhead_gib": overhead.pop(), "outside_gib": max(outside) if outside else None,
+                         "records": f"{len(ok)} ok runs, {len(outside)} OOM messages"}
     if "te" not in stacks:
-        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0} for k in MB.CLASSES}, "outside_gib": 0.0,
+        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0} for k in MB.CLASSES}, "overhead_gib": 0.0,
+                        "outside_gib": 0.0,
                         "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
                                       "no interval (width 0); the te profile counts memory outside torch's "
                                       "allocator in its runtime_overhead_gib term"}
@@ -143,6 +153,8 @@ def fit(rs: list[dict]) -> dict:
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "data": sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "data/measurements/*.jsonl"))),
             "measured": "max over ranks of torch's peak reserved memory less the allocated memory at the trial's start",
+            "ratio": "measured / (predicted - overhead_gib): the allocator's part of the prediction; outside_gib "
+                     "(null: the stack's overhead_gib) is added once to the interval",
             "default_stack": "local", "stacks": stacks}
 
 

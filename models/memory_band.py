@@ -1,15 +1,20 @@
 """The stated uncertainty of a memory prediction and the rule that says a layout fits (issue #27).
 
-A memory prediction is the fullest pipeline stage's peak per GPU (models.memory / models.vectorized,
-what torch's caching allocator reserves, plus the profile's runtime-overhead term). Its interval is
-[lo * predicted, hi * predicted + outside], with lo / hi the smallest and largest ratio measured /
-predicted over the measured runs of the stack (separately dense and MoE: the records of
+A memory prediction is the fullest pipeline stage's peak per GPU (models.memory / models.vectorized):
+what torch's caching allocator reserves, A, plus the profile's runtime-overhead term O (memory
+outside torch's allocator: CUDA context, NCCL / library buffers). The runs measure A only (torch's
+peak reserved memory), so the band is fitted on A = predicted - O: lo / hi are the smallest and
+largest measured / A over the measured runs of the stack (separately dense and MoE: the records of
 data/measurements/, `python bench/memory_edge.py --fit`, written to models/data/memory_band.json
-with the command), and `outside` the memory the runner's process holds outside torch's allocator
-(CUDA context, kernels, library handles), read from the OOM messages of those records (what the
-process had in use minus what torch had reserved). A stack with no measured run (te, until its
-runs are in data/) has the band [1, 1] + 0 and says so: its prediction counts that memory in its
-runtime-overhead term.
+with the command, with the O it subtracted). The interval of a prediction is
+
+    [lo * A + outside, hi * A + outside]
+
+with `outside` the memory outside the allocator counted once: what the stack's OOM records say the
+runner's process held outside torch's allocator (what the process had in use minus what torch had
+reserved), or, for a stack without OOM records, the profile's own O. (Adding the OOM messages'
+outside memory on top of a prediction that already holds O would count it twice.) A stack with no
+measured run has the band [1, 1] and says so.
 
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
 (`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
@@ -28,22 +33,38 @@ import numpy as np
 from advisor.catalog.specs import SpecError
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
-FORMAT = "advisor.memory_band/1"
+FORMAT = "advisor.memory_band/2"  # 2: ratios of the allocator's part, overhead_gib
 CLASSES = ("dense", "moe")
+
+# What this project's runners run where it differs from their stack's profile, for predicting the
+# runners' own records (bench/memory_edge.py, bench/memory_terms.py). The te runner turns on
+# cross_entropy_loss_fusion with megatron-core's native fused vocab-parallel cross entropy
+# (runners/megatron_args._te_config; core/fusions/fused_cross_entropy.py), which saves the fp32
+# softmax and builds its fp32 gradient out of place: 2 (bf16 logits) + 4 + 4 = 10 B per logit at
+# the loss stage's peak, where the profile counts 2 + 4 (the unfused, in-place cross entropy).
+# Measured: 1.55-1.72 x the 6 B/logit count on the 50 dense stages of the te runs, 9.3-10.3 B
+# (python bench/memory_terms.py data/measurements/*.jsonl --stack te --dense, before this setting).
+# NVIDIA's recipes pick TE's cross entropy instead (cross_entropy_fusion_impl="te" in
+# Megatron-Bridge's recipes), which writes the gradient into the bf16 logits in place: the te
+# profile keeps the unfused count for them.
+RUNNER_SETTINGS: dict[str, dict[str, float]] = {"te": {"bytes_logits_fp32": 8.0}}
 
 
 @dataclass(frozen=True)
 class Band:
     lo: float  # smallest measured / predicted
     hi: float  # largest measured / predicted
-    outside_gib: float  # memory outside torch's allocator added to the upper bound
+    outside_gib: float  # memory outside torch's allocator, counted once in the interval
     stack: str
     kind: str  # dense / moe
     source: str  # where the numbers come from (the stack's own records, or another stack's)
+    overhead_gib: float = 0.0  # the profile's runtime-overhead term inside a prediction (O)
 
     def interval(self, predicted_gib):
-        """(lower, upper) GiB of a predicted peak (a float or an array)."""
-        return predicted_gib * self.lo, predicted_gib * self.hi + self.outside_gib
+        """(lower, upper) GiB of a predicted peak (a float or an array): the allocator's part
+        (predicted - O) scaled by lo / hi, plus the memory outside the allocator once."""
+        allocator = predicted_gib - self.overhead_gib
+        return allocator * self.lo + self.outside_gib, allocator * self.hi + self.outside_gib
 
 
 @lru_cache(maxsize=4)
@@ -68,7 +89,9 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     src = f"measured runs of the {name} stack ({s['records']})" if "unmeasured" not in s else s["unmeasured"]
     k = CLASSES[bool(is_moe)]
     b = s[k]
-    return Band(lo=b["lo"], hi=b["hi"], outside_gib=s["outside_gib"], stack=name, kind=k, source=src)
+    overhead = s.get("overhead_gib", 0.0)
+    outside = s["outside_gib"] if s.get("outside_gib") is not None else overhead
+    return Band(lo=b["lo"], hi=b["hi"], outside_gib=outside, stack=name, kind=k, source=src, overhead_gib=overhead)
 
 
 def default_margin(memory_usable_fraction: float) -> float:
@@ -100,7 +123,8 @@ def memory_fit(predicted_gib: float, per_stage_gib, b: Band, gpu_memory_gib: flo
     return {"predicted_gib": float(predicted_gib), "interval_gib": [float(lo), float(hi)],
             "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
             "fits": bool(hi <= usable), "tightest_stage": int(np.argmax(stages)),
-            "band": {"lo": b.lo, "hi": b.hi, "outside_gib": b.outside_gib, "kind": b.kind, "source": b.source}}
+            "band": {"lo": b.lo, "hi": b.hi, "outside_gib": b.outside_gib, "overhead_gib": b.overhead_gib,
+                     "kind": b.kind, "source": b.source}}
 
 
 def fit_line(mf: dict) -> str:

@@ -19,13 +19,31 @@ FULL = str(ROOT / "data" / "measurements" / "h200x4-full-depth.jsonl")
 def test_memory_terms_split_the_models_activations_and_logits():
     rows = load_bench("memory_terms").stage_rows([FULL])
     recs = {r.id: r for r in load([FULL]).records}
-    assert len(rows) == 16 and len({r[0] for r in rows}) == 8  # 1 + 1 + 2 + 2 + 4 + 4 + 1 + 1 stages
+    assert len(rows) == 16 and len({r["id"] for r in rows}) == 8  # 1 + 1 + 2 + 2 + 4 + 4 + 1 + 1 stages
     k = 1.0 + DEFAULT.fragmentation
-    for rid, st, _, norm, sharded, logits in rows:
-        sm = stage_memory(recs[rid].model, recs[rid].cfg)[st]
-        assert (norm + sharded) * k == pytest.approx(sm.activations_gib)
-        assert logits * k == pytest.approx(sm.logits_gib)
-        assert norm > 0 and sharded > 0
+    for r in rows:
+        sm = stage_memory(recs[r["id"]].model, recs[r["id"]].cfg)[r["stage"]]
+        assert (r["norm"] + r["sharded"]) * k == pytest.approx(sm.activations_gib)
+        assert r["logits"] * k == pytest.approx(sm.logits_gib)
+        assert r["norm"] > 0 and r["sharded"] > 0 and r["stack"] == "local"
+
+
+def test_memory_terms_predict_te_runs_with_the_te_runners_physics():
+    """te records: the te profile's bf16 gradient buffers in the static part, and the te runner's
+    native fused cross entropy (models.memory_band.RUNNER_SETTINGS) in the logits term."""
+    from advisor.models.memory_band import RUNNER_SETTINGS
+
+    te_file = str(ROOT / "data" / "measurements" / "h100x4-te.jsonl")
+    mt = load_bench("memory_terms")
+    runner, profile = mt.stage_rows([te_file], stack="te"), mt.stage_rows([te_file], stack="te", raw=True)
+    assert len(runner) == len(profile) >= 60 and {r["stack"] for r in runner} == {"te"}
+    c = resolve_calibration("default", "te").screening_constants
+    per_logit = c.bytes_activation + RUNNER_SETTINGS["te"]["bytes_logits_fp32"]
+    ratio = per_logit / (c.bytes_activation + c.bytes_logits_fp32)
+    with_logits = [(a, b) for a, b in zip(runner, profile) if b["logits"] > 0]
+    assert with_logits and all(a["logits"] == pytest.approx(ratio * b["logits"]) for a, b in with_logits)
+    assert all(a["alloc"] == b["alloc"] and a["free"] == b["free"] for a, b in zip(runner, profile))
+    assert {r["moe"] for r in runner} == {True, False}
 
 
 def test_compare_leaves_the_runtime_overhead_out_of_analytical_memory_only():

@@ -58,7 +58,11 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
     res = recommend("llama3-8b", "h100x4", stack="local", top=3)
     mf = res.recommendations[0].memory
     lo, hi = mf["interval_gib"]
-    assert lo < mf["predicted_gib"] < hi <= mf["usable_gib"]
+    # the interval is the band on the allocator's part plus the memory outside the allocator once
+    assert lo < hi <= mf["usable_gib"]
+    b = MB.band("local", False)
+    assert (lo, hi) == pytest.approx(b.interval(mf["predicted_gib"]))
+    assert lo == pytest.approx((mf["predicted_gib"] - b.overhead_gib) * b.lo + b.outside_gib)
     assert mf["headroom_gib"] == pytest.approx(mf["usable_gib"] - hi)
     p = res.recommendations[0].prediction
     assert mf["tightest_stage"] == int(np.argmax(p.memory_per_stage_gib))
@@ -67,6 +71,23 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
     assert all(r.memory["interval_gib"][1] <= 0.85 * 79.65 + 1e-9 for r in wider.recommendations)
     with pytest.raises(SpecError):
         recommend("llama3-8b", "h100x4", stack="local", memory_margin=float("nan"))
+
+
+def test_te_band_is_fitted_on_te_runs_and_counts_outside_memory_once():
+    from advisor.models.calibrate import resolve_calibration
+
+    overhead = resolve_calibration("default", "te").screening_constants.runtime_overhead_gib
+    for moe in (False, True):
+        b = MB.band("te", moe)
+        assert b.stack == "te" and "te stack" in b.source
+        assert json.loads(MB.BAND_FILE.read_text())["stacks"]["te"][b.kind]["n"] >= 18
+        # no te OOM record: the memory outside the allocator is the profile's own term, once
+        assert b.outside_gib == b.overhead_gib == overhead
+        assert b.interval(50.0)[1] == pytest.approx(b.hi * (50.0 - overhead) + overhead)
+    # the local stack has OOM messages: their outside memory replaces the profile's term
+    loc = MB.band("local", False)
+    assert loc.outside_gib > 5.0 and loc.interval(50.0)[1] == pytest.approx(loc.hi * (50 - loc.overhead_gib)
+                                                                              + loc.outside_gib)
 
 
 def test_fits_on_arrays_is_fits_on_floats():
