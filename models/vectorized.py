@@ -26,8 +26,9 @@ import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
-from advisor.models.vectorized_terms import (POWER_FIELDS, STAGE_FIELDS, STEP_FIELDS, DPTerms, Stages,  # noqa: F401
-                                             at_clocks, dp_terms, memo_for, memory_arrays, peak_memory_gib,
+from advisor.models.memory import memory_arrays, peak_memory_many, stage_memory_of
+from advisor.models.stages import Stages, memo_for
+from advisor.models.vectorized_terms import (POWER_FIELDS, STAGE_FIELDS, STEP_FIELDS, DPTerms, at_clocks, dp_terms,
                                              stage_times, step_time)
 from advisor.search_spaces.columns import Layouts  # noqa: F401 (Layouts: API)
 
@@ -210,7 +211,6 @@ class Result:
     def prediction(self, i: int, cluster: ClusterSpec | None = None):
         """The models.predict.Prediction of row i (memory per stage from the reference: cheap);
         `cluster` as for power_estimate."""
-        from advisor.models.memory import stage_memory
         from advisor.models.predict import assemble
 
         cfg = self.layouts.config(i)
@@ -219,22 +219,11 @@ class Result:
 
     def stage_memory(self, i: int) -> list:
         """memory.stage_memory of row i (from the arrays when memory was evaluated)."""
-        from advisor.models.memory import StageMemory, stage_memory
+        from advisor.models.memory import stage_memory
 
-        got = self.stages.cache.get("memory")
-        if got is None:
+        if self.stages.cache.get("memory") is None:
             return stage_memory(self.model, self.layouts.config(i), self.constants)
-        parts, params, layers = got
-        mat = self.__dict__.get("_mem_mat")
-        if mat is None:
-            mat = self.__dict__["_mem_mat"] = np.stack(
-                [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                                                       "logits_gib", "step_transient_gib")], 1)
-        s0 = int(self.stages.start[i])
-        over = self.constants.runtime_overhead_gib
-        return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
-                            activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t)
-                for k, (n, p, w, g, o, a, lg, t) in enumerate(mat[s0:s0 + int(self.layouts.pp[i])].tolist())]
+        return stage_memory_of(self.stages, i, self.constants)
 
 
 class _FixedPoint:
@@ -323,6 +312,13 @@ class _FixedPoint:
                 return x, *self.at_x(x)
             at, st = self.at_x(x)
         return x, at, st
+
+
+def peak_memory_gib(model: ModelSpec, L: Layouts, c: Constants = DEFAULT, cluster: ClusterSpec | None = None
+                    ) -> np.ndarray:
+    """memory.peak_memory_gib of every row: the fullest stage's memory per GPU (`cluster`: unused,
+    memory does not depend on it)."""
+    return peak_memory_many(model, L, c)
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = DEFAULT,

@@ -11,13 +11,13 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig, quant_parts
-from advisor.models.constants import DEFAULT, GIB, Constants
-from advisor.models.memory import logits_bytes_per_logit
+from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
+from advisor.models.constants import Constants
+from advisor.models.memory import stage_param_arrays
 from advisor.models.power import STAGE_POWER_FIELDS
-from advisor.models.quant import weight_copy_bytes
+from advisor.models.stages import Memo, Stages, quant_fields
 from advisor.models.step_time import ADDITIVE_TERMS, StageTime, loss_bytes_per_logit
-from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, extra_codes, unique_rows  # noqa: F401 (Layouts: API)
+from advisor.search_spaces.columns import Layouts, extra_codes, unique_rows
 
 # StageTime fields that are sums over a stage's layers of one layer's forward costs (the ones
 # step_time.stage_times adds up per layer kind), and every StageTime field after `stage`, in its
@@ -29,283 +29,51 @@ STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed
 POWER_FIELDS = tuple(f for f in STAGE_POWER_FIELDS if f not in ("stage", "sm_clock_mhz"))
 
 
-def _quant_fields(code) -> dict:
-    """TrainConfig precision fields of a QUANTS code (the `fp8` column of Layouts)."""
-    precision, recipe = quant_parts(int(code))
-    return {"precision": precision, "fp8_recipe": recipe}
-
-
 # ------------------------------------------------------------------------------------------------
-# what is computed once per distinct value, by the reference functions
+# what is computed once per distinct value, by the per-layer functions
 # ------------------------------------------------------------------------------------------------
 
-def _kinds(model: ModelSpec) -> list[int]:
-    from advisor.search_spaces.layout import kind_representatives
+def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
+    """([K, len(UNIT_FIELDS)] one layer's forward costs per kind (step_time.layer_forward), [K, 2]
+    GEMM utilisation sums) for a layer shape (tp, cp, mbs, seq, ep, etp, sp, quant code, TP
+    overlap, MoE knobs, microbatches where they matter)."""
+    def make():
+        from advisor.models.step_time import StageTime, group_link, layer_forward
 
-    return sorted(set(kind_representatives(model)))
-
-
-class _Memo:
-    """Per (model, cluster, constants): one layer's forward costs per layer shape and kind, a
-    layer's activation bytes, the loss stage's output layer, a plan's per-stage counts."""
-
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, c: Constants):
-        self.model, self.cluster, self.c = model, cluster, c
-        self.kinds = _kinds(model)
-        self.units: dict = {}
-        self.acts: dict = {}
-        self.loss: dict = {}
-        self.plan_blocks: dict = {}
-        self.flight: dict = {}
-        self.params: dict = {}
-
-    def unit(self, key) -> tuple[np.ndarray, np.ndarray]:
-        """([K, len(UNIT_FIELDS)] one layer's forward costs per kind, [K, 2] GEMM utilisation sums)."""
-        hit = self.units.get(key)
-        if hit is None:
-            from advisor.models.step_time import StageTime, layer_forward, group_link
-
-            tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
-            cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              **_quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs,
-                              **dict(zip(MOE_KNOBS, knobs)))
-            cl, c = self.cluster, self.c
-            links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
-                     group_link(cl, 1, etp, c))
-            vals = np.zeros((len(self.kinds), len(UNIT_FIELDS)))
-            util = np.zeros((len(self.kinds), 2))
-            for j, i in enumerate(self.kinds):
-                one = StageTime(stage=0)
-                u = [0.0, 0.0]
-                layer_forward(self.model, i, cfg, cl, c, one, *links, u)
-                vals[j] = [getattr(one, f) for f in UNIT_FIELDS]
-                util[j] = u
-            hit = self.units[key] = (vals, util)
-        return hit
-
-    def act(self, key) -> np.ndarray:
-        """[K, 2]: a layer's activation bytes per kind with full recompute and without (memory.
-        layer_activation_bytes: selective recompute stores what no recompute does)."""
-        hit = self.acts.get(key)
-        if hit is None:
-            from advisor.models.memory import layer_activation_bytes
-
-            tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
-            cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                              **_quant_fields(fp8), moe_router=router, moe_capacity_factor=cf,
-                              moe_pad_to_capacity=pad)
-            hit = self.acts[key] = np.array([[layer_activation_bytes(self.model, i, cfg, self.c, "full"),
-                                              layer_activation_bytes(self.model, i, cfg, self.c, "none")]
-                                             for i in self.kinds])
-        return hit
-
-    def loss_terms(self, T: float, tp: int) -> tuple[float, float, float]:
-        """The output layer's GEMM (seconds, achieved fraction) and the loss's TP all-reduce."""
-        hit = self.loss.get((T, tp))
-        if hit is None:
-            from advisor.models.step_time import collective_time, gemm_time, group_link
-
-            m, cl, c = self.model, self.cluster, self.c
-            gpu = cl.gpu
-            tt, u = gemm_time(T, m.hidden_size, m.vocab_size / tp, gpu.bf16_tflops * 1e12,
-                              gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
-            link = group_link(cl, 1, tp, c)
-            ar = 2 * collective_time("all_reduce", T * 4 * 3, tp, link.bw_gbs, link.latency)
-            hit = self.loss[(T, tp)] = (tt, u, ar)
-        return hit
-
-    def counts(self, plan) -> np.ndarray:
-        """[pp, K] layers of each kind per rank of a plan."""
-        hit = self.plan_blocks.get(plan)
-        if hit is None:
-            from advisor.search_spaces.layout import rank_kinds
-
-            pos = {i: j for j, i in enumerate(self.kinds)}
-            hit = np.zeros((plan.pp, len(self.kinds)))
-            for r, kinds in enumerate(rank_kinds(self.model, plan)):
-                for i, n in kinds.items():
-                    hit[r, pos[i]] = n
-            self.plan_blocks[plan] = hit
-        return hit
-
-    def in_flight(self, plan, m: int) -> np.ndarray:
-        """[pp, K] layer-microbatches of each kind in flight per rank (memory.in_flight_layers)."""
-        hit = self.flight.get((plan, m))
-        if hit is None:
-            from advisor.search_spaces.layout import in_flight_layers
-
-            pos = {i: j for j, i in enumerate(self.kinds)}
-            hit = np.zeros((plan.pp, len(self.kinds)))
-            for r, w in enumerate(in_flight_layers(self.model, plan, m)):
-                for i, n in w.items():
-                    hit[r, pos[i]] = n
-            self.flight[(plan, m)] = hit
-        return hit
-
-    def plan_params(self, plan, tp: int, ep_etp: int) -> np.ndarray:
-        """[pp, 3] (dense, expert, linear) parameters per rank (memory.plan_params)."""
-        hit = self.params.get((plan, tp, ep_etp))
-        if hit is None:
-            from advisor.models.memory import plan_params
-
-            hit = self.params[(plan, tp, ep_etp)] = np.array(plan_params(self.model, plan, tp, ep_etp), float)
-        return hit
-
-
-_MEMOS: dict = {}
-
-
-def memo_for(model: ModelSpec, cluster: ClusterSpec, c: Constants) -> _Memo:
-    key = (id(model), id(cluster), id(c))
-    hit = _MEMOS.get(key)
-    if hit is None or hit.model is not model or hit.cluster is not cluster or hit.c is not c:
-        if len(_MEMOS) > 64:
-            _MEMOS.clear()
-        hit = _MEMOS[key] = _Memo(model, cluster, c)
-    return hit
-
-
-def _gather_blocks(cols: Sequence[np.ndarray], block_of, S: "Stages") -> np.ndarray:
-    """Flat per-stage rows of per-key [pp, ...] blocks: the rows with the same values in `cols`
-    share the block `block_of(r)` of their first row r; stage s of row r gets its row k."""
-    first, inv = unique_rows(cols)
-    blocks = [block_of(int(r)) for r in first]
-    sizes = np.array([len(b) for b in blocks], np.int64)
-    off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    flat = np.concatenate(blocks, axis=0)
-    return flat[off[inv[S.row]] + S.k]
-
-
-# ------------------------------------------------------------------------------------------------
-# memory
-# ------------------------------------------------------------------------------------------------
-
-def peak_memory_gib(model: ModelSpec, L: Layouts, c: Constants = DEFAULT, cluster: ClusterSpec | None = None
-                    ) -> np.ndarray:
-    """memory.peak_memory_gib of every row: the fullest stage's memory per GPU."""
-    st = Stages(L)
-    memo = memo_for(model, cluster, c)
-    return memory_arrays(model, L, c, memo, st)[0]
-
-
-def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: _Memo, S: "Stages") -> tuple[np.ndarray, np.ndarray]:
-    """(peak GiB per row, per-stage peak bytes (without the runtime overhead))."""
-    m = L.num_microbatches
-    r, k = S.row, S.k
-    routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
-    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
-    per_key = np.stack([memo.act((int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]),
-                                  int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i])) for i in first])
-    key = inv[r]
-    K = per_key.shape[1]
-    full = (L.recompute == RECOMPUTE_CODES["full"])[r]
-    # a layer's bytes per kind, per stage, with the stage's recompute mode
-    lb0 = [np.where(full, per_key[:, j, 0][key], per_key[:, j, 1][key]) for j in range(K)]
-    plans = L.plans
-    params = _params(L, memo, S)
-    flight = _gather_blocks([L.plan, m], lambda i: memo.in_flight(plans[L.plan[i]], int(m[i])), S)
-    counts = S.counts(memo)
-    dense, experts, linear = params[:, 0], params[:, 1], params[:, 2]
-    fp8_copy = np.array([weight_copy_bytes(q, c) for q in range(len(QUANTS))])[L.fp8][r]
-    d = (L.dp * L.cp)[r]
-    edp = L.expert_dp[r]
-    total = dense + experts
-    shard = np.where(L.dist_opt[r], dense / d + experts / edp, total)
-    opt = c.bytes_optimizer * shard
-    transient = c.bytes_optimizer_transient * shard
-    acts = np.zeros(len(r))
-    for j in range(K):
-        acts = acts + flight[:, j] * lb0[j]
-    if full.any():  # the recompute working set: the largest layer of the stage without recompute
-        work = np.full(len(r), -np.inf)
-        for j in range(K):
-            work = np.where(counts[:, j] > 0, np.maximum(work, per_key[:, j, 1][key]), work)
-        acts = np.where(full & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
-    last = k == L.pp[r] - 1
-    T = (L.seq / L.cp * L.mbs)[r]
-    logits = np.where(last, T * model.vocab_size / L.tp[r] * logits_bytes_per_logit(model, c), 0.0)
-    weights = total * c.bytes_weight + linear * fp8_copy
-    grads = total * c.bytes_grad
-    f = 1.0 + c.fragmentation
-    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
-    peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
-    # memory.StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
-    parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
-             "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
-             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB}
-    total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
-                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"])
-    S.cache["memory"] = (parts, total, counts.sum(axis=1))
-    return peak, total_gib
-
-
-# ------------------------------------------------------------------------------------------------
-# stage times
-# ------------------------------------------------------------------------------------------------
-
-def _params(L: Layouts, memo: _Memo, S: "Stages") -> np.ndarray:
-    """[S, 3] (dense, expert, linear) parameters of every stage (memory.plan_params)."""
-    hit = S.cache.get("params")
-    if hit is None:  # memory._stage_params, term by term
-        from advisor.models.flops import embedding_params, layer_params, output_params
-
-        model = L.model
-        r, k = S.row, S.k
-        tp = L.tp[r].astype(float)
-        ee = (L.ep * L.etp)[r].astype(float)
-        counts = S.counts(memo)
-        dense = np.zeros(S.total)
-        experts = np.zeros(S.total)
-        linear = np.zeros(S.total)
+        tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
+        cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
+                          **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, **dict(zip(MOE_KNOBS, knobs)))
+        cl, c = memo.cluster, memo.c
+        links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
+                 group_link(cl, 1, etp, c))
+        vals = np.zeros((len(memo.kinds), len(UNIT_FIELDS)))
+        util = np.zeros((len(memo.kinds), 2))
         for j, i in enumerate(memo.kinds):
-            lp = layer_params(model, i)
-            n = counts[:, j]
-            sharded = float(lp.attention + lp.dense_mlp + lp.shared_experts)
-            dense = dense + n * (sharded / tp + lp.router + lp.norms)
-            experts = experts + n * float(lp.experts) / ee
-            linear = linear + n * (sharded / tp + lp.experts / ee)
-        dense = np.where(k == 0, dense + embedding_params(model) / tp, dense)
-        last = k == L.pp[r] - 1
-        dense = np.where(last, dense + output_params(model) / tp, dense)
-        if model.tied_embeddings:  # Megatron keeps a copy of the word embeddings on the last stage
-            dense = np.where(last & (L.pp[r] > 1), dense + model.vocab_size * model.hidden_size / tp, dense)
-        hit = S.cache["params"] = np.stack([dense, experts, linear], 1)
-    return hit
+            one = StageTime(stage=0)
+            u = [0.0, 0.0]
+            layer_forward(memo.model, i, cfg, cl, c, one, *links, u)
+            vals[j] = [getattr(one, f) for f in UNIT_FIELDS]
+            util[j] = u
+        return vals, util
+    return memo.get("units", key, make)
 
 
-class Stages:
-    """Flat (row, stage) indexing of a Layouts."""
+def loss_terms(memo: Memo, T: float, tp: int) -> tuple[float, float, float]:
+    """The output layer's GEMM (seconds, achieved fraction) and the loss's TP all-reduce."""
+    def make():
+        from advisor.models.step_time import collective_time, gemm_time, group_link
 
-    def __init__(self, L: Layouts):
-        self.L = L
-        self.n = len(L)
-        self.start = np.concatenate([[0], np.cumsum(L.pp)[:-1]]).astype(np.int64)
-        self.total = int(L.pp.sum())
-        self.row = np.repeat(np.arange(self.n), L.pp)
-        self.k = np.arange(self.total) - self.start[self.row]
-        self._counts = None
-        self.cache: dict = {}
-
-    def counts(self, memo: _Memo) -> np.ndarray:
-        if self._counts is None:
-            plans = self.L.plans
-            self._counts = _gather_blocks([self.L.plan], lambda i: memo.counts(plans[self.L.plan[i]]), self)
-        return self._counts
-
-    def max(self, v: np.ndarray) -> np.ndarray:
-        return np.maximum.reduceat(v, self.start)
-
-    def sum(self, v: np.ndarray) -> np.ndarray:
-        return np.add.reduceat(v, self.start)
-
-    def argmax(self, v: np.ndarray) -> np.ndarray:
-        """Each row's first stage with its maximum (as Python's max(key=...) picks it): stage index."""
-        top = self.max(v)[self.row]
-        hit = np.where(v == top, self.k, np.iinfo(np.int64).max)
-        return np.minimum.reduceat(hit, self.start)
+        m, cl, c = memo.model, memo.cluster, memo.c
+        gpu = cl.gpu
+        tt, u = gemm_time(T, m.hidden_size, m.vocab_size / tp, gpu.bf16_tflops * 1e12,
+                          gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
+        link = group_link(cl, 1, tp, c)
+        ar = 2 * collective_time("all_reduce", T * 4 * 3, tp, link.bw_gbs, link.latency)
+        return (tt, u, ar)
+    return memo.get("loss", (T, tp), make)
 
 
-def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: _Memo, S: Stages
+def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages
                 ) -> dict[str, np.ndarray]:
     """step_time.stage_times of every row: flat per-stage arrays of the StageTime fields."""
     gpu = cluster.gpu
@@ -329,7 +97,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
         key = (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]),
                bool(L.sp[i]), int(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
                int(m[i]) if per_m[i] else 1)
-        u, ut = memo.unit(key)
+        u, ut = layer_units(memo, key)
         units.append(u)
         utils.append(ut)
     U = np.stack(units)           # [keys, K, F]
@@ -374,7 +142,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
     if len(rows_last):
         Tl, tpl = T[rows_last], L.tp[r][rows_last]
         pairs, pinv = np.unique(np.stack([Tl, tpl.astype(float)], 1), axis=0, return_inverse=True)
-        terms = np.array([memo.loss_terms(float(a), int(b)) for a, b in pairs])[pinv.reshape(-1)]
+        terms = np.array([loss_terms(memo, float(a), int(b)) for a, b in pairs])[pinv.reshape(-1)]
         tt, u, ar = terms[:, 0], terms[:, 1], terms[:, 2]
         g = out["gemm_s"]
         g[rows_last] = g[rows_last] + 3 * tt
@@ -404,7 +172,7 @@ def stage_times(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants
         p2p = np.where(ok, p2p + one, p2p)
     out["pp_p2p_s"] = p2p
     if c.grad_accum_bytes_per_param > 0:
-        params = _params(L, memo, S)
+        params = stage_param_arrays(L, memo, S)
         acc = params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
         mb = mb + acc
         backward = backward + acc
@@ -490,9 +258,9 @@ def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
             np.where(intra, c.intra_latency_s, c.inter_latency_s))
 
 
-def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: _Memo, S: Stages) -> DPTerms:
+def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:
     r, k = S.row, S.k
-    params = _params(L, memo, S)
+    params = stage_param_arrays(L, memo, S)
     dense, experts = params[:, 0], params[:, 1]
     dbw, dlat = _group_link(cluster, L.tp * L.cp, L.dp, c)
     edp = L.expert_dp
