@@ -28,9 +28,14 @@ from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import memory_arrays, peak_memory_many, stage_memory_of
 from advisor.models.stages import Stages, memo_for
-from advisor.models.vectorized_terms import (POWER_FIELDS, STAGE_FIELDS, STEP_FIELDS, DPTerms, at_clocks, dp_terms,
-                                             stage_times, step_time)
+from advisor.models.power import STAGE_POWER_FIELDS
+from advisor.models.step_time import (STAGE_FIELDS, STEP_FIELDS, DPTerms, at_clocks_arrays, dp_terms,
+                                      stage_time_arrays, step_arrays)
 from advisor.search_spaces.columns import Layouts  # noqa: F401 (Layouts: API)
+
+# the StagePower fields the arrays hold (stage and the SM clock in MHz are derived when a row
+# becomes a StagePower)
+POWER_FIELDS = tuple(f for f in STAGE_POWER_FIELDS if f not in ("stage", "sm_clock_mhz"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,11 +260,11 @@ class _FixedPoint:
                            self.span, self.ps)
 
     def at_x(self, x):
-        at = at_clocks(self.full, x, self.c)
+        at = at_clocks_arrays(self.full, x, self.c)
         if at is self.full:
             st = dict(self.base)
         else:
-            st = step_time(self.L, self.c, self.S, self.full, at, self.dp)
+            st = step_arrays(self.L, self.c, self.S, self.full, at, self.dp)
         st = dict(st)
         st["step_time_s"] = np.where(self.extra != 0, st["step_time_s"] + self.extra, st["step_time_s"])
         return at, st
@@ -348,9 +353,9 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
         gpu.check_power_cap(float(v))
     m = L.num_microbatches
     mf = m[r]
-    full = stage_times(model, cluster, L, c, memo, S)
+    full = stage_time_arrays(model, cluster, L, c, memo, S)
     dp = dp_terms(model, cluster, L, c, memo, S)
-    base = step_time(L, c, S, full, full, dp)
+    base = step_arrays(L, c, S, full, full, dp)
     fp8 = L.fp8[r]
     idle, span = gpu.idle_w, gpu.tdp_w - gpu.idle_w
     ps = 1.0
