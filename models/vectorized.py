@@ -477,7 +477,7 @@ class Calibrated:
     evaluation of power_of done here on arrays."""
 
     def __init__(self, cal, res: Result, caps: np.ndarray | None = None):
-        from advisor.models.calibrate import ADDITIVE, apply_residual
+        from advisor.models.dataset import ADDITIVE, apply_residual
 
         if res.constants is not cal.constants:
             raise ValueError("Calibrated needs the rows evaluated with the calibration's constants")
