@@ -1,14 +1,12 @@
-"""The analytical model on arrays of layouts: memory, stage times (dense and MoE), the step at the
-clocks the caps hold, and the power / DVFS fixed point, one numpy pass per term over every layout
-(and every pipeline stage of every layout) at once.
+"""The analytical model on arrays of layouts, the power / DVFS part and the whole prediction:
+memory (models/memory.py), stage times and the step (models/step_time.py) are written once on
+arrays there; this module adds the power / DVFS fixed point, `evaluate`, the calibration on
+arrays and per-stage caps, one numpy pass per term over every layout (and every pipeline stage of
+every layout) at once.
 
-The per-layout functions (models/memory.py, step_time.py, moe.py, power.py, dvfs.py, predict.py)
-are the readable reference; this module follows them term by term, in the same order of floating
-point operations where it can, and tests/test_vectorized.py holds both to 1e-9 (relative) on
-whole layout spaces. What does not depend on the pipeline split (one transformer layer's forward
-costs for a given TP / CP / micro-batch / EP shape, a layer's activation bytes, a plan's
-parameters per stage, the layers in flight) is computed once per distinct value by the reference
-functions themselves and gathered; everything per layout and per stage is arrays.
+The per-layout power functions (models/power.py, dvfs.py, predict.py) are still a second,
+readable copy of the power composition; tests/test_vectorized.py holds both to 1e-9 (relative)
+on whole layout spaces, and tests/test_frozen_predictions.py both to the frozen numbers.
 
 Layout of the arrays: `Layouts` holds one row per layout; stage arrays are flat, the stages of
 row r at `start[r] : start[r] + pp[r]` (ragged; segment reductions with numpy's reduceat).
