@@ -34,7 +34,7 @@ import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
-from advisor.models.dataset import TARGETS, Dataset, Record
+from advisor.models.dataset import ADDITIVE, TARGETS, Dataset, Record, apply_residual, residual  # noqa: F401 (API)
 from advisor.models.features import FEATURE_NAMES, features
 from advisor.models.flops import training_flops_per_token
 from advisor.models.power import power_at_step
@@ -50,7 +50,6 @@ VERSION = 2
 READS = (1, 2)
 LEVEL = 0.8  # central coverage of the intervals
 MODES = ("analytical", "calibrated", "surrogate")
-ADDITIVE = ("throttle_fraction",)
 # Power targets come from the DVFS model (models.power.estimate_power) with the constants of the
 # level chosen for mean power, never from a surrogate: every power, clock, throttle and energy
 # number of a prediction then comes from one evaluation and they cannot disagree.
@@ -95,26 +94,24 @@ def target_values(p: Prediction, cluster: ClusterSpec) -> dict[str, float]:
             "throttle_fraction": p.throttle_fraction}
 
 
-def residual(target: str, measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    """What a surrogate learns: log(measured / predicted), or measured - predicted for fractions."""
-    if target in ADDITIVE:
-        return measured - predicted
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log(measured / predicted)
-
-
-def apply_residual(target: str, predicted, r):
-    if type(predicted) is float and type(r) is float:  # one number (a prediction's interval): no numpy
-        if target in ADDITIVE:
-            return min(max(predicted + r, 0.0), 1.0)
-        return predicted * math.exp(r)
-    if target in ADDITIVE:
-        return np.clip(predicted + r, 0.0, 1.0)
-    return predicted * np.exp(r)
+def _groups(records: Sequence[Record], idx: Sequence[int]) -> dict:
+    """Indices of `idx` by (model, cluster): the records the array model evaluates at once."""
+    out: dict = {}
+    for i in idx:
+        out.setdefault((records[i].model, records[i].cluster), []).append(i)
+    return out
 
 
 def _predict_rows(records: Sequence[Record], c: Constants) -> list[Prediction]:
-    return [predict(r.model, r.cluster, r.cfg, c, check_legal=False) for r in records]
+    """predict() of every record, the records of one model and cluster evaluated at once on arrays."""
+    from advisor.models.vectorized import Layouts, evaluate
+
+    out: list = [None] * len(records)
+    for (m, cl), idx in _groups(records, range(len(records))).items():
+        res = evaluate(m, cl, Layouts.of(m, [records[i].cfg for i in idx]), c)
+        for j, i in enumerate(idx):
+            out[i] = res.prediction(j)
+    return out
 
 
 def _values(records: Sequence[Record], preds: Sequence[Prediction]) -> dict[str, np.ndarray]:
@@ -148,11 +145,15 @@ def fit_constants(records: Sequence[Record], base: Constants = DEFAULT,
     steps = np.array([r.cfg.tokens_per_step / (r.y["tokens_per_s_per_gpu"] * r.cluster.world_size) for r in records])
 
     def power_values(c: Constants) -> dict[str, np.ndarray]:
+        from advisor.models import vectorized as vz
+
         out = {t: np.full(len(records), np.nan) for t in ("mean_power_w", "peak_power_w")}
-        for i, r in enumerate(records):
-            if masks["mean_power_w"][i] or masks["peak_power_w"][i]:
-                e = power_at_step(r.model, r.cluster, r.cfg, float(steps[i]), c)
-                out["mean_power_w"][i], out["peak_power_w"][i] = e.mean_power_w, e.peak_power_w
+        need = np.flatnonzero(masks["mean_power_w"] | masks["peak_power_w"])
+        for (m, cl), idx in _groups(records, need).items():  # power_at_step of each, on arrays
+            res = vz.evaluate(m, cl, vz.Layouts.of(m, [records[i].cfg for i in idx]), c, memory=False)
+            where, got = vz.power_at_step(res, steps[idx], None)
+            out["mean_power_w"][idx] = got["mean_power_w"]
+            out["peak_power_w"][idx] = [r.row["peak_power_w"][j] for r, j in where]
         return out
 
     stages = [([n for n in names if n not in POWER_CONSTANTS], ("tokens_per_s_per_gpu", "memory_gib_per_gpu")),

@@ -7,14 +7,19 @@ s x s score matrix is stored; this is what Megatron runs with TE or SDPA attenti
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from advisor.catalog.specs import ModelSpec, TrainConfig
+import numpy as np
+
+from advisor.catalog.specs import QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
+from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
+from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, extra_codes, unique_rows
 from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
                                           pipeline_plan, rank_kinds, stage_layers)
 
@@ -148,74 +153,169 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     return e * elems + gemm_bytes * gemm_in
 
 
+@dataclass(frozen=True)
+class ContiguousSplit:
+    """A pipeline split by `counts` contiguous layers per rank (stage_memory's `layer_counts`: any
+    split a placement tries), a rank's virtual chunks taken as equal; a PipelinePlan's fields."""
+
+    pp: int
+    vp: int
+    counts: tuple[int, ...]
+    embedding_rank: int = 0
+
+    @property
+    def loss_rank(self) -> int:
+        return self.pp - 1
+
+    @property
+    def rank_layers(self) -> tuple[range, ...]:
+        starts = np.concatenate([[0], np.cumsum(self.counts)]).tolist()
+        return tuple(range(a, b) for a, b in zip(starts[:-1], starts[1:]))
+
+
+def layouts_of(model: ModelSpec, cfg: TrainConfig, layer_counts: list[int] | None = None) -> Layouts:
+    """`cfg` as a Layouts of one row, with the split of `layer_counts` (contiguous layers per
+    stage; IllegalLayout when they are not cfg.pp stages adding up to the model's layers)."""
+    L = Layouts.of(model, [cfg])
+    if layer_counts is None:
+        return L
+    stage_layers(model, cfg, list(layer_counts))  # the split's checks
+    return dataclasses.replace(L, plans=[ContiguousSplit(cfg.pp, cfg.vp, tuple(int(n) for n in layer_counts))])
+
+
+# ------------------------------------------------------------------------------------------------
+# memory per stage, on arrays of layouts (models/stages.py); one layout is an array of one
+# ------------------------------------------------------------------------------------------------
+
 def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
                  layer_counts: list[int] | None = None) -> list[StageMemory]:
     """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`
     (contiguous layers per stage; virtual chunks then taken as equal)."""
-    f = 1.0 + c.fragmentation
-    # the peak is the larger of the activations (in the backward) and the optimizer step's transient
-    # copy of its gradient shard (in the step): step_transient_gib is what the step adds beyond them
-    return [StageMemory(stage=stage, layers=n, params=int(params), weights_gib=weights / GIB, grads_gib=grads / GIB,
-                        optimizer_gib=opt / GIB, activations_gib=acts * f / GIB, logits_gib=logits * f / GIB,
-                        overhead_gib=c.runtime_overhead_gib, step_transient_gib=max(0.0, transient - acts * f) / GIB)
-            for stage, n, params, weights, grads, opt, acts, logits, transient
-            in _stage_bytes(model, cfg, c, layer_counts)]
+    L = layouts_of(model, cfg, layer_counts)
+    S = Stages(L)
+    memory_arrays(model, L, c, memo_for(model, None, c), S)
+    return stage_memory_of(S, 0, c)
 
 
 def peak_memory_gib(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
     """The fullest stage's memory per GPU (the total of stage_memory, without building it)."""
+    L = Layouts.of(model, [cfg])
+    return float(memory_arrays(model, L, c, memo_for(model, None, c), Stages(L))[0][0])
+
+
+def peak_memory_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np.ndarray:
+    """peak_memory_gib of every row of L."""
+    return memory_arrays(model, L, c, memo_for(model, None, c), Stages(L))[0]
+
+
+def activation_table(memo: Memo, key) -> np.ndarray:
+    """[K, 2]: one layer's activation bytes per kind with full recompute and without
+    (layer_activation_bytes; selective recompute stores what no recompute does), for a layer
+    shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (router, capacity factor, padding))."""
+    def make():
+        tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
+        cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
+                          **quant_fields(fp8), moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
+        return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
+                          layer_activation_bytes(memo.model, i, cfg, memo.c, "none")] for i in memo.kinds])
+    return memo.get("activations", key, make)
+
+
+def in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
+    """[pp, K] layer-microbatches of each kind whose activations each rank holds at its peak
+    (layout.in_flight_layers; a ContiguousSplit: the rank's layers times its chunks' in-flight
+    microbatches over vp)."""
+    def make():
+        if isinstance(plan, ContiguousSplit):
+            cfg = TrainConfig(pp=plan.pp, vp=plan.vp, gbs=m)
+            share = np.array([sum(in_flight_chunks(cfg, r)) / plan.vp for r in range(plan.pp)])
+            return memo.counts(plan) * share[:, None]
+        return memo.per_kind(in_flight_layers(memo.model, plan, m))
+    return memo.get("in_flight", (plan, m), make)
+
+
+def stage_param_arrays(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
+    """[S, 3] (dense, expert, linear) parameters one GPU of every stage holds (plan_params)."""
+    hit = S.cache.get("params")
+    if hit is None:
+        plans = L.plans
+        ee = L.ep * L.etp
+        hit = S.cache["params"] = gather_blocks(
+            [L.plan, L.tp, ee], lambda i: memo.get("params", (plans[L.plan[i]], int(L.tp[i]), int(ee[i])), lambda: np.array(
+                plan_params(memo.model, plans[L.plan[i]], int(L.tp[i]), int(ee[i])), float)), S)
+    return hit
+
+
+def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray]:
+    """(peak GiB per row, StageMemory.total_gib per stage); S.cache["memory"]: the StageMemory
+    parts per stage (stage_memory_of).
+
+    Per stage, bytes: weights = params x bytes_weight + linear params x the quantized copy;
+    gradients = params x bytes_grad; optimizer = bytes_optimizer x its shard (params / DP with the
+    distributed optimizer); activations = sum over kinds of in-flight layer-microbatches x one
+    layer's bytes, plus the largest layer without recompute under full recompute (its working
+    set), x (1 + fragmentation); logits on the loss stage; the optimizer step's transient copy of
+    its gradient shard counts where it exceeds the activations (peak = the larger)."""
+    m = L.num_microbatches
+    r, k = S.row, S.k
+    routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
+    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
+    per_key = np.stack([activation_table(memo, (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]),
+                                                int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i]))
+                        for i in first])
+    key = inv[r]
+    K = per_key.shape[1]
+    full = (L.recompute == RECOMPUTE_CODES["full"])[r]
+    # a layer's bytes per kind, per stage, with the stage's recompute mode
+    lb0 = [np.where(full, per_key[:, j, 0][key], per_key[:, j, 1][key]) for j in range(K)]
+    plans = L.plans
+    params = stage_param_arrays(L, memo, S)
+    flight = gather_blocks([L.plan, m], lambda i: in_flight_table(memo, plans[L.plan[i]], int(m[i])), S)
+    counts = S.counts(memo)
+    dense, experts, linear = params[:, 0], params[:, 1], params[:, 2]
+    fp8_copy = np.array([weight_copy_bytes(q, c) for q in range(len(QUANTS))])[L.fp8][r]
+    d = (L.dp * L.cp)[r]
+    edp = L.expert_dp[r]
+    total = dense + experts
+    shard = np.where(L.dist_opt[r], dense / d + experts / edp, total)
+    opt = c.bytes_optimizer * shard
+    transient = c.bytes_optimizer_transient * shard
+    acts = np.zeros(len(r))
+    for j in range(K):
+        acts = acts + flight[:, j] * lb0[j]
+    if full.any():  # the recompute working set: the largest layer of the stage without recompute
+        work = np.full(len(r), -np.inf)
+        for j in range(K):
+            work = np.where(counts[:, j] > 0, np.maximum(work, per_key[:, j, 1][key]), work)
+        acts = np.where(full & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
+    last = k == L.pp[r] - 1
+    T = (L.seq / L.cp * L.mbs)[r]
+    # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
+    logits = np.where(last, T * model.vocab_size / L.tp[r] * logits_bytes_per_logit(model, c), 0.0)
+    weights = total * c.bytes_weight + linear * fp8_copy
+    grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation
-    peak = max(weights + grads + opt + max(acts * f, transient) + logits * f
-               for _, _, _, weights, grads, opt, acts, logits, transient in _stage_bytes(model, cfg, c, None))
-    return peak / GIB + c.runtime_overhead_gib
+    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
+    peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
+    # StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
+    parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
+             "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
+             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB}
+    total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
+                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"])
+    S.cache["memory"] = (parts, total, counts.sum(axis=1))
+    return peak, total_gib
 
 
-def _stage_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants, layer_counts: list[int] | None):
-    """Per stage: (stage, layers, params, weight, gradient, optimizer, activation, logits bytes, the
-    optimizer step's transient bytes)."""
-    plan = pipeline_plan(model, cfg)
-    per_kind: dict[tuple[int, bool], float] = {}
-
-    def layer_bytes(i: int, full: bool = False) -> float:  # i: a kind's representative layer
-        key = (i, full)
-        v = per_kind.get(key)
-        if v is None:
-            v = per_kind[key] = layer_activation_bytes(model, i, cfg, c, "none" if full else None)
-        return v
-
-    def bytes_of(kinds: dict[int, float]) -> float:
-        return sum(n * layer_bytes(i) for i, n in kinds.items())
-
-    if layer_counts is None:
-        layers_of = plan.rank_layers
-        kinds_of = rank_kinds(model, plan)
-        params_of = plan_params(model, plan, cfg.tp, cfg.ep * cfg.etp)
-        in_flight = in_flight_layers(model, plan, cfg.num_microbatches)
-    else:
-        layers_of = stage_layers(model, cfg, layer_counts)
-        kinds_of = [layer_kind_counts(model, layers) for layers in layers_of]
-        params_of = [stage_params(model, cfg, layers, k) + (linear_params(model, cfg, layers),)
-                     for k, layers in enumerate(layers_of)]
-    fp8_copy = weight_copy_bytes(cfg.quant_code, c)  # the quantized copies of the linear layers' weights
-    d, edp = cfg.dp * cfg.cp, cfg.expert_dp
-    full = cfg.recompute == "full"
-    for stage, layers in enumerate(layers_of):
-        dense, experts, linear = params_of[stage]
-        kinds = kinds_of[stage]
-        params = dense + experts
-        shard = dense / d + experts / edp if cfg.distributed_optimizer else params  # the optimizer's
-        opt = c.bytes_optimizer * shard
-        # the optimizer step's transient: a copy of the gradient shard it updates
-        transient = c.bytes_optimizer_transient * shard
-        if layer_counts is None:  # each virtual chunk with its own layers and in-flight microbatches
-            acts = bytes_of(in_flight[stage])
-        else:
-            acts = bytes_of(kinds) * sum(in_flight_chunks(cfg, stage)) / cfg.vp
-        if full and kinds:  # recompute working set
-            acts += max(layer_bytes(i, full=True) for i in kinds)
-        logits = 0.0
-        if stage == plan.loss_rank:
-            # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
-            logits = cfg.seq / cfg.cp * cfg.mbs * model.vocab_size / cfg.tp * logits_bytes_per_logit(model, c)
-        yield (stage, len(layers), params, params * c.bytes_weight + linear * fp8_copy, params * c.bytes_grad, opt,
-               acts, logits, transient)
+def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
+    """The StageMemory of every stage of row i (after memory_arrays on S)."""
+    parts, params, layers = S.cache["memory"]
+    mat = S.cache.get("memory_matrix")
+    if mat is None:
+        mat = S.cache["memory_matrix"] = np.stack(
+            [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
+                                                   "logits_gib", "step_transient_gib")], 1)
+    over = c.runtime_overhead_gib
+    return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
+                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t)
+            for k, (n, p, w, g, o, a, lg, t) in enumerate(S.rows(mat, i).tolist())]

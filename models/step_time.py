@@ -9,18 +9,21 @@ with backward / forward, and the optimizer step.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+import numpy as np
+
+from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
-from advisor.models.memory import plan_params
-from advisor.models.quant import quant
-from advisor.search_spaces.layout import pipeline_plan, rank_kinds
+from advisor.models.memory import stage_param_arrays
 from advisor.models.moe import moe_layer_time
+from advisor.models.quant import quant
+from advisor.models.stages import Memo, Stages, memo_for, quant_fields
+from advisor.search_spaces.columns import Layouts, extra_codes, unique_rows
 
 
 def _sat(d: float, half: float) -> float:
@@ -338,138 +341,363 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     return g + attn + mb + fp8_fwd
 
 
-def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageTime]:
-    tp_link = group_link(cluster, 1, cfg.tp, c)
-    cp_link = group_link(cluster, cfg.tp, cfg.cp, c)
-    ep_link = group_link(cluster, cfg.etp, cfg.ep, c)
-    etp_link = group_link(cluster, 1, cfg.etp, c)
-    stage_span = cfg.tp * cfg.cp * cfg.dp
+# StageTime fields that are sums over a stage's layers of one layer's forward costs (the ones
+# step_time.stage_times adds up per layer kind), and every StageTime field after `stage`, in its
+# order (a stage row is StageTime(stage, *row)); the StagePower fields the arrays hold (stage and
+# the SM clock in MHz are derived when a row becomes a StagePower)
+UNIT_FIELDS = ADDITIVE_TERMS
+STAGE_FIELDS = tuple(f.name for f in dataclasses.fields(StageTime) if f.name != "stage")
+STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed_s", "optimizer_s")
+
+
+# ------------------------------------------------------------------------------------------------
+# stage times and the step on arrays of layouts (models/stages.py); one layout is an array of one.
+# What does not depend on the pipeline split (one layer's forward costs for a layer shape, the
+# output layer) is computed once per distinct value by the per-layer functions above.
+# ------------------------------------------------------------------------------------------------
+
+def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
+    """([K, len(UNIT_FIELDS)] one layer's forward costs per kind (step_time.layer_forward), [K, 2]
+    GEMM utilisation sums) for a layer shape (tp, cp, mbs, seq, ep, etp, sp, quant code, TP
+    overlap, MoE knobs, microbatches where they matter)."""
+    def make():
+        tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
+        cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
+                          **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, **dict(zip(MOE_KNOBS, knobs)))
+        cl, c = memo.cluster, memo.c
+        links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
+                 group_link(cl, 1, etp, c))
+        vals = np.zeros((len(memo.kinds), len(UNIT_FIELDS)))
+        util = np.zeros((len(memo.kinds), 2))
+        for j, i in enumerate(memo.kinds):
+            one = StageTime(stage=0)
+            u = [0.0, 0.0]
+            layer_forward(memo.model, i, cfg, cl, c, one, *links, u)
+            vals[j] = [getattr(one, f) for f in UNIT_FIELDS]
+            util[j] = u
+        return vals, util
+    return memo.get("units", key, make)
+
+
+def loss_terms(memo: Memo, T: float, tp: int) -> tuple[float, float, float]:
+    """The output layer's GEMM (seconds, achieved fraction) and the loss's TP all-reduce."""
+    def make():
+        m, cl, c = memo.model, memo.cluster, memo.c
+        gpu = cl.gpu
+        tt, u = gemm_time(T, m.hidden_size, m.vocab_size / tp, gpu.bf16_tflops * 1e12,
+                          gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
+        link = group_link(cl, 1, tp, c)
+        ar = 2 * collective_time("all_reduce", T * 4 * 3, tp, link.bw_gbs, link.latency)
+        return (tt, u, ar)
+    return memo.get("loss", (T, tp), make)
+
+
+def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages
+                      ) -> dict[str, np.ndarray]:
+    """stage_times of every row: flat per-stage arrays of the StageTime fields."""
     gpu = cluster.gpu
+    r, k = S.row, S.k
     hbm = gpu.hbm_bandwidth_gbs * 1e9
-    bf16_peak = gpu.bf16_tflops * 1e12
     e = c.bytes_activation
-    T = cfg.seq / cfg.cp * cfg.mbs
-    plan = pipeline_plan(model, cfg)
-    per_kind: dict[int, tuple[StageTime, list[float]]] = {}  # one layer's forward costs by its kind
-    out = []
-    for stage, kinds in enumerate(rank_kinds(model, plan)):
-        st = StageTime(stage=stage)
-        util = [0.0, 0.0]
-        for i, n in kinds.items():
-            if i not in per_kind:  # i represents its kind
-                one = StageTime(stage=stage)
-                u1 = [0.0, 0.0]
-                layer_forward(model, i, cfg, cluster, c, one, tp_link, cp_link, ep_link, etp_link, u1)
-                per_kind[i] = (one, u1)
-            one, u1 = per_kind[i]
-            for name in ADDITIVE_TERMS:
-                setattr(st, name, getattr(st, name) + n * getattr(one, name))
-            util[0] += n * u1[0]
-            util[1] += n * u1[1]
-        # backward: 2x the GEMMs (data and weight gradients), attention x2.5, memory-bound x2,
-        # communication again (TP, CP, EP are symmetric); forward-only costs of recompute on top.
-        attn_f, gemm_f, mb_f = st.attention_s, st.gemm_s, st.memory_bound_s
-        fp8_f, fp8_b = st.fp8_fwd_s, st.fp8_bwd_s
-        comm_f = st.tp_comm_s + st.cp_comm_s + st.ep_comm_s
-        st.forward_s = gemm_f + attn_f + mb_f + fp8_f
-        st.backward_s = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f + fp8_b
-        st.gemm_s = 3 * gemm_f
-        st.attention_s = attn_f * (1 + c.attention_backward_factor)
-        st.memory_bound_s = 3 * mb_f + fp8_f + fp8_b
-        st.tp_comm_s *= 2
-        st.cp_comm_s *= 2
-        st.ep_comm_s *= 2
-        if cfg.recompute == "full":
-            st.recompute_s = gemm_f + attn_f + mb_f + fp8_f + comm_f
-        elif cfg.recompute == "selective":
-            st.recompute_s = attn_f  # core attention (Megatron's default selective module)
-        st.backward_s += st.recompute_s
-        # the embedding and the loss sit on the first and last stage unless a pipeline layout
-        # places them elsewhere (with virtual chunks: in the rank's first / last chunk)
-        if stage == plan.embedding_rank:  # embedding lookup and its gradient (memory-bound)
-            st.memory_bound_s += 3 * T * model.hidden_size * e / (hbm * c.hbm_efficiency)
-        if stage == plan.loss_rank:  # output layer, logits and cross entropy
-            # the output layer is Megatron's ColumnParallelLinear, BF16 also under fp8
-            tt, u = gemm_time(T, model.hidden_size, model.vocab_size / cfg.tp, bf16_peak, hbm, c,
-                              c.gemm_efficiency_max)
-            st.gemm_s += 3 * tt
-            st.forward_s += tt
-            st.backward_s += 2 * tt
-            # weighted like the layers' GEMMs (forward seconds, a third of their gemm_s)
-            util[0] += tt * u
-            util[1] += tt
-            st.memory_bound_s += 3 * T * model.vocab_size / cfg.tp * loss_bytes_per_logit(model, c) / (hbm * c.hbm_efficiency)
-            st.tp_comm_s += 2 * collective_time("all_reduce", T * 4 * 3, cfg.tp, tp_link.bw_gbs, tp_link.latency)
-        # PP send/recv: activations to the next stage, gradients to the previous one, once per
-        # virtual chunk (with interleaving the last stage also feeds stage 0's next chunk)
-        if cfg.pp > 1:
-            boundary_bytes = T * model.hidden_size * e / (cfg.tp if cfg.sequence_parallel else 1)
-            nxt = stage + 1 if stage + 1 < cfg.pp else (0 if cfg.vp > 1 else None)
-            prv = stage - 1 if stage > 0 else (cfg.pp - 1 if cfg.vp > 1 else None)
-            for other in (nxt, prv):
-                if other is None:
-                    continue
-                # the same position in both stages: rank k·span + j, in NVLink domain rank // domain_gpus
-                gpn = cluster.domain_gpus
-                inter = (stage * stage_span) // gpn != (other * stage_span) // gpn
-                link = (Link(cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s, True) if inter
-                        else Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False))
-                p2p = cfg.vp * collective_time("p2p", boundary_bytes, 2, link.bw_gbs, link.latency)
-                # the interleaved schedule overlaps its send/recv with compute (overlap_p2p_comm)
-                st.pp_p2p_s += p2p * (1.0 - c.pp_overlap_fraction) if cfg.vp > 1 else p2p
-        # gradient accumulation outside the GEMMs: each microbatch's backward adds every weight
-        # gradient of the stage into its fp32 main-grad buffer (memory-bound, per parameter; the
-        # routed experts' part is in their MoE phase, models/moe.py)
-        if c.grad_accum_bytes_per_param > 0:
-            dense = _stage_param_counts(model, cfg)[stage][0]
-            acc = dense * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
-            st.memory_bound_s += acc
-            st.backward_s += acc
-        st.gemm_utilization = util[0] / util[1] if util[1] else 0.0
-        out.append(st)
+    m = L.num_microbatches
+    extras = L.extras
+    codes = extra_codes(L, extras)
+    seq_mlp = (np.array([not x[1] for x in extras], bool) if not L.same_extras
+               else np.full(len(extras), not extras[0][1]) if extras else False)
+    # the microbatch count matters to a MoE layer with SequentialMLP (its per-step host work) and
+    # with the 1F1B all-to-all overlap (the first and last microbatch have no partner)
+    per_m = seq_mlp | (np.array([x[5] for x in extras], bool) if not L.same_extras
+                       else np.full(len(extras), bool(extras[0][5])) if extras else False)
+    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
+                               np.where(per_m, m, 0)])
+    units, utils = [], []
+    for i in first:
+        knobs = tuple(extras[i])
+        key = (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]),
+               bool(L.sp[i]), int(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
+               int(m[i]) if per_m[i] else 1)
+        u, ut = layer_units(memo, key)
+        units.append(u)
+        utils.append(ut)
+    U = np.stack(units)           # [keys, K, F]
+    UT = np.stack(utils)          # [keys, K, 2]
+    key = inv[r]                  # each stage's layer shape
+    counts = S.counts(memo)       # [S, K]
+    K = counts.shape[1]
+    cols = [counts[:, j] for j in range(K)]
+    out: dict[str, np.ndarray] = {}
+    for fi, name in enumerate(UNIT_FIELDS):
+        acc = np.zeros(S.total)
+        for j in range(K):
+            u = U[:, j, fi]
+            if u.any():
+                acc = acc + cols[j] * u[key]
+        out[name] = acc
+    util0 = np.zeros(S.total)
+    util1 = np.zeros(S.total)
+    for j in range(K):
+        util0 = util0 + cols[j] * UT[:, j, 0][key]
+        util1 = util1 + cols[j] * UT[:, j, 1][key]
+    attn_f, gemm_f, mb_f = out["attention_s"], out["gemm_s"], out["memory_bound_s"]
+    fp8_f, fp8_b = out["fp8_fwd_s"], out["fp8_bwd_s"]
+    comm_f = out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"]
+    out["forward_s"] = gemm_f + attn_f + mb_f + fp8_f
+    backward = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f + fp8_b
+    out["gemm_s"] = 3 * gemm_f
+    out["attention_s"] = attn_f * (1 + c.attention_backward_factor)
+    mb = 3 * mb_f + fp8_f + fp8_b
+    out["tp_comm_s"] = out["tp_comm_s"] * 2
+    out["cp_comm_s"] = out["cp_comm_s"] * 2
+    out["ep_comm_s"] = out["ep_comm_s"] * 2
+    rc = L.recompute[r]
+    recompute = np.where(rc == 2, gemm_f + attn_f + mb_f + fp8_f + comm_f, np.where(rc == 1, attn_f, 0.0))
+    out["recompute_s"] = recompute
+    backward = backward + recompute
+    T = (L.seq / L.cp * L.mbs)[r]
+    emb = k == 0
+    mb = np.where(emb, mb + 3 * T * model.hidden_size * e / (hbm * c.hbm_efficiency), mb)
+    last = k == L.pp[r] - 1
+    rows_last = np.flatnonzero(last)
+    if len(rows_last):
+        Tl, tpl = T[rows_last], L.tp[r][rows_last]
+        pairs, pinv = np.unique(np.stack([Tl, tpl.astype(float)], 1), axis=0, return_inverse=True)
+        terms = np.array([loss_terms(memo, float(a), int(b)) for a, b in pairs])[pinv.reshape(-1)]
+        tt, u, ar = terms[:, 0], terms[:, 1], terms[:, 2]
+        g = out["gemm_s"]
+        g[rows_last] = g[rows_last] + 3 * tt
+        fw = out["forward_s"]
+        fw[rows_last] = fw[rows_last] + tt
+        backward[rows_last] = backward[rows_last] + 2 * tt
+        util0[rows_last] = util0[rows_last] + tt * u
+        util1[rows_last] = util1[rows_last] + tt
+        mb[rows_last] = mb[rows_last] + 3 * Tl * model.vocab_size / tpl * loss_bytes_per_logit(model, c) / (hbm * c.hbm_efficiency)
+        tpc = out["tp_comm_s"]
+        tpc[rows_last] = tpc[rows_last] + ar
+    # PP send/recv
+    pp, vp = L.pp[r], L.vp[r]
+    p2p = np.zeros(S.total)
+    bbytes = T * model.hidden_size * e / np.where(L.sp, L.tp, 1)[r]
+    span = (L.tp * L.cp * L.dp)[r]
+    gpn = cluster.domain_gpus
+    inter_bw, inter_lat = cluster.inter_node_bw_gbs * c.network_efficiency, c.inter_latency_s
+    intra_bw, intra_lat = cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s
+    for other, ok in ((np.where(k + 1 < pp, k + 1, 0), (pp > 1) & ((k + 1 < pp) | (vp > 1))),
+                      (np.where(k > 0, k - 1, pp - 1), (pp > 1) & ((k > 0) | (vp > 1)))):
+        inter = (k * span) // gpn != (other * span) // gpn
+        bw = np.where(inter, inter_bw, intra_bw)
+        lat = np.where(inter, inter_lat, intra_lat)
+        one = vp * (bbytes / (bw * 1e9) + lat)
+        one = np.where(vp > 1, one * (1.0 - c.pp_overlap_fraction), one)
+        p2p = np.where(ok, p2p + one, p2p)
+    out["pp_p2p_s"] = p2p
+    if c.grad_accum_bytes_per_param > 0:
+        params = stage_param_arrays(L, memo, S)
+        acc = params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
+        mb = mb + acc
+        backward = backward + acc
+    out["memory_bound_s"] = mb
+    out["backward_s"] = backward
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["gemm_utilization"] = np.where(util1 != 0, util0 / util1, 0.0)
     return out
 
 
-def _per_stage(v: float | Sequence[float], n: int, what: str) -> list[float]:
+def total_arrays(st: dict[str, np.ndarray]) -> np.ndarray:
+    """StageTime.total_s of every stage."""
+    return (st["gemm_s"] + st["attention_s"] + st["memory_bound_s"] + st["recompute_s"] + st["tp_comm_s"]
+            + st["cp_comm_s"] + st["ep_comm_s"] + st["pp_p2p_s"] + st["overhead_s"])
+
+
+def at_clocks_arrays(full: dict[str, np.ndarray], x: np.ndarray, c: Constants, y: np.ndarray | float = 1.0
+                     ) -> dict[str, np.ndarray]:
+    """`full` (stage times at the maximum clocks) with stage s at SM clock ratio x[s] and memory
+    clock ratio y[s] (models.dvfs: GEMM / attention / recompute stretch by compute_stretch,
+    memory-bound kernels by memory_stretch; communication is unchanged): forward and backward by
+    the busy time's mix of the two, each MoE term by its own parts (GEMMs at the SM clock,
+    memory-bound kernels by memory_stretch, host launch time not at all; the dispatch is
+    communication), the fp8 casts as memory-bound."""
+    y = np.broadcast_to(np.asarray(y, float), np.shape(x))
+    if np.all(x == 1.0) and np.all(y == 1.0):
+        return full
+    one = (x == 1.0) & (y == 1.0)
+    fc = c.gemm_clock_share / x + (1.0 - c.gemm_clock_share)
+    s = c.memory_sm_clock_share
+    fm = s / x + (1.0 - s) / y
+    busy = full["gemm_s"] + full["attention_s"] + full["memory_bound_s"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mix = np.where(busy != 0, ((full["gemm_s"] + full["attention_s"]) * fc + full["memory_bound_s"] * fm) / busy,
+                       1.0)
+    out = dict(full)
+
+    def put(name, v):
+        out[name] = np.where(one, full[name], v)
+
+    put("gemm_s", full["gemm_s"] * fc)
+    put("attention_s", full["attention_s"] * fc)
+    put("recompute_s", full["recompute_s"] * fc)
+    put("memory_bound_s", full["memory_bound_s"] * fm)
+    put("forward_s", full["forward_s"] * mix)
+    put("backward_s", full["backward_s"] * mix)
+    put("fp8_fwd_s", full["fp8_fwd_s"] * fm)
+    put("fp8_bwd_s", full["fp8_bwd_s"] * fm)
+    for term, comp, mem in (("moe_router_s", "moe_router_compute_s", "moe_router_memory_s"),
+                            ("moe_permute_s", None, "moe_permute_memory_s"),
+                            ("moe_expert_gemm_s", "moe_expert_compute_s", "moe_expert_memory_s")):
+        g = full[comp] if comp else 0.0
+        b = full[mem]
+        put(term, full[term] + g * (fc - 1.0) + b * (fm - 1.0))
+        if comp:
+            put(comp, g * fc)
+        put(mem, b * fm)
+    return out
+
+
+@dataclass
+class DPTerms:
+    """Per-stage DP traffic and optimizer terms that do not depend on the clocks."""
+
+    grad: np.ndarray
+    gather: np.ndarray
+    opt_base: np.ndarray
+
+
+def _coll(kind: str, nbytes, n, bw_gbs, lat):
+    """collective_time on arrays."""
+    n = np.asarray(n, float)
+    bw = bw_gbs * 1e9
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kind == "all_reduce":
+            v = 2.0 * (n - 1) / n * nbytes / bw + 2 * lat * (n - 1) ** 0.5
+        else:
+            v = (n - 1) / n * nbytes / bw + lat * (n - 1) ** 0.5
+    return np.where((n <= 1) | (nbytes <= 0), 0.0, v)
+
+
+def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
+    """group_link on arrays: (bandwidth GB/s, latency)."""
+    gpn = cluster.domain_gpus
+    stride, size = np.asarray(stride), np.asarray(size)
+    span = stride * size
+    intra = (size <= 1) | (span <= gpn)
+    per_node = np.where(stride < gpn, np.maximum(1, np.minimum(size, gpn // np.maximum(stride, 1))), 1)
+    bw = np.minimum(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
+    return (np.where(intra, cluster.intra_node_bw_gbs * c.nvlink_efficiency, bw * c.network_efficiency),
+            np.where(intra, c.intra_latency_s, c.inter_latency_s))
+
+
+def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:
+    r, k = S.row, S.k
+    params = stage_param_arrays(L, memo, S)
+    dense, experts = params[:, 0], params[:, 1]
+    dbw, dlat = _group_link(cluster, L.tp * L.cp, L.dp, c)
+    edp = L.expert_dp
+    ebw, elat = _group_link(cluster, L.ep * L.etp, edp, c)
+    dbw, dlat, ebw, elat, edp = dbw[r], dlat[r], ebw[r], elat[r], edp[r]
+    d = (L.dp * L.cp)[r]
+    gb = c.dp_grad_reduce_bytes
+    dist = L.dist_opt[r]
+    grad = np.where(dist, _coll("reduce_scatter", dense * gb, d, dbw, dlat) + _coll("reduce_scatter", experts * gb, edp, ebw, elat),
+                    _coll("all_reduce", dense * gb, d, dbw, dlat) + _coll("all_reduce", experts * gb, edp, ebw, elat))
+    gather = np.where(dist, _coll("all_gather", dense * 2, d, dbw, dlat) + _coll("all_gather", experts * 2, edp, ebw, elat),
+                      0.0)
+    shard = np.where(dist, dense / d + experts / edp, dense + experts)
+    opt_base = shard * c.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency)
+    return DPTerms(grad, gather, opt_base)
+
+
+def step_arrays(L: Layouts, c: Constants, S: Stages, full: dict, at: dict, dp: DPTerms) -> dict[str, np.ndarray]:
+    """step_time of every row from its stages at full clocks (`full`) and at the clocks
+    held (`at`): per-row arrays of STEP_FIELDS plus 'totals' (per stage)."""
+    r = S.row
+    m = L.num_microbatches
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mem_stretch = np.where(full["memory_bound_s"] != 0, at["memory_bound_s"] / full["memory_bound_s"], 1.0)
+    totals = total_arrays(at)
+    slow = S.max(totals)
+    fill = (S.sum(totals) - slow) / L.vp
+    pipeline = m * slow + fill
+    half = at["tp_comm_s"] / 2
+    per_bwd = at["backward_s"] + half
+    per_fwd = at["forward_s"] + half
+    exp_grad = np.where(L.overlap_grad[r], np.maximum(0.0, dp.grad - per_bwd * c.dp_overlap_efficiency), dp.grad)
+    exp_gather = np.where(L.overlap_param[r], np.maximum(0.0, dp.gather - per_fwd * c.dp_overlap_efficiency),
+                          dp.gather)
+    dp_total = np.maximum(0.0, S.max(dp.grad + dp.gather))
+    dp_exposed = np.maximum(0.0, S.max(exp_grad + exp_gather))
+    opt = np.maximum(0.0, S.max(dp.opt_base * mem_stretch))
+    total = pipeline + dp_exposed + opt + c.step_overhead_s
+    return {"step_time_s": total, "pipeline_s": pipeline, "bubble_s": fill, "dp_comm_s": dp_total,
+            "dp_exposed_s": dp_exposed, "optimizer_s": opt, "totals": totals, "slow": slow}
+
+
+# ------------------------------------------------------------------------------------------------
+# the per-layout API: a layout is a Layouts of one row
+# ------------------------------------------------------------------------------------------------
+
+def stage_arrays(stages: Sequence[StageTime]) -> dict[str, np.ndarray]:
+    """StageTime objects as the per-stage arrays of their fields."""
+    return {f: np.array([getattr(s, f) for s in stages], float) for f in STAGE_FIELDS}
+
+
+def stage_objects(d: dict[str, np.ndarray], start: int, pp: int) -> list[StageTime]:
+    """The StageTime objects of stages start .. start + pp - 1 of per-stage arrays."""
+    mat = np.stack([d[f][start:start + pp] for f in STAGE_FIELDS], 1)
+    return [StageTime(k, *vals) for k, vals in enumerate(mat.tolist())]
+
+
+class OneLayout:
+    """`cfg` as a Layouts of one row, with what the step needs of it at any clocks (its stage times
+    at the maximum clocks and DP terms, made once: the power fixed point asks for the step at
+    many clocks)."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants):
+        self.model, self.cluster, self.cfg, self.c = model, cluster, cfg, c
+        self.L = Layouts.of(model, [cfg])
+        self.S = Stages(self.L)
+        self.memo = memo_for(model, cluster, c)
+        self._full = self._dp = None
+
+    @property
+    def full(self) -> dict[str, np.ndarray]:
+        if self._full is None:
+            self._full = stage_time_arrays(self.model, self.cluster, self.L, self.c, self.memo, self.S)
+        return self._full
+
+    @property
+    def dp(self) -> DPTerms:
+        if self._dp is None:
+            self._dp = dp_terms(self.model, self.cluster, self.L, self.c, self.memo, self.S)
+        return self._dp
+
+
+@lru_cache(maxsize=256)
+def one_layout(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants) -> OneLayout:
+    return OneLayout(model, cluster, cfg, c)
+
+
+def stage_times(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageTime]:
+    """Time per microbatch of every pipeline stage of `cfg` at the maximum clocks."""
+    return stage_objects(one_layout(model, cluster, cfg, c).full, 0, cfg.pp)
+
+
+def _per_stage(v: float | Sequence[float], n: int, what: str) -> np.ndarray:
     vals = [float(v)] * n if isinstance(v, (int, float)) else [float(x) for x in v]
     if len(vals) != n or not all(0.0 < x <= 1.0 for x in vals):
         raise ValueError(f"{what}: need {n} clock ratios in (0, 1], got {v!r}")
-    return vals
+    return np.array(vals)
 
 
 def at_clocks(stages: Sequence[StageTime], sm_clock: float | Sequence[float] = 1.0,
               mem_clock: float | Sequence[float] = 1.0, c: Constants = DEFAULT) -> list[StageTime]:
-    """Copies of `stages` (times at the maximum clocks) with stage k at SM clock ratio sm_clock[k]
-    and memory clock ratio mem_clock[k] (advisor.models.dvfs: GEMM / attention / recompute stretch
-    by compute_stretch, memory-bound kernels by memory_stretch; communication is unchanged)."""
-    from advisor.models.dvfs import compute_stretch, memory_stretch
-
-    sm = _per_stage(sm_clock, len(stages), "sm_clock")
-    mem = _per_stage(mem_clock, len(stages), "mem_clock")
-    out = []
-    for st, x, y in zip(stages, sm, mem):
-        if x == 1.0 and y == 1.0:
-            out.append(st)
-            continue
-        fc, fm = compute_stretch(x, c), memory_stretch(x, y, c)
-        busy = st.gemm_s + st.attention_s + st.memory_bound_s
-        mix = ((st.gemm_s + st.attention_s) * fc + st.memory_bound_s * fm) / busy if busy else 1.0
-        new = copy.copy(st)
-        new.gemm_s, new.attention_s, new.recompute_s = st.gemm_s * fc, st.attention_s * fc, st.recompute_s * fc
-        new.memory_bound_s, new.forward_s, new.backward_s = st.memory_bound_s * fm, st.forward_s * mix, st.backward_s * mix
-        # the breakdown's parts of those categories: fp8 casts are memory-bound; each MoE term
-        # stretches by its own parts (GEMMs at the SM clock, memory-bound kernels by memory_stretch,
-        # host launch time not at all); the MoE dispatch is communication
-        new.fp8_fwd_s, new.fp8_bwd_s = st.fp8_fwd_s * fm, st.fp8_bwd_s * fm
-        for term, comp, mem in (("moe_router_s", "moe_router_compute_s", "moe_router_memory_s"),
-                                ("moe_permute_s", None, "moe_permute_memory_s"),
-                                ("moe_expert_gemm_s", "moe_expert_compute_s", "moe_expert_memory_s")):
-            g, b = getattr(st, comp) if comp else 0.0, getattr(st, mem)
-            setattr(new, term, getattr(st, term) + g * (fc - 1.0) + b * (fm - 1.0))
-            if comp:
-                setattr(new, comp, g * fc)
-            setattr(new, mem, b * fm)
-        out.append(new)
+    """`stages` (times at the maximum clocks) with stage k at SM clock ratio sm_clock[k] and memory
+    clock ratio mem_clock[k] (at_clocks_arrays)."""
+    x = _per_stage(sm_clock, len(stages), "sm_clock")
+    y = _per_stage(mem_clock, len(stages), "mem_clock")
+    full = stage_arrays(stages)
+    at = at_clocks_arrays(full, x, c, y)
+    out = stage_objects(at, 0, len(stages))
+    for k, st in enumerate(stages):
+        out[k].stage = st.stage
     return out
 
 
@@ -479,55 +707,17 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
     """Step time at the GPUs' maximum clocks, or with each pipeline stage at the given SM and
     memory clock ratios (one number for all stages or one per stage; e.g. the clocks a power cap
     holds, advisor.models.dvfs). `stages`: stage_times() of this layout, when the caller has them."""
-    full = list(stages) if stages is not None else stage_times(model, cluster, cfg, c)
-    stages = at_clocks(full, sm_clock, mem_clock, c)
-    mem_stretch = [st.memory_bound_s / f.memory_bound_s if f.memory_bound_s else 1.0
-                   for st, f in zip(stages, full)]
-    m = cfg.num_microbatches
-    totals = [s.total_s for s in stages]
-    slow = max(totals)
-    fill_drain = (sum(totals) - slow) / cfg.vp
-    pipeline = m * slow + fill_drain
-    bubble = fill_drain
-    # DP: gradients (fp32 main grads) and, with the distributed optimizer, the parameter all-gather
-    dp_link = group_link(cluster, cfg.tp * cfg.cp, cfg.dp, c)
-    edp = cfg.expert_dp
-    edp_link = group_link(cluster, cfg.ep * cfg.etp, edp, c)
-    dp_total = dp_exposed = opt = 0.0
-    gb = c.dp_grad_reduce_bytes
-    for st, (dense, experts) in zip(stages, _stage_param_counts(model, cfg)):
-        d = cfg.dp * cfg.cp
-        if cfg.distributed_optimizer:
-            grad = (collective_time("reduce_scatter", dense * gb, d, dp_link.bw_gbs, dp_link.latency)
-                    + collective_time("reduce_scatter", experts * gb, edp, edp_link.bw_gbs, edp_link.latency))
-            gather = (collective_time("all_gather", dense * 2, d, dp_link.bw_gbs, dp_link.latency)
-                      + collective_time("all_gather", experts * 2, edp, edp_link.bw_gbs, edp_link.latency))
-            shard = dense / d + experts / edp
-        else:
-            grad = (collective_time("all_reduce", dense * gb, d, dp_link.bw_gbs, dp_link.latency)
-                    + collective_time("all_reduce", experts * gb, edp, edp_link.bw_gbs, edp_link.latency))
-            gather = 0.0
-            shard = dense + experts
-        per_mb_bwd = st.backward_s + st.tp_comm_s / 2
-        per_mb_fwd = st.forward_s + st.tp_comm_s / 2
-        exp_grad = max(0.0, grad - per_mb_bwd * c.dp_overlap_efficiency) if cfg.overlap_grad_reduce else grad
-        exp_gather = (max(0.0, gather - per_mb_fwd * c.dp_overlap_efficiency)
-                      if cfg.overlap_param_gather else gather)
-        dp_total = max(dp_total, grad + gather)
-        dp_exposed = max(dp_exposed, exp_grad + exp_gather)
-        opt = max(opt, shard * c.optimizer_bytes_per_param / (hbm_bw(cluster) * c.hbm_efficiency)
-                  * mem_stretch[st.stage])
-    total = pipeline + dp_exposed + opt + c.step_overhead_s
-    return StepTime(step_time_s=total, pipeline_s=pipeline, bubble_s=bubble, dp_comm_s=dp_total,
-                    dp_exposed_s=dp_exposed, optimizer_s=opt, overhead_s=c.step_overhead_s,
-                    stages=stages, num_microbatches=m)
-
-
-@lru_cache(maxsize=4096)
-def _stage_param_counts(model: ModelSpec, cfg: TrainConfig) -> tuple[tuple[float, float], ...]:
-    """(dense, expert) parameters of each pipeline stage (step_time is evaluated at many clocks)."""
-    return tuple((dense, experts) for dense, experts, _ in
-                 plan_params(model, pipeline_plan(model, cfg), cfg.tp, cfg.ep * cfg.etp))
+    one = one_layout(model, cluster, cfg, c)
+    full = stage_arrays(stages) if stages is not None else one.full
+    pp = len(full["gemm_s"])
+    at = at_clocks_arrays(full, _per_stage(sm_clock, pp, "sm_clock"), c, _per_stage(mem_clock, pp, "mem_clock"))
+    st = step_arrays(one.L, c, one.S, full, at, one.dp)
+    out = stage_objects(at, 0, pp)
+    if stages is not None:
+        for k, s in enumerate(stages):
+            out[k].stage = s.stage
+    return StepTime(**{f: float(st[f][0]) for f in STEP_FIELDS}, overhead_s=c.step_overhead_s, stages=out,
+                    num_microbatches=cfg.num_microbatches)
 
 
 def hbm_bw(cluster: ClusterSpec) -> float:

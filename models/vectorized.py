@@ -1,14 +1,12 @@
-"""The analytical model on arrays of layouts: memory, stage times (dense and MoE), the step at the
-clocks the caps hold, and the power / DVFS fixed point, one numpy pass per term over every layout
-(and every pipeline stage of every layout) at once.
+"""The analytical model on arrays of layouts, the power / DVFS part and the whole prediction:
+memory (models/memory.py), stage times and the step (models/step_time.py) are written once on
+arrays there; this module adds the power / DVFS fixed point, `evaluate`, the calibration on
+arrays and per-stage caps, one numpy pass per term over every layout (and every pipeline stage of
+every layout) at once.
 
-The per-layout functions (models/memory.py, step_time.py, moe.py, power.py, dvfs.py, predict.py)
-are the readable reference; this module follows them term by term, in the same order of floating
-point operations where it can, and tests/test_vectorized.py holds both to 1e-9 (relative) on
-whole layout spaces. What does not depend on the pipeline split (one transformer layer's forward
-costs for a given TP / CP / micro-batch / EP shape, a layer's activation bytes, a plan's
-parameters per stage, the layers in flight) is computed once per distinct value by the reference
-functions themselves and gathered; everything per layout and per stage is arrays.
+The per-layout power functions (models/power.py, dvfs.py, predict.py) are still a second,
+readable copy of the power composition; tests/test_vectorized.py holds both to 1e-9 (relative)
+on whole layout spaces, and tests/test_frozen_predictions.py both to the frozen numbers.
 
 Layout of the arrays: `Layouts` holds one row per layout; stage arrays are flat, the stages of
 row r at `start[r] : start[r] + pp[r]` (ragged; segment reductions with numpy's reduceat).
@@ -26,10 +24,16 @@ import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
-from advisor.models.vectorized_terms import (POWER_FIELDS, STAGE_FIELDS, STEP_FIELDS, DPTerms, Stages,  # noqa: F401
-                                             at_clocks, dp_terms, memo_for, memory_arrays, peak_memory_gib,
-                                             stage_times, step_time)
+from advisor.models.memory import memory_arrays, peak_memory_many, stage_memory_of
+from advisor.models.stages import Stages, memo_for
+from advisor.models.power import STAGE_POWER_FIELDS
+from advisor.models.step_time import (STAGE_FIELDS, STEP_FIELDS, DPTerms, at_clocks_arrays, dp_terms,
+                                      stage_time_arrays, step_arrays)
 from advisor.search_spaces.columns import Layouts  # noqa: F401 (Layouts: API)
+
+# the StagePower fields the arrays hold (stage and the SM clock in MHz are derived when a row
+# becomes a StagePower)
+POWER_FIELDS = tuple(f for f in STAGE_POWER_FIELDS if f not in ("stage", "sm_clock_mhz"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -210,7 +214,6 @@ class Result:
     def prediction(self, i: int, cluster: ClusterSpec | None = None):
         """The models.predict.Prediction of row i (memory per stage from the reference: cheap);
         `cluster` as for power_estimate."""
-        from advisor.models.memory import stage_memory
         from advisor.models.predict import assemble
 
         cfg = self.layouts.config(i)
@@ -219,22 +222,11 @@ class Result:
 
     def stage_memory(self, i: int) -> list:
         """memory.stage_memory of row i (from the arrays when memory was evaluated)."""
-        from advisor.models.memory import StageMemory, stage_memory
+        from advisor.models.memory import stage_memory
 
-        got = self.stages.cache.get("memory")
-        if got is None:
+        if self.stages.cache.get("memory") is None:
             return stage_memory(self.model, self.layouts.config(i), self.constants)
-        parts, params, layers = got
-        mat = self.__dict__.get("_mem_mat")
-        if mat is None:
-            mat = self.__dict__["_mem_mat"] = np.stack(
-                [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                                                       "logits_gib", "step_transient_gib")], 1)
-        s0 = int(self.stages.start[i])
-        over = self.constants.runtime_overhead_gib
-        return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
-                            activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t)
-                for k, (n, p, w, g, o, a, lg, t) in enumerate(mat[s0:s0 + int(self.layouts.pp[i])].tolist())]
+        return stage_memory_of(self.stages, i, self.constants)
 
 
 class _FixedPoint:
@@ -266,11 +258,11 @@ class _FixedPoint:
                            self.span, self.ps)
 
     def at_x(self, x):
-        at = at_clocks(self.full, x, self.c)
+        at = at_clocks_arrays(self.full, x, self.c)
         if at is self.full:
             st = dict(self.base)
         else:
-            st = step_time(self.L, self.c, self.S, self.full, at, self.dp)
+            st = step_arrays(self.L, self.c, self.S, self.full, at, self.dp)
         st = dict(st)
         st["step_time_s"] = np.where(self.extra != 0, st["step_time_s"] + self.extra, st["step_time_s"])
         return at, st
@@ -325,6 +317,13 @@ class _FixedPoint:
         return x, at, st
 
 
+def peak_memory_gib(model: ModelSpec, L: Layouts, c: Constants = DEFAULT, cluster: ClusterSpec | None = None
+                    ) -> np.ndarray:
+    """memory.peak_memory_gib of every row: the fullest stage's memory per GPU (`cluster`: unused,
+    memory does not depend on it)."""
+    return peak_memory_many(model, L, c)
+
+
 def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = DEFAULT,
              caps: float | np.ndarray | None = None, stage_caps: np.ndarray | None = None,
              extra_wait_s: np.ndarray | float = 0.0, memory: bool = True) -> Result:
@@ -352,9 +351,9 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
         gpu.check_power_cap(float(v))
     m = L.num_microbatches
     mf = m[r]
-    full = stage_times(model, cluster, L, c, memo, S)
+    full = stage_time_arrays(model, cluster, L, c, memo, S)
     dp = dp_terms(model, cluster, L, c, memo, S)
-    base = step_time(L, c, S, full, full, dp)
+    base = step_arrays(L, c, S, full, full, dp)
     fp8 = L.fp8[r]
     idle, span = gpu.idle_w, gpu.tdp_w - gpu.idle_w
     ps = 1.0
@@ -476,7 +475,7 @@ class Calibrated:
     evaluation of power_of done here on arrays."""
 
     def __init__(self, cal, res: Result, caps: np.ndarray | None = None):
-        from advisor.models.calibrate import ADDITIVE, apply_residual
+        from advisor.models.dataset import ADDITIVE, apply_residual
 
         if res.constants is not cal.constants:
             raise ValueError("Calibrated needs the rows evaluated with the calibration's constants")
