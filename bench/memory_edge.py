@@ -7,11 +7,11 @@ memory, leave-one-architecture-out, dense and MoE apart.
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
 previous trial's leftovers: 7.5 GiB on the h100x1-moe-a/b batches). Predicted: models.memory's
-fullest stage with the stack's profile constants (recommend's memory screen) and what the stack's
-runner runs differently (models.memory_band.RUNNER_SETTINGS: the te runner's cross entropy); its allocator part is
-that less the profile's runtime-overhead term (memory outside torch's allocator, which the measured
-peak does not hold). A record's stack is
-its own `stack` key, else `te` when its env names Transformer Engine, else `local`.
+fullest stage with the stack's profile constants (recommend's memory screen) and the record's own
+layout (its cross entropy included: TrainConfig.cross_entropy_impl, models.dataset.legacy_config for
+records without it); its allocator part is that less the profile's runtime-overhead term (memory
+outside torch's allocator, which the measured peak does not hold). A record's stack is its own
+`stack` key, else `te` when its env names Transformer Engine, else `local`.
 
 The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted-allocator
 ratio of the stack's dense or MoE runs. Leave-one-architecture-out: for each architecture, the band of the
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from advisor.catalog.specs import ModelSpec, TrainConfig  # noqa: E402
 from advisor.models import memory_band as MB  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
-from advisor.models.dataset import cluster_of, legacy_moe_config, shape_key  # noqa: E402
+from advisor.models.dataset import cluster_of, legacy_config, shape_key  # noqa: E402
 from advisor.models.memory import peak_memory_gib  # noqa: E402
 
 COMMAND = "python bench/memory_edge.py --fit"
@@ -89,12 +89,11 @@ def rows(paths: list[str]) -> list[dict]:
             if rec["status"] == "ok" and meas is None:
                 continue
             model = ModelSpec.from_dict(rec["model"])
-            cfg = TrainConfig.from_dict(legacy_moe_config(rec["config"], model))
-            cluster = cluster_of(rec)
             stack = record_stack(rec)
+            cfg = TrainConfig.from_dict(legacy_config(rec["config"], model, stack))
+            cluster = cluster_of(rec)
             if stack not in cals:
-                cals[stack] = resolve_calibration("default", stack).screening_constants.replace(
-                    **MB.RUNNER_SETTINGS.get(stack, {}))
+                cals[stack] = resolve_calibration("default", stack).screening_constants
             c = cals[stack]
             start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,

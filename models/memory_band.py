@@ -36,19 +36,6 @@ BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
 FORMAT = "advisor.memory_band/2"  # 2: ratios of the allocator's part, overhead_gib
 CLASSES = ("dense", "moe")
 
-# What this project's runners run where it differs from their stack's profile, for predicting the
-# runners' own records (bench/memory_edge.py, bench/memory_terms.py). The te runner turns on
-# cross_entropy_loss_fusion with megatron-core's native fused vocab-parallel cross entropy
-# (runners/megatron_args._te_config; core/fusions/fused_cross_entropy.py), which saves the fp32
-# softmax and builds its fp32 gradient out of place: 2 (bf16 logits) + 4 + 4 = 10 B per logit at
-# the loss stage's peak, where the profile counts 2 + 4 (the unfused, in-place cross entropy).
-# Measured: 1.55-1.72 x the 6 B/logit count on the 50 dense stages of the te runs, 9.3-10.3 B
-# (python bench/memory_terms.py data/measurements/*.jsonl --stack te --dense, before this setting).
-# NVIDIA's recipes pick TE's cross entropy instead (cross_entropy_fusion_impl="te" in
-# Megatron-Bridge's recipes), which writes the gradient into the bf16 logits in place: the te
-# profile keeps the unfused count for them.
-RUNNER_SETTINGS: dict[str, dict[str, float]] = {"te": {"bytes_logits_fp32": 8.0}}
-
 
 @dataclass(frozen=True)
 class Band:
