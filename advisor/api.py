@@ -279,11 +279,13 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     ("LO:HI:STEP" watts, a list, or default the GPU's settable range in 25 W steps): energy takes
     each layout's cap with the least J/token, balanced the least J/token within 5% of its
     fastest step. Every recommendation with PP > 1 also gets per-stage caps (stage_caps)."""
-    from advisor.models.profiles import get_stack
+    from advisor.models.profiles import get_stack, stack_cross_entropy
 
     st = get_stack(stack)
     if options is None:
         options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
+    if options.cross_entropy_impl is None:  # the stack's loss (te: TE's fused cross entropy, as the recipes)
+        options = dataclasses.replace(options, cross_entropy_impl=stack_cross_entropy(st.name))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:

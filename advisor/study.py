@@ -52,7 +52,7 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -191,6 +191,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     from advisor.api import default_workload, recommend, resolve
     from advisor.models.calibrate import resolve_calibration
     from advisor.models.memory import stage_memory
+    from advisor.models.profiles import stack_cross_entropy
     from advisor.runners.megatron_args import RUNNER_STACKS
     from advisor.runners.ray_exec import RUNNERS, prepare
 
@@ -217,6 +218,8 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
             raise SpecError("--layers must be at least 1")
         model = model.with_layers(s.layers)
     wl = default_workload(model, cluster, s.seq, s.gbs, s.precision)
+    if options.cross_entropy_impl is None:  # what the stack's runner runs, sampled and seeded alike
+        options = replace(options, cross_entropy_impl=stack_cross_entropy(s.stack))
     cap = cluster.gpu.memory_gib
     layouts, screened, seen, left_out = [], {}, set(), {}
     stack = s.stack if s.runner == "megatron" else None  # the stack the runner runs (search_spaces.runnable)

@@ -7,11 +7,11 @@ memory, leave-one-architecture-out, dense and MoE apart.
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
 previous trial's leftovers: 7.5 GiB on the h100x1-moe-a/b batches). Predicted: models.memory's
-fullest stage with the stack's profile constants (recommend's memory screen) and what the stack's
-runner runs differently (models.memory_band.RUNNER_SETTINGS: the te runner's cross entropy); its allocator part is
-that less the profile's runtime-overhead term (memory outside torch's allocator, which the measured
-peak does not hold). A record's stack is
-its own `stack` key, else `te` when its env names Transformer Engine, else `local`.
+fullest stage with the stack's profile constants (recommend's memory screen) and the record's own
+layout (its cross entropy included: TrainConfig.cross_entropy_impl, models.dataset.legacy_config for
+records without it); its allocator part is that less the profile's runtime-overhead term (memory
+outside torch's allocator, which the measured peak does not hold). A record's stack is its own
+`stack` key, else `te` when its env names Transformer Engine, else `local`.
 
 The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted-allocator
 ratio of the stack's dense or MoE runs. Leave-one-architecture-out: for each architecture, the band of the
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from advisor.catalog.specs import ModelSpec, TrainConfig  # noqa: E402
 from advisor.models import memory_band as MB  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
-from advisor.models.dataset import cluster_of, legacy_moe_config, shape_key  # noqa: E402
+from advisor.models.dataset import cluster_of, legacy_config, shape_key  # noqa: E402
 from advisor.models.memory import peak_memory_gib  # noqa: E402
 
 COMMAND = "python bench/memory_edge.py --fit"
@@ -89,12 +89,11 @@ def rows(paths: list[str]) -> list[dict]:
             if rec["status"] == "ok" and meas is None:
                 continue
             model = ModelSpec.from_dict(rec["model"])
-            cfg = TrainConfig.from_dict(legacy_moe_config(rec["config"], model))
-            cluster = cluster_of(rec)
             stack = record_stack(rec)
+            cfg = TrainConfig.from_dict(legacy_config(rec["config"], model, stack))
+            cluster = cluster_of(rec)
             if stack not in cals:
-                cals[stack] = resolve_calibration("default", stack).screening_constants.replace(
-                    **MB.RUNNER_SETTINGS.get(stack, {}))
+                cals[stack] = resolve_calibration("default", stack).screening_constants
             c = cals[stack]
             start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
@@ -105,27 +104,49 @@ def rows(paths: list[str]) -> list[dict]:
     return out
 
 
+def affine(A: np.ndarray, M: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """measured = b * A + a by least squares: (b, a, residuals GiB)."""
+    b, a = np.polyfit(A, M, 1)
+    return float(b), float(a), M - (b * A + a)
+
+
 def loao(ok: list[dict]) -> dict:
-    """Per class: the band, its leave-one-architecture-out coverage and MAPE."""
+    """Per class: the band, its leave-one-architecture-out coverage and MAPE, in the ratio form
+    (measured / A between lo and hi) and the affine one (measured = b * A + a, the residuals' range
+    added); the form kept is the one with the smaller LOAO MAPE (|measured / held-out prediction - 1|,
+    the held-out architecture's runs predicted by the form fitted on the others)."""
     out = {}
     for k, kind in enumerate(MB.CLASSES):
         rs = [r for r in ok if bool(r["moe"]) == bool(k)]
         if not rs:
             continue
-        ratio = np.array([r["measured"] / (r["predicted"] - r["overhead"]) for r in rs])
+        A = np.array([r["predicted"] - r["overhead"] for r in rs])
+        M = np.array([r["measured"] for r in rs])
+        ratio = M / A
         arch = np.array([r["arch"] for r in rs])
-        covered, scaled_err = 0, []
+        cov = {"ratio": 0, "affine": 0}
+        err: dict[str, list] = {"ratio": [], "affine": []}
         for a in sorted(set(arch)):
             held, rest = arch == a, arch != a
             if not rest.any():
                 continue
-            covered += int((ratio[held] <= ratio[rest].max()).sum())
-            scale = float(np.median(ratio[rest]))
-            scaled_err += list(np.abs(ratio[held] / scale - 1.0))
-        out[kind] = {"lo": float(ratio.min()), "hi": float(ratio.max()), "n": len(rs),
-                     "architectures": len(set(arch)), "loao_covered": covered,
+            cov["ratio"] += int((ratio[held] <= ratio[rest].max()).sum())
+            err["ratio"] += list(np.abs(ratio[held] / float(np.median(ratio[rest])) - 1.0))
+            if len(set(A[rest])) > 1:
+                b, c0, res = affine(A[rest], M[rest])
+                cov["affine"] += int((M[held] <= b * A[held] + c0 + res.max()).sum())
+                err["affine"] += list(np.abs(M[held] / (b * A[held] + c0) - 1.0))
+        mape = {f: float(np.mean(e) * 100) if e else float("nan") for f, e in err.items()}
+        b, c0, res = affine(A, M) if len(set(A)) > 1 else (1.0, 0.0, M - A)
+        form = "affine" if len(err["affine"]) == len(err["ratio"]) and mape["affine"] < mape["ratio"] and b > 0 else "ratio"
+        band = ({"lo": b, "hi": b, "add_lo_gib": c0 + float(res.min()), "add_hi_gib": c0 + float(res.max())}
+                if form == "affine" else {"lo": float(ratio.min()), "hi": float(ratio.max()),
+                                          "add_lo_gib": 0.0, "add_hi_gib": 0.0})
+        out[kind] = {**band, "form": form, "n": len(rs), "architectures": len(set(arch)),
+                     "loao_covered": cov[form],
                      "mape_as_shipped_pct": float(np.mean(np.abs(1.0 / ratio - 1.0)) * 100),
-                     "mape_loao_pct": float(np.mean(scaled_err) * 100) if scaled_err else float("nan")}
+                     "mape_loao_pct": mape[form], "mape_loao_ratio_pct": mape["ratio"],
+                     "mape_loao_affine_pct": mape["affine"]}
     return out
 
 
@@ -144,7 +165,7 @@ def fit(rs: list[dict]) -> dict:
         stacks[stack] = {**s, "overhead_gib": overhead.pop(), "outside_gib": max(outside) if outside else None,
                          "records": f"{len(ok)} ok runs, {len(outside)} OOM messages"}
     if "te" not in stacks:
-        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0} for k in MB.CLASSES}, "overhead_gib": 0.0,
+        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0, "form": "ratio"} for k in MB.CLASSES}, "overhead_gib": 0.0,
                         "outside_gib": 0.0,
                         "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
                                       "no interval (width 0); the te profile counts memory outside torch's "
@@ -153,9 +174,37 @@ def fit(rs: list[dict]) -> dict:
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "data": sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "data/measurements/*.jsonl"))),
             "measured": "max over ranks of torch's peak reserved memory less the allocated memory at the trial's start",
-            "ratio": "measured / (predicted - overhead_gib): the allocator's part of the prediction; outside_gib "
-                     "(null: the stack's overhead_gib) is added once to the interval",
+            "ratio": "measured / (predicted - overhead_gib): the allocator's part of the prediction A; the "
+                     "interval is [lo A + add_lo_gib, hi A + add_hi_gib] (form ratio: add_* = 0; affine: measured = "
+                     "b A + a fitted, lo = hi = b, add_* = a + the residuals' min / max) plus outside_gib (null: the "
+                     "stack's overhead_gib) once",
             "default_stack": "local", "stacks": stacks}
+
+
+def recipes(margin: float | None) -> list[dict]:
+    """The te fit set's published recipes (bench/fit_profiles.in_fit: NVIDIA's H100 dense runs),
+    each with the te stack's layout defaults (TE's cross entropy, as the recipes set it): the
+    fullest stage's predicted peak, the band's upper bound and the usable memory."""
+    from advisor.models import published as P
+    from advisor.models.profiles import apply_layout_defaults
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from fit_profiles import in_fit
+
+    c = resolve_calibration("default", "te").screening_constants
+    m = MB.check_margin(margin) if margin is not None else MB.default_margin(c.memory_usable_fraction)
+    out = []
+    for r in P.load():
+        if not (r.usable and in_fit(r)):
+            continue
+        cfg = apply_layout_defaults(r.cfg, "te")
+        pred = peak_memory_gib(r.model, cfg, c)
+        b = MB.band("te", r.model.is_moe)
+        out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred,
+                    "upper": float(b.interval(pred)[1]), "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
+                    "fits": bool(MB.fits(pred, b, r.cluster.gpu.memory_gib, m)),
+                    "assumed": "; ".join(a for a in r.assumptions if "recompute" in a or "FSDP" in a)})
+    return out
 
 
 def main() -> None:
@@ -190,18 +239,27 @@ def main() -> None:
           f"('had': the GPU's memory less the memory outside torch's allocator and the trial's start allocation)")
     print()
     print("Runs that fit: measured / predicted peak (leave-one-architecture-out)")
-    print(f"{'stack':5} {'class':5} {'runs':>4} {'archs':>5} {'lo':>6} {'hi':>6} {'LOAO under hi':>13} "
-          f"{'MAPE shipped':>12} {'MAPE LOAO':>9} {'rejected':>8}")
+    print(f"{'stack':5} {'class':5} {'form':6} {'runs':>4} {'archs':>5} {'lo':>6} {'hi':>6} {'+lo':>5} {'+hi':>5} "
+          f"{'LOAO under hi':>13} {'MAPE shipped':>12} {'MAPE LOAO':>9} {'ratio':>6} {'affine':>6} {'rejected':>8}")
     for stack in sorted({r["stack"] for r in rs}):
         ok = [r for r in rs if r["stack"] == stack and r["status"] == "ok"]
         for kind, s in loao(ok).items():
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
             rejected = sum(not MB.fits(r["predicted"], b, r["gpu_gib"], margins[stack]) for r in mine)
-            print(f"{stack:5} {kind:5} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
-                  f"{s['loao_covered']:6d} of {s['n']:<4d} {s['mape_as_shipped_pct']:11.1f}% "
-                  f"{s['mape_loao_pct']:8.1f}% {rejected:8d}")
-    print("(rejected: runs that ran but whose upper bound is over the usable memory)")
+            print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
+                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} {s['loao_covered']:6d} of {s['n']:<4d} "
+                  f"{s['mape_as_shipped_pct']:11.1f}% {s['mape_loao_pct']:8.1f}% {s['mape_loao_ratio_pct']:5.1f}% "
+                  f"{s['mape_loao_affine_pct']:5.1f}% {rejected:8d}")
+    print()
+    rec = recipes(a.margin)
+    print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted peak, upper bound, usable (GiB)")
+    for r in rec:
+        print(f"{r['id']:>4} {r['model'][:16]:16} {r['layout'][:58]:58} {r['predicted']:6.1f} {r['upper']:6.1f} "
+              f"{r['usable']:6.1f}  {'fits' if r['fits'] else 'DOES NOT FIT'}  {r['assumed']}")
+    print(f"published recipes predicted not to fit: {sum(not r['fits'] for r in rec)} of {len(rec)}")
+    print("(form: the one with the smaller LOAO MAPE, both shown; +lo / +hi: the affine form's GiB; "
+          "rejected: runs that ran but whose upper bound is over the usable memory)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Which memory term of the analytical model is off? For every pipeline stage of every usable
 trial with per-stage memory and no recompute: the measured peak allocated memory minus the
 model's weights + gradients + optimizer states (with the byte counts of the record's stack
-profile: `te` keeps bf16 gradient buffers; and what the stack's runner runs differently,
-models.memory_band.RUNNER_SETTINGS, unless --profile-only), fitted by least squares as
+profile: `te` keeps bf16 gradient buffers; the loss with the record's own cross entropy,
+TrainConfig.cross_entropy_impl), fitted by least squares as
 
     const + a_norm * norm activations + a_tp * TP-sharded activations + a_logits * logits   (GiB)
 
@@ -31,14 +31,13 @@ from advisor.models.calibrate import resolve_calibration
 from advisor.models.constants import GIB
 from advisor.models.dataset import load
 from advisor.models.memory import layer_activation_bytes, stage_memory
-from advisor.models.memory_band import RUNNER_SETTINGS
 from advisor.search_spaces.layout import in_flight_microbatches, layer_kind_counts, stage_layers
 
 
-def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None = None, raw: bool = False):
+def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None = None):
     """Per measured stage: {id, stage, stack, moe, ep, alloc (allocated - static), free (reserved -
-    allocated), norm, sharded, logits (GiB, the model's, before fragmentation)}. The stack's profile
-    constants with what its runner runs differently (RUNNER_SETTINGS), or without them (`raw`)."""
+    allocated), norm, sharded, logits (GiB, the model's, before fragmentation)}, with the stack's
+    profile constants."""
     lines = {}
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -52,8 +51,7 @@ def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None 
                 or (stack and r.stack != stack) or (moe is not None and r.model.is_moe != moe)):
             continue
         if r.stack not in consts:
-            consts[r.stack] = resolve_calibration("default", r.stack).screening_constants.replace(
-                **({} if raw else RUNNER_SETTINGS.get(r.stack, {})))
+            consts[r.stack] = resolve_calibration("default", r.stack).screening_constants
         c = consts[r.stack]
         cfg, m = r.cfg, r.model
         sp = cfg.tp if cfg.sequence_parallel else 1
@@ -86,10 +84,8 @@ def main() -> None:
     kind.add_argument("--moe", action="store_const", const=True, dest="moe")
     kind.add_argument("--dense", action="store_const", const=False, dest="moe")
     ap.add_argument("--rows", action="store_true", help="print every stage")
-    ap.add_argument("--profile-only", action="store_true",
-                    help="the profile's constants without the runner's settings (models.memory_band.RUNNER_SETTINGS)")
     a = ap.parse_args()
-    rows = stage_rows(a.paths, a.model, a.stack, a.moe, a.profile_only)
+    rows = stage_rows(a.paths, a.model, a.stack, a.moe)
     if len(rows) < 5:
         raise SystemExit(f"error: {len(rows)} measured stages without recompute; need at least 5")
     X = np.array([[1.0, r["norm"], r["sharded"], r["logits"]] for r in rows])

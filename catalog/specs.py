@@ -49,6 +49,12 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # --moe-flex-dispatcher-backend deepep; --moe-enable-deepep is the deprecated spelling).
 MOE_DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex")
 MOE_ROUTERS: tuple[str, ...] = ("aux_loss", "forced")
+# The loss's cross entropy (Megatron-LM's --cross-entropy-loss-fusion and --cross-entropy-fusion-impl;
+# megatron-core's LanguageModule.compute_language_model_loss): "unfused" (no loss fusion:
+# tensor_parallel.vocab_parallel_cross_entropy, Megatron's default), "native" (fused, megatron-core's
+# fusions/fused_cross_entropy.py), "te" (fused, Transformer Engine's parallel_cross_entropy, what
+# NVIDIA's recipes set). What each holds per logit: models.memory.CROSS_ENTROPY_FP32_COPIES.
+CROSS_ENTROPY_IMPLS: tuple[str, ...] = ("unfused", "native", "te")
 # Attention of a layer (ModelSpec.window_type): "sliding": each query sees the `window_size` keys
 # up to itself (Mistral, Gemma 2/3, gpt-oss, Phi-3); "chunked": the keys of its own block of
 # `window_size` tokens up to itself (Llama 4's local layers).
@@ -438,6 +444,8 @@ class TrainConfig:
     # TE's fused permute / unpermute / chunk-sort kernels (--moe-permute-fusion; megatron-core's
     # default is off, Megatron-Bridge's MoE recipes turn it on).
     moe_permute_fusion: bool = False
+    # The loss's cross entropy (CROSS_ENTROPY_IMPLS; the te stack's layout default is "te").
+    cross_entropy_impl: str = "unfused"
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -452,6 +460,9 @@ class TrainConfig:
             raise SpecError("moe_pad_to_capacity needs moe_capacity_factor (megatron-core raises otherwise)")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
+        if self.cross_entropy_impl not in CROSS_ENTROPY_IMPLS:
+            raise SpecError(f"cross_entropy_impl must be one of {', '.join(CROSS_ENTROPY_IMPLS)}, "
+                            f"got {self.cross_entropy_impl!r}")
         if self.moe_router not in MOE_ROUTERS:
             raise SpecError(f"moe_router must be one of {', '.join(MOE_ROUTERS)}, got {self.moe_router!r}")
         if not isinstance(self.moe_grouped_gemm, bool):

@@ -34,9 +34,10 @@ class Constants:
     # Bytes per saved input of an FP8 GEMM under fp8 (Transformer Engine keeps the FP8 copy it
     # made for the forward GEMM for the wgrad GEMM of the backward).
     bytes_fp8_activation: float = 1.0
-    # Bytes per logit of the fp32 copy the last stage holds besides the bf16 logits: Megatron's
-    # vocab-parallel cross entropy upcasts its logits (VocabParallelCrossEntropy.
-    # calculate_logits_max: vocab_parallel_logits.float()), one microbatch at a time.
+    # Bytes per logit of each fp32 tensor the cross entropy holds besides the bf16 logits (fp32:
+    # Megatron's vocab-parallel cross entropy upcasts its logits, VocabParallelCrossEntropy.
+    # calculate_logits_max: vocab_parallel_logits.float()), one microbatch at a time; how many
+    # such tensors each implementation holds: models.memory.CROSS_ENTROPY_FP32_COPIES.
     bytes_logits_fp32: float = 4.0
     # CUDA context, cuBLAS/NCCL workspaces and buffers per GPU, GiB (fitted; start: the CUDA
     # context of torch 2.x on Hopper is ~0.5 GiB, NCCL ~0.5-1 GiB per communicator size class).

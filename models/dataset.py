@@ -166,12 +166,19 @@ def _number(d: Any, path: str, required: bool = True, lo: float = 0.0, hi: float
     return v
 
 
-def legacy_moe_config(config: dict, model: ModelSpec) -> dict:
-    """MoE records written before TrainConfig had MoE knobs ran megatron-core's SequentialMLP (one
-    GEMM per expert) with the alltoall dispatcher and the aux-loss router: say so."""
+def legacy_config(config: dict, model: ModelSpec, stack: str = "local") -> dict:
+    """What records written before TrainConfig had a knob ran, said in their config: MoE records
+    without MoE knobs ran megatron-core's SequentialMLP (one GEMM per expert) with the alltoall
+    dispatcher and the aux-loss router; te-stack records without `cross_entropy_impl` ran
+    megatron-core's native fused cross entropy (the te runner set cross_entropy_loss_fusion with
+    cross_entropy_fusion_impl "native" until the layout carried it), local ones the unfused one
+    (TrainConfig's default)."""
+    out = dict(config)
     if model.is_moe and "moe_grouped_gemm" not in config:
-        return {**config, "moe_grouped_gemm": False}
-    return config
+        out["moe_grouped_gemm"] = False
+    if stack == "te" and "cross_entropy_impl" not in config:
+        out["cross_entropy_impl"] = "native"
+    return out
 
 
 def cluster_of(rec: dict) -> ClusterSpec:
@@ -269,7 +276,7 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
     if layers is not None and layers != model.num_layers:
         raise _Bad(f"layers = {layers} but the model has {model.num_layers}")
     try:
-        cfg = TrainConfig.from_dict(legacy_moe_config(_get(rec, "config", dict), model))
+        cfg = TrainConfig.from_dict(legacy_config(_get(rec, "config", dict), model, str(rec.get("stack") or "local")))
     except (SpecError, TypeError, ValueError) as e:
         raise _Bad(f"config: {e}") from None
     cluster = cluster_of(rec)

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from advisor.catalog.specs import QUANTS, ModelSpec, TrainConfig
+from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
@@ -96,10 +96,28 @@ def _stage_params(model: ModelSpec, kinds: dict[int, int], embedding: bool, loss
     return dense, experts, linear
 
 
-def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT) -> float:
-    """Bytes per logit the loss stage holds: bf16 logits and the fp32 copy of the vocab-parallel
-    cross entropy, plus the uncapped logits a final soft-capping (tanh) keeps for its backward."""
-    return c.bytes_activation + c.bytes_logits_fp32 + (c.bytes_activation if model.final_logit_softcap else 0.0)
+# fp32 tensors of the logits' shape (s x b x V / TP) the loss stage holds at the cross entropy's
+# peak, besides the bf16 logits, per implementation (TrainConfig.cross_entropy_impl):
+# - "unfused": megatron-core's tensor_parallel/cross_entropy.py upcasts the logits once
+#   (VocabParallelCrossEntropy.calculate_logits_max: .float()), then subtracts the max, exps and
+#   normalises in place, and its backward writes the gradient into that softmax in place: 1.
+# - "native": megatron-core's fusions/fused_cross_entropy.py upcasts the same way, but its
+#   jit-fused calculate_predicted_logits returns exp_logits as a new fp32 tensor while the copy
+#   lives (and its backward builds the gradient out of place from the saved softmax): 2.
+#   Measured: 9.3-10.3 B per logit on the 50 dense stages of the te runner's runs (native; python
+#   bench/memory_terms.py data/measurements/*.jsonl --stack te --dense, before this term).
+# - "te": Transformer Engine's parallel_cross_entropy (pytorch/cross_entropy.py, a Triton kernel)
+#   takes the bf16 logits as they are and writes the gradient into them in place during the
+#   forward: 0.
+CROSS_ENTROPY_FP32_COPIES: dict[str, int] = {"unfused": 1, "native": 2, "te": 0}
+
+
+def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT, impl: str = "unfused") -> float:
+    """Bytes per logit the loss stage holds: the bf16 logits and the fp32 tensors of the cross
+    entropy `impl` (CROSS_ENTROPY_FP32_COPIES), plus the uncapped logits a final soft-capping
+    (tanh) keeps for its backward."""
+    return (c.bytes_activation + CROSS_ENTROPY_FP32_COPIES[impl] * c.bytes_logits_fp32
+            + (c.bytes_activation if model.final_logit_softcap else 0.0))
 
 
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT,
@@ -290,8 +308,10 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         acts = np.where(full & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
     last = k == L.pp[r] - 1
     T = (L.seq / L.cp * L.mbs)[r]
-    # bf16 logits + fp32 copy for the vocab-parallel cross entropy (one microbatch at a time)
-    logits = np.where(last, T * model.vocab_size / L.tp[r] * logits_bytes_per_logit(model, c), 0.0)
+    # bf16 logits + the cross entropy's fp32 tensors (one microbatch at a time)
+    per_logit = np.array([logits_bytes_per_logit(model, c, impl) for impl in CROSS_ENTROPY_IMPLS])
+    ce = per_logit[L.ce[r]] if L.ce is not None else per_logit[0]
+    logits = np.where(last, T * model.vocab_size / L.tp[r] * ce, 0.0)
     weights = total * c.bytes_weight + linear * fp8_copy
     grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation

@@ -6,9 +6,13 @@ outside torch's allocator: CUDA context, NCCL / library buffers). The runs measu
 peak reserved memory), so the band is fitted on A = predicted - O: lo / hi are the smallest and
 largest measured / A over the measured runs of the stack (separately dense and MoE: the records of
 data/measurements/, `python bench/memory_edge.py --fit`, written to models/data/memory_band.json
-with the command, with the O it subtracted). The interval of a prediction is
+with the command, with the O it subtracted). Where the residual is additive rather than
+proportional (the fit keeps the form with the smaller leave-one-architecture-out error), the band
+is affine: measured = b * A + a, fitted by least squares, lo = hi = b and add_lo / add_hi = a plus the
+smallest / largest residual in GiB (a few GiB of reserved-but-unallocated memory and loss buffers
+do not grow with a 70 GiB prediction). The interval of a prediction is
 
-    [lo * A + outside, hi * A + outside]
+    [lo * A + add_lo + outside, hi * A + add_hi + outside]
 
 with `outside` the memory outside the allocator counted once: what the stack's OOM records say the
 runner's process held outside torch's allocator (what the process had in use minus what torch had
@@ -33,21 +37,8 @@ import numpy as np
 from advisor.catalog.specs import SpecError
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
-FORMAT = "advisor.memory_band/2"  # 2: ratios of the allocator's part, overhead_gib
+FORMAT = "advisor.memory_band/3"  # 3: the affine form (add_lo_gib / add_hi_gib, form)
 CLASSES = ("dense", "moe")
-
-# What this project's runners run where it differs from their stack's profile, for predicting the
-# runners' own records (bench/memory_edge.py, bench/memory_terms.py). The te runner turns on
-# cross_entropy_loss_fusion with megatron-core's native fused vocab-parallel cross entropy
-# (runners/megatron_args._te_config; core/fusions/fused_cross_entropy.py), which saves the fp32
-# softmax and builds its fp32 gradient out of place: 2 (bf16 logits) + 4 + 4 = 10 B per logit at
-# the loss stage's peak, where the profile counts 2 + 4 (the unfused, in-place cross entropy).
-# Measured: 1.55-1.72 x the 6 B/logit count on the 50 dense stages of the te runs, 9.3-10.3 B
-# (python bench/memory_terms.py data/measurements/*.jsonl --stack te --dense, before this setting).
-# NVIDIA's recipes pick TE's cross entropy instead (cross_entropy_fusion_impl="te" in
-# Megatron-Bridge's recipes), which writes the gradient into the bf16 logits in place: the te
-# profile keeps the unfused count for them.
-RUNNER_SETTINGS: dict[str, dict[str, float]] = {"te": {"bytes_logits_fp32": 8.0}}
 
 
 @dataclass(frozen=True)
@@ -59,12 +50,17 @@ class Band:
     kind: str  # dense / moe
     source: str  # where the numbers come from (the stack's own records, or another stack's)
     overhead_gib: float = 0.0  # the profile's runtime-overhead term inside a prediction (O)
+    add_lo_gib: float = 0.0  # the affine form's additive part of the lower / upper end (GiB)
+    add_hi_gib: float = 0.0
+    form: str = "ratio"  # "ratio" (add_* = 0) or "affine"
 
     def interval(self, predicted_gib):
         """(lower, upper) GiB of a predicted peak (a float or an array): the allocator's part
-        (predicted - O) scaled by lo / hi, plus the memory outside the allocator once."""
+        (predicted - O) scaled by lo / hi plus add_lo / add_hi, plus the memory outside the
+        allocator once."""
         allocator = predicted_gib - self.overhead_gib
-        return allocator * self.lo + self.outside_gib, allocator * self.hi + self.outside_gib
+        return (allocator * self.lo + self.add_lo_gib + self.outside_gib,
+                allocator * self.hi + self.add_hi_gib + self.outside_gib)
 
 
 @lru_cache(maxsize=4)
@@ -91,7 +87,8 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     b = s[k]
     overhead = s.get("overhead_gib", 0.0)
     outside = s["outside_gib"] if s.get("outside_gib") is not None else overhead
-    return Band(lo=b["lo"], hi=b["hi"], outside_gib=outside, stack=name, kind=k, source=src, overhead_gib=overhead)
+    return Band(lo=b["lo"], hi=b["hi"], outside_gib=outside, stack=name, kind=k, source=src, overhead_gib=overhead,
+                add_lo_gib=b.get("add_lo_gib", 0.0), add_hi_gib=b.get("add_hi_gib", 0.0), form=b.get("form", "ratio"))
 
 
 def default_margin(memory_usable_fraction: float) -> float:
@@ -123,7 +120,8 @@ def memory_fit(predicted_gib: float, per_stage_gib, b: Band, gpu_memory_gib: flo
     return {"predicted_gib": float(predicted_gib), "interval_gib": [float(lo), float(hi)],
             "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
             "fits": bool(hi <= usable), "tightest_stage": int(np.argmax(stages)),
-            "band": {"lo": b.lo, "hi": b.hi, "outside_gib": b.outside_gib, "overhead_gib": b.overhead_gib,
+            "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
+                     "form": b.form, "outside_gib": b.outside_gib, "overhead_gib": b.overhead_gib,
                      "kind": b.kind, "source": b.source}}
 
 

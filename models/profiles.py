@@ -54,8 +54,10 @@ STACKS: dict[str, Stack] = {
         # NeMo / Megatron-Bridge performance recipes set tp_comm_overlap for TP > 1 (userbuffers),
         # and their MoE recipes TE's fused permutation (moe_permute_fusion = True, e.g. Megatron-Bridge
         # recipes/qwen/qwen3_moe*.py, deepseek) and a fused (DeepSeek-V3) or CUDA-graphed (Qwen3)
-        # router, priced as moe_router_fusion
-        {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True},
+        # router, priced as moe_router_fusion; and TE's fused cross entropy (Megatron-Bridge's recipes:
+        # cross_entropy_loss_fusion = True, cross_entropy_fusion_impl = "te")
+        {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True,
+         "cross_entropy_impl": "te"},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(
@@ -71,6 +73,12 @@ def get_stack(name: str | None) -> Stack:
     if key not in STACKS:
         raise SpecError(f"unknown stack {name!r} (known: {', '.join(STACKS)})")
     return STACKS[key]
+
+
+def stack_cross_entropy(stack: str | None) -> str:
+    """The loss's cross entropy a stack's layouts take when the user does not say
+    (catalog.specs.CROSS_ENTROPY_IMPLS; Megatron's default, "unfused", for a stack without one)."""
+    return get_stack(stack).layout_defaults.get("cross_entropy_impl", "unfused")
 
 
 def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping[str, Any] = ()) -> TrainConfig:

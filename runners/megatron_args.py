@@ -62,6 +62,8 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
         return "moe_router_fusion needs Transformer Engine's fused router kernels"
     if model.is_moe and stack == "local" and cfg.moe_permute_fusion:
         return "moe_permute_fusion needs Transformer Engine's fused permutation kernels"
+    if stack == "local" and cfg.cross_entropy_impl == "te":
+        return "cross_entropy_impl te needs Transformer Engine's parallel_cross_entropy"
     if stack == "te":
         if cfg.tp_comm_overlap:
             # TE's userbuffers can map NVLink multicast, which the lent machines must not use
@@ -147,6 +149,9 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "bf16": True,  # every format keeps bf16 params (the quantized copies are TE's)
         "params_dtype": "bfloat16",
         "pipeline_dtype": "bfloat16",
+        # The loss (TrainConfig.cross_entropy_impl; megatron-core's default impl is "native").
+        "cross_entropy_loss_fusion": cfg.cross_entropy_impl != "unfused",
+        "cross_entropy_fusion_impl": "native" if cfg.cross_entropy_impl == "unfused" else cfg.cross_entropy_impl,
     }
     if cfg.recompute == "selective":
         kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
@@ -196,7 +201,8 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
 
 def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str, Any]:
     """What the TE stack changes in the TransformerConfig: TE layers and the fusions Megatron-LM /
-    NeMo turn on by default (bias-activation, RoPE through TE, the native fused cross entropy),
+    NeMo turn on by default (bias-activation, RoPE through TE; the cross entropy is the layout's,
+    TrainConfig.cross_entropy_impl),
     FP8 through TE (hybrid E4M3 / E5M2, amax history 1024 as in NVIDIA's recipes), and grouped
     GEMM experts through TE's GroupedLinear. gradient_accumulation_fusion stays off: the output
     layer's fused wgrad kernel is apex's (fused_weight_gradient_mlp_cuda), which the lent
@@ -209,8 +215,6 @@ def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str,
         "masked_softmax_fusion": True,
         "apply_rope_fusion": model.position_embedding == "rope" and model.mla is None,
         "persist_layer_norm": True,
-        "cross_entropy_loss_fusion": True,
-        "cross_entropy_fusion_impl": "native",
         "gradient_accumulation_fusion": False,
     }
     if cfg.precision == "fp8":
@@ -442,6 +446,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
     if cfg.tp_comm_overlap:
         a.append("--tp-comm-overlap")
     a += _recompute_args(cfg, name_modules=False)  # selective: megatron's default module, core_attn
+    a += cross_entropy_args(cfg)
     if cfg.distributed_optimizer:
         a.append("--use-distributed-optimizer")
     if cfg.overlap_grad_reduce:
@@ -483,6 +488,14 @@ def moe_knob_args(cfg: TrainConfig) -> list[str]:
     if cfg.moe_permute_fusion:
         a.append("--moe-permute-fusion")
     return a
+
+
+def cross_entropy_args(cfg: TrainConfig) -> list[str]:
+    """The loss's cross entropy as Megatron-LM flags (megatron/training/arguments.py:
+    --cross-entropy-loss-fusion, --cross-entropy-fusion-impl {native,te}); none when unfused."""
+    if cfg.cross_entropy_impl == "unfused":
+        return []
+    return ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", cfg.cross_entropy_impl]
 
 
 def _parallel_size_args(cfg: TrainConfig) -> list[str]:
@@ -529,6 +542,7 @@ def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[s
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
     a += _recompute_args(cfg, name_modules=True)
+    a += cross_entropy_args(cfg)
     if cfg.distributed_optimizer:
         a.append("--use-distributed-optimizer")
     if cfg.overlap_grad_reduce:
@@ -592,7 +606,7 @@ def layout_args(cfg: TrainConfig) -> list[str]:
     """Only what the layout decides, as Megatron-LM arguments (for the user's own command line,
     which keeps its model, data, tokenizer and optimizer): TP / PP / CP / EP sizes, micro and
     global batch, sequence length, virtual pipeline and uneven split, sequence parallelism,
-    recompute, distributed optimizer, overlap, precision."""
+    recompute, the loss's cross entropy, distributed optimizer, overlap, precision."""
     cfg = effective_config(cfg)
     a = _parallel_size_args(cfg) + ["--seq-length", str(cfg.seq)]
     if cfg.ep > 1 or cfg.etp > 1:
@@ -604,6 +618,7 @@ def layout_args(cfg: TrainConfig) -> list[str]:
     if cfg.tp_comm_overlap:
         a.append("--tp-comm-overlap")
     a += _recompute_args(cfg, name_modules=False)
+    a += cross_entropy_args(cfg)
     if cfg.distributed_optimizer:
         a.append("--use-distributed-optimizer")
     if cfg.overlap_grad_reduce:

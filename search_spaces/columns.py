@@ -9,8 +9,8 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import (MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig,
-                                   moe_knobs_key, quant_name, quant_parts)
+from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS, ClusterSpec,
+                                   ModelSpec, TrainConfig, moe_knobs_key, quant_name, quant_parts)
 from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, model_parallel_choices,
                                          split_choices)
 
@@ -76,7 +76,8 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 overlap_grad=dpcp, overlap_param=col["dist"].astype(bool) & dpcp,
                 tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, QUANTS.index(quant_name(workload.precision, workload.fp8_recipe)), np.int8),
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,
-                extras=[MOE_KNOB_DEFAULTS] * n, same_extras=True)
+                extras=[MOE_KNOB_DEFAULTS] * n, same_extras=True,
+                ce=np.full(n, CROSS_ENTROPY_IMPLS.index(options.cross_entropy_impl or "unfused"), np.int8))
     L.split = col["split"]
     L.splits = splits
     L.precision = workload.precision
@@ -120,6 +121,7 @@ class Layouts:
     splits: list = field(default_factory=list, repr=False)
     precision: str = "bf16"
     same_extras: bool = False  # every row has the same extras (search_spaces.columns)
+    ce: np.ndarray | None = None   # catalog.specs.CROSS_ENTROPY_IMPLS code of the loss (None: all "unfused")
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -159,7 +161,8 @@ class Layouts:
                    overlap_grad=col("overlap_grad_reduce", bool), overlap_param=col("overlap_param_gather", bool),
                    tp_overlap=col("tp_comm_overlap", bool),
                    fp8=np.array([c.quant_code for c in cfgs], np.int8), plan=plan, plans=plans,
-                   configs=cfgs, extras=[c.moe_knobs() for c in cfgs])
+                   configs=cfgs, extras=[c.moe_knobs() for c in cfgs],
+                   ce=np.array([CROSS_ENTROPY_IMPLS.index(c.cross_entropy_impl) for c in cfgs], np.int8))
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -174,7 +177,8 @@ class Layouts:
                 recompute=names[int(self.recompute[i])], sequence_parallel=bool(self.sp[i]),
                 distributed_optimizer=bool(self.dist_opt[i]), overlap_grad_reduce=bool(self.overlap_grad[i]),
                 overlap_param_gather=bool(self.overlap_param[i]), tp_comm_overlap=bool(self.tp_overlap[i]),
-                **dict(zip(MOE_KNOBS, self.extras[i])), **self.splits[int(self.split[i])])
+                **dict(zip(MOE_KNOBS, self.extras[i])), **self.splits[int(self.split[i])],
+                cross_entropy_impl=CROSS_ENTROPY_IMPLS[int(self.ce[i]) if self.ce is not None else 0])
         return c
 
     def key(self, i: int) -> str:

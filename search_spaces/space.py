@@ -57,6 +57,9 @@ class SpaceOptions:
     tp_comm_overlap: bool = False  # needs Transformer Engine
     sequence_parallel: bool = True  # whenever TP > 1 (off where the stack's runner cannot run it)
     distributed_optimizer: tuple[bool, ...] = (True,)
+    # the loss's cross entropy (catalog.specs.CROSS_ENTROPY_IMPLS); None: the stack's layout default
+    # where a stack is known (advisor.api.recommend, advisor.study.make_plan), else "unfused"
+    cross_entropy_impl: str | None = None
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -239,6 +242,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 overlap_grad_reduce=dp * cp > 1,
                                 overlap_param_gather=dist and dp * cp > 1,
                                 tp_comm_overlap=options.tp_comm_overlap and tp > 1,
+                                cross_entropy_impl=options.cross_entropy_impl or "unfused",
                                 **split,
                             )
                             if keep is None or keep(cfg):

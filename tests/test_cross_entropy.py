@@ -1,0 +1,82 @@
+"""The loss's cross entropy as a layout field (issue #27): TrainConfig.cross_entropy_impl, its
+Megatron arguments, the runner's TransformerConfig, the te stack's default, the records' legacy
+value, and what the loss stage holds per logit."""
+from __future__ import annotations
+
+import pytest
+
+from advisor.api import recommend
+from advisor.catalog import SpecError, load_model
+from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, TrainConfig
+from advisor.models.dataset import legacy_config
+from advisor.models.memory import CROSS_ENTROPY_FP32_COPIES, peak_memory_many, stage_memory
+from advisor.models.profiles import apply_layout_defaults, stack_cross_entropy
+from advisor.runners.megatron_args import (cross_entropy_args, layout_args, megatron_lm_args, refusal_reason,
+                                           transformer_config_kwargs)
+from advisor.search_spaces.columns import Layouts
+
+LLAMA = load_model("llama3-8b").with_layers(4)
+CFG = TrainConfig(dp=4, mbs=2, gbs=32, seq=4096)
+
+
+def test_the_field_is_checked_and_round_trips():
+    assert TrainConfig().cross_entropy_impl == "unfused"  # Megatron-LM's default: no loss fusion
+    with pytest.raises(SpecError, match="cross_entropy_impl must be one of unfused, native, te"):
+        TrainConfig(cross_entropy_impl="fast")
+    for impl in CROSS_ENTROPY_IMPLS:
+        cfg = CFG.replace(cross_entropy_impl=impl)
+        assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+        assert Layouts.of(LLAMA, [cfg]).config(0).cross_entropy_impl == impl
+
+
+def test_megatron_flags_and_the_runners_transformer_config():
+    assert cross_entropy_args(CFG) == []
+    te = CFG.replace(cross_entropy_impl="te")
+    flags = ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"]
+    for args in (megatron_lm_args(LLAMA, te), megatron_lm_args(LLAMA, te, runner=True), layout_args(te)):
+        i = args.index("--cross-entropy-loss-fusion")
+        assert args[i:i + 3] == flags
+    assert "--cross-entropy-loss-fusion" not in megatron_lm_args(LLAMA, CFG)
+    for impl, fused, name in (("unfused", False, "native"), ("native", True, "native"), ("te", True, "te")):
+        for stack in ("local", "te"):
+            kw = transformer_config_kwargs(LLAMA, CFG.replace(cross_entropy_impl=impl), stack)
+            assert (kw["cross_entropy_loss_fusion"], kw["cross_entropy_fusion_impl"]) == (fused, name)
+    assert "Transformer Engine" in refusal_reason(LLAMA, te, 4, "local")
+    assert refusal_reason(LLAMA, te, 4, "te") is None
+    assert refusal_reason(LLAMA, CFG.replace(cross_entropy_impl="native"), 4, "local") is None
+
+
+def test_stacks_and_records():
+    assert stack_cross_entropy("te") == "te" and stack_cross_entropy("local") == "unfused"
+    assert apply_layout_defaults(CFG, "te").cross_entropy_impl == "te"
+    assert apply_layout_defaults(CFG, "te", explicit={"cross_entropy_impl"}).cross_entropy_impl == "unfused"
+    # the te runner ran megatron-core's native fused cross entropy before the layout carried it
+    assert legacy_config(CFG.to_dict() | {"cross_entropy_impl": "te"}, LLAMA, "te")["cross_entropy_impl"] == "te"
+    old = {k: v for k, v in CFG.to_dict().items() if k != "cross_entropy_impl"}
+    assert legacy_config(old, LLAMA, "te")["cross_entropy_impl"] == "native"
+    assert "cross_entropy_impl" not in legacy_config(old, LLAMA, "local")
+
+
+def test_loss_stage_bytes_per_logit_by_implementation():
+    """bf16 logits (2 B) + 4 B per fp32 tensor: unfused 6, native 10, te 2; only the loss stage."""
+    logits = CFG.seq * CFG.mbs * LLAMA.vocab_size
+    got = {impl: stage_memory(LLAMA, CFG.replace(cross_entropy_impl=impl))[0].logits_gib for impl in CROSS_ENTROPY_IMPLS}
+    f = 1.0 + 0.08  # the default fragmentation multiplies the logits
+    for impl, copies in CROSS_ENTROPY_FP32_COPIES.items():
+        assert got[impl] == pytest.approx(logits * (2 + 4 * copies) * f / 2**30)
+    assert got["te"] < got["unfused"] < got["native"]
+    pp = CFG.replace(pp=2, dp=2)
+    for impl in CROSS_ENTROPY_IMPLS:
+        st = stage_memory(LLAMA, pp.replace(cross_entropy_impl=impl))
+        assert st[0].logits_gib == 0 and st[1].logits_gib == pytest.approx(got[impl])  # the same micro-batch on the last stage
+    # the arrays hold each row's own implementation
+    cfgs = [CFG.replace(cross_entropy_impl=i) for i in CROSS_ENTROPY_IMPLS]
+    many = peak_memory_many(LLAMA, Layouts.of(LLAMA, cfgs))
+    assert many.tolist() == pytest.approx([max(s.total_gib for s in stage_memory(LLAMA, c)) for c in cfgs])
+
+
+def test_recommend_takes_the_stacks_cross_entropy():
+    te = recommend("llama3-8b", "h100x8", top=3, stack="te")
+    local = recommend("llama3-8b", "h100x8", top=3, stack="local")
+    assert {r.config.cross_entropy_impl for r in te.recommendations} == {"te"}
+    assert {r.config.cross_entropy_impl for r in local.recommendations} == {"unfused"}
