@@ -283,7 +283,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
 
     st = get_stack(stack)
     if options is None:
-        options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
+        options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")),
+                                    moe_fusion=bool(st.layout_defaults.get("moe_permute_fusion")))
     if options.cross_entropy_impl is None:  # the stack's loss (te: TE's fused cross entropy, as the recipes)
         options = dataclasses.replace(options, cross_entropy_impl=stack_cross_entropy(st.name))
     if objective not in OBJECTIVES:
@@ -565,7 +566,7 @@ def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[st
     v.setdefault("overlap_param_gather", bool(v["distributed_optimizer"]) and dp * cp > 1)
     v["dp"] = dp
     explicit = {k for k in LAYOUT_KEYS if values.get(k) is not None}
-    return apply_layout_defaults(TrainConfig.from_dict(v), stack, explicit)
+    return apply_layout_defaults(TrainConfig.from_dict(v), stack, explicit, moe=model.is_moe)
 
 
 def predict_layout(model: str | ModelSpec, cluster: str | ClusterSpec, values: Mapping[str, Any],

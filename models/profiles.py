@@ -37,11 +37,16 @@ class Stack:
         f = self.generations.get(getattr(gpu, "generation", ""))
         return f if f is not None and f.is_file() else self.file
 
-    def defaults_for(self, tp: int, sequence_parallel: bool) -> dict[str, Any]:
+    def defaults_for(self, tp: int, sequence_parallel: bool, moe: bool = False) -> dict[str, Any]:
+        """The stack's defaults for a layout: TP-comm overlap where TP > 1 with SP; the MoE knobs
+        (moe_*) only for a MoE model (a dense model has no router or permutation to fuse)."""
         out = {}
         for k, v in self.layout_defaults.items():
             if k == "tp_comm_overlap":  # TE userbuffers overlap TP communication where SP is on
                 out[k] = bool(v) and tp > 1 and sequence_parallel
+            elif k.startswith("moe_"):
+                if moe:
+                    out[k] = v
             else:
                 out[k] = v
         return out
@@ -81,8 +86,10 @@ def stack_cross_entropy(stack: str | None) -> str:
     return get_stack(stack).layout_defaults.get("cross_entropy_impl", "unfused")
 
 
-def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping[str, Any] = ()) -> TrainConfig:
-    """`cfg` with the stack's layout defaults for the knobs not in `explicit` (what the user set)."""
+def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping[str, Any] = (),
+                          moe: bool = False) -> TrainConfig:
+    """`cfg` with the stack's layout defaults for the knobs not in `explicit` (what the user set);
+    `moe`: the model is a MoE (its moe_* defaults apply)."""
     s = get_stack(stack)
-    d = {k: v for k, v in s.defaults_for(cfg.tp, cfg.sequence_parallel).items() if k not in explicit}
+    d = {k: v for k, v in s.defaults_for(cfg.tp, cfg.sequence_parallel, moe).items() if k not in explicit}
     return cfg.replace(**d) if d else cfg

@@ -76,12 +76,21 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 overlap_grad=dpcp, overlap_param=col["dist"].astype(bool) & dpcp,
                 tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, QUANTS.index(quant_name(workload.precision, workload.fp8_recipe)), np.int8),
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,
-                extras=[MOE_KNOB_DEFAULTS] * n, same_extras=True,
+                extras=[_moe_defaults(model, options)] * n, same_extras=True,
                 ce=np.full(n, CROSS_ENTROPY_IMPLS.index(options.cross_entropy_impl or "unfused"), np.int8))
     L.split = col["split"]
     L.splits = splits
     L.precision = workload.precision
     return L
+
+
+def _moe_defaults(model: ModelSpec, options: SpaceOptions) -> tuple:
+    """The MoE knobs of every layout of the space: megatron-core's defaults, with TE's fused router
+    and permutation on a MoE model where the options ask for them (the te stack's recipes)."""
+    if not (options.moe_fusion and model.is_moe):
+        return MOE_KNOB_DEFAULTS
+    d = dict(zip(MOE_KNOBS, MOE_KNOB_DEFAULTS), moe_router_fusion=True, moe_permute_fusion=True)
+    return tuple(d[k] for k in MOE_KNOBS)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -60,10 +60,23 @@ def test_fused_permutation_and_router_are_cheaper_and_lose_their_per_expert_laun
 
 def test_te_stack_turns_on_the_recipes_fusions_and_the_local_stack_does_not():
     cfg = TrainConfig(dp=8, ep=8, mbs=1, gbs=64)
-    te = apply_layout_defaults(cfg, "te")
+    te = apply_layout_defaults(cfg, "te", moe=True)
     assert te.moe_permute_fusion and te.moe_router_fusion and "-rfuse-pfuse" in te.key()
-    assert apply_layout_defaults(cfg, "local") == cfg
-    assert not apply_layout_defaults(cfg, "te", explicit={"moe_permute_fusion": False}).moe_permute_fusion
+    assert apply_layout_defaults(cfg, "local", moe=True) == cfg
+    assert not apply_layout_defaults(cfg, "te", explicit={"moe_permute_fusion": False}, moe=True).moe_permute_fusion
+    # a dense model has no router or permutation: its layout keeps megatron-core's defaults
+    dense = apply_layout_defaults(TrainConfig(dp=8, mbs=1, gbs=64), "te")
+    assert not dense.moe_permute_fusion and not dense.moe_router_fusion and "fuse" not in dense.key()
+
+
+def test_recommend_space_fuses_moe_only_for_moe_models():
+    """recommend's space under te: a MoE model's layouts carry the recipes' fusions, a dense
+    model's do not (predict's flags give the same layout as recommend's, key for key)."""
+    from advisor.api import recommend
+    moe_top = recommend("mixtral-8x7b", "h100x64", top=1, stack="te").recommendations[0].config
+    assert moe_top.moe_permute_fusion and moe_top.moe_router_fusion
+    dense_top = recommend("llama3-8b", "h100x8", top=1, stack="te").recommendations[0].config
+    assert not dense_top.moe_permute_fusion and not dense_top.moe_router_fusion
 
 
 def test_shipped_te_profile_has_the_stack_moe_constants():
