@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's code, not whichever copy is installed
 
 FILE = ROOT / "tests" / "data" / "frozen_predictions.json.gz"
-HF = ROOT / "tests" / "data" / "hf_configs"
+HF = Path("tests") / "data" / "hf_configs"  # relative to ROOT in the file: any checkout reads it (model_path)
 RTOL = 1e-9
 
 # (model, cluster, workload overrides, space options (SpaceOptions keyword arguments), layouts taken
@@ -79,7 +79,7 @@ def resolve_space(model: str, cluster: str, wl_over: dict, opts: dict):
     from advisor.api import default_workload, resolve
     from advisor.search_spaces.space import SpaceOptions, Workload, enumerate_layouts
 
-    m, c = resolve(model, cluster)
+    m, c = resolve(model_path(model), cluster)
     base = default_workload(m, c)
     wl = Workload(seq=wl_over.get("seq", base.seq), gbs=wl_over.get("gbs", base.gbs),
                   precision=wl_over.get("precision", base.precision))
@@ -144,7 +144,7 @@ def entries() -> list[dict]:
 
         from advisor.api import resolve
 
-        m, c = resolve(model, cluster)
+        m, c = resolve(model_path(model), cluster)
         cfg = TrainConfig(dp=c.world_size // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1)),
                           **fields)
         base = {"model": model, "cluster": cluster, "cfg": cfg_fields(cfg)}
@@ -187,7 +187,7 @@ def run(entry: dict):
     from advisor.models.step_time import stage_times, step_time
     from advisor.placement.stage_heat import stage_heat
 
-    m, c = resolve(entry["model"], entry["cluster"])
+    m, c = resolve(model_path(entry["model"]), entry["cluster"])
     call = entry["call"]
     if call == "calibrated":
         cal = resolve_calibration("default", entry["stack"], c.gpu)
@@ -220,9 +220,16 @@ def run(entry: dict):
     raise ValueError(call)
 
 
+def model_path(name: str) -> str:
+    """A frozen entry's model: a catalog name, or an HF config path relative to this checkout."""
+    return str(ROOT / name) if name.endswith(".json") and not Path(name).is_absolute() else name
+
+
 def plain(v):
-    """JSON round trip (tuples become lists, as in the file)."""
-    return json.loads(json.dumps(v))
+    """JSON round trip (tuples become lists, as in the file); paths inside this checkout (a
+    calibrated prediction's profile file) relative to it, so any checkout or worktree compares."""
+    root = json.dumps(str(ROOT) + "/")[1:-1]
+    return json.loads(json.dumps(v).replace(root, ""))
 
 
 def diff(a, b, path="") -> list[str]:

@@ -82,8 +82,22 @@ class Constants:
     gemm_half_dim_fp4: float = 384.0
     # Flash-attention forward efficiency relative to dense peak (FlashAttention-2 paper reports
     # 50-73% of peak forward on A100/H100); backward does 2.5x the forward FLOPs.
+    # Since the window fit: the efficiency of full causal attention at the reference shape (seq 8192,
+    # head dim 128; models/attention.py prices other shapes from the kernels' tiles relative to it).
     attention_efficiency: float = 0.55
     attention_backward_factor: float = 2.5
+    # Fixed cost of one fused-attention thread block besides its tiles, in tile-times: pipeline fill
+    # and drain, its Q (forward) / K, V (backward) load and O / dK, dV store, and the per-row
+    # memory-bound passes (dO.O preprocess, dQ accumulator clear + convert, GQA dK / dV reduction:
+    # ~20-30 x head_dim bytes per row and head, ~3 tile-times of a 128-row block on H100). Plausible
+    # 1-8. Fitted on TE's measured window / full attention (bench/fit_window_attention.py: 5.26;
+    # leave-one-shape-out 5.07-5.44).
+    attention_edge_tiles: float = 5.26
+    # Fused attention's efficiency at head dim 256 relative to 128 (FA3's 256 kernels: 128 x 80 / 64 x 80
+    # tiles with one consumer warpgroup in the backward vs 64 x 128 with two). Plausible 0.6-1.0;
+    # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward:
+    # bench/fit_window_attention.py.
+    attention_hdim256_efficiency: float = 0.826
     # Fraction of peak HBM bandwidth that elementwise / normalisation kernels reach (fitted;
     # measured device-to-device copy: 4.3 of 4.8 TB/s on H200 = 0.9, kernels reach less).
     hbm_efficiency: float = 0.70

@@ -17,6 +17,8 @@ from typing import Sequence
 import numpy as np
 
 from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
+from advisor.models.attention import attention_head_dim, cp_ring_calls
+from advisor.models.attention import shape_factor as attention_shape_factor
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.memory import stage_param_arrays
@@ -297,10 +299,16 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     # flash attention (BF16 also under fp8): each of the T local queries of a CP rank attends over
     # the whole causal context (load-balanced CP holds seq / cp queries and exchanges K, V), so the
     # work per GPU is (work per token at the full sequence) x T / tp, whatever the CP split; a
-    # windowed layer's queries see only their window (flops.keys_per_query)
+    # windowed layer's queries see only their window (flops.keys_per_query). The kernels compute
+    # whole tiles along the band's edges and pay a fixed cost per thread block (models/attention.py:
+    # shape_factor, 1 at attention_efficiency's reference shape); under CP's ring each step is a
+    # kernel call of its own (a sliding-window layer's all-gather CP: one call)
     window = model.layer_window(layer)
     attn_flops = attention_core_flops_per_token(model, cfg.seq, layer=layer) * T / t
-    attn = attn_flops / bf16_peak / c.attention_efficiency
+    ring = cfg.cp > 1 and not (window and model.window_type == "sliding")
+    shape = attention_shape_factor(cfg.seq, window, model.window_type, attention_head_dim(model), c,
+                                   cp_ring_calls(cfg.cp) if ring else 1.0)
+    attn = attn_flops / bf16_peak / c.attention_efficiency * shape
     st.attention_s += attn
     # memory-bound kernels; norms beyond the two pre-norms (post-norms) and the q / k norms each
     # read and write their input once

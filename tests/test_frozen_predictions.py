@@ -62,7 +62,7 @@ def test_arrays_match_the_frozen_predictions():
             groups[(e["model"], e["cluster"])].append(e)
     bad = []
     for (model, cluster), es in groups.items():
-        m, c = resolve(model, cluster)
+        m, c = resolve(fz.model_path(model), cluster)
         caps = np.array([e.get("cap", c.power_cap_w) for e in es], float)
         res = vz.evaluate(m, c, vz.Layouts.of(m, [TrainConfig(**e["cfg"]) for e in es]), DEFAULT, caps=caps)
         for i, e in enumerate(es):
