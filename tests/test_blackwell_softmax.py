@@ -53,3 +53,28 @@ def test_every_nvidia_gpu_with_a_rate_has_its_source():
     for name in ("a100-80g", "h100", "h200", "b200", "gb200", "b300", "gb300"):
         g = load_gpu(name)
         assert g.sfu_exp_tera_per_s > 0 and g.sources.get("sfu_exp_tera_per_s", "").strip(), name
+
+
+def test_mfu_is_against_the_peak_of_the_formats_the_gemms_run_in():
+    from advisor.models.quant import mfu_peak_tflops
+    from advisor.catalog.specs import QUANTS
+    from advisor.models.predict import predict
+
+    m, g = load_model("llama3.1-405b"), load_gpu("gb300")
+    code = {q: i for i, q in enumerate(QUANTS)}
+    assert mfu_peak_tflops(m, 8192, g, code["bf16"]) == g.bf16_tflops
+    # between the BF16 peak and the format's: core attention and the output layer stay BF16
+    assert g.bf16_tflops < mfu_peak_tflops(m, 8192, g, code["fp8"]) < g.fp8_tflops
+    assert g.fp8_tflops < mfu_peak_tflops(m, 8192, g, code["nvfp4"]) < g.fp4_tflops
+    # the published GB300 NVFP4 405B runs: MFU below 1 (against the BF16 peak it read above 1)
+    from advisor.models import published as P
+    from advisor.models.calibrate import resolve_calibration
+
+    c = resolve_calibration("default", "te", g).constants
+    runs = [r for r in P.load() if r.usable and r.gpu_type == "GB300" and r.cfg.precision == "nvfp4"
+            and r.model_key == "llama3.1_405b"]
+    assert runs
+    for r in runs:
+        p = predict(r.model, r.cluster, r.cfg, c, check_legal=False)
+        assert 0.2 < p.mfu < 1.0
+        assert p.tflops_per_gpu / g.bf16_tflops > 1.0
