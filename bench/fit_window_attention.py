@@ -11,7 +11,7 @@ leave-one-shape-out (each head shape predicted by the constants fitted on the ot
 head-dim-256 efficiency then falls back to its prior when the one head-dim-256 shape is left out).
 The printed values are the ones models/constants.py and bench/window_attention_check.py carry::
 
-    python bench/fit_window_attention.py data/measurements/h100x1-window-attention.jsonl
+    python bench/fit_window_attention.py data/microbench/h100x1-window-attention.jsonl
 """
 from __future__ import annotations
 

@@ -287,6 +287,9 @@ class GPUSpec:
     # answers for it (models/profiles.py) and which number formats its tensor cores run
     generation: str = ""
     fp4_tflops: float = 0.0  # dense NVFP4 / MXFP4 peak; 0 = no FP4 tensor cores
+    # exponentials per second of its special function units (MUFU.EX2), in 10^12/s: the softmax of
+    # fused attention (models/step_time.softmax_stretch); 0 = not known (attention at the tensor rate)
+    sfu_exp_tera_per_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property

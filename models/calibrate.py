@@ -39,6 +39,7 @@ from advisor.models.features import FEATURE_NAMES, features
 from advisor.models.flops import training_flops_per_token
 from advisor.models.power import power_at_step
 from advisor.models.predict import Prediction, power_fields, predict
+from advisor.models.quant import mfu_peak_tflops
 from advisor.models.overrides import (CLUSTER_KEYS, LAYOUT_BOOL, LAYOUT_INT, LAYOUT_STR, MODEL_KEYS,  # noqa: F401
                                       OVERRIDE_KEYS, apply_overrides, override_workload, parse_sets)
 from advisor.models.surrogate import MIN_ROWS, ResidualGP
@@ -579,7 +580,8 @@ class Calibration:
         pw = self.power_of(model, cluster, cfg, step) if pw is None else pw
         d.update(power_fields(pw))
         d.update(feasible=feasible, reason=reason, tokens_per_s_per_gpu=tps, step_time_s=step,
-                 tflops_per_gpu=tflops, mfu=tflops / cluster.gpu.bf16_tflops, memory_gib_per_gpu=mem,
+                 tflops_per_gpu=tflops, mfu=tflops / mfu_peak_tflops(model, cfg.seq, cluster.gpu, cfg.quant_code),
+                 memory_gib_per_gpu=mem,
                  memory_per_stage_gib=[s * scale for s in p.memory_per_stage_gib],
                  energy_j_per_token=pw.mean_power_w * n * step / tokens)
         iv = {t: [e[1], e[2]] for t, e in est.items()}

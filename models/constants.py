@@ -95,9 +95,21 @@ class Constants:
     attention_edge_tiles: float = 5.26
     # Fused attention's efficiency at head dim 256 relative to 128 (FA3's 256 kernels: 128 x 80 / 64 x 80
     # tiles with one consumer warpgroup in the backward vs 64 x 128 with two). Plausible 0.6-1.0;
-    # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward:
-    # bench/fit_window_attention.py.
-    attention_hdim256_efficiency: float = 0.826
+    # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward, with
+    # the softmax's SFU time (step_time.softmax_stretch: 0.889 at head dim 256 on H100) priced
+    # apart: bench/fit_window_attention.py (0.735; 0.826 before the SFU term, which it now excludes).
+    attention_hdim256_efficiency: float = 0.735
+    # The softmax's exponentials run on the special function units (SFU, MUFU.EX2), not the tensor
+    # cores: one per attention score forward, and one again backward (P recomputed), against
+    # 2·(d_qk + d_v) tensor FLOPs per score forward and attention_backward_factor times that
+    # backward (step_time.softmax_stretch). Their time over the tensor time per score forward, r,
+    # is 0.5 on an H100 at head dim 128 (16 exponentials vs 4096 dense BF16 FLOPs per clock per SM
+    # (CUDA C++ Programming Guide throughput table; Together AI's FlashAttention-4 blog), 512 FLOPs
+    # per score): the GPU and head size attention_efficiency is defined (and was fitted) at, so
+    # an H100 at head dim 128 keeps its attention time; B200 / GB200 (r 0.88-0.98: tensor rate
+    # 2.25-2.5x H100's, about as many exponentials per second) are slower per FLOP, B300 / GB300
+    # (SFU rate doubled: r 0.41-0.46) about as fast as an H100 per FLOP.
+    attention_exp_ratio_ref: float = 0.5
     # Fraction of peak HBM bandwidth that elementwise / normalisation kernels reach (fitted;
     # measured device-to-device copy: 4.3 of 4.8 TB/s on H200 = 0.9, kernels reach less).
     hbm_efficiency: float = 0.70

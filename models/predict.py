@@ -9,6 +9,7 @@ from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import training_flops_per_token
 from advisor.models.memory import StageMemory, stage_memory
 from advisor.models.power import PowerEstimate, estimate_power
+from advisor.models.quant import mfu_peak_tflops
 from advisor.models.step_time import StepTime, stage_times, step_time
 from advisor.search_spaces.layout import violations
 
@@ -100,7 +101,7 @@ def assemble(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Consta
     tps = tokens / st.step_time_s / n
     flops = training_flops_per_token(model, cfg.seq)
     tflops = tps * flops / 1e12
-    mfu = tflops / cluster.gpu.bf16_tflops
+    mfu = tflops / mfu_peak_tflops(model, cfg.seq, cluster.gpu, cfg.quant_code)
     bd = st.breakdown()
     bd["phase_fractions"] = phase_fractions(base)
     bd["power_demand_mean_w"] = power.demand_mean_w

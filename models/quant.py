@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from advisor.catalog.specs import QUANTS, GPUSpec
+from advisor.catalog.specs import QUANTS, GPUSpec, ModelSpec
 from advisor.models.constants import QUANT_FORMATS, Constants
+from advisor.models.flops import attention_flops_all_layers, training_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,23 @@ def saved_input_bytes(code: int, c: Constants) -> float:
     """Bytes per saved GEMM-input element (the quantized copy wgrad reads; BF16 under bf16)."""
     name = QUANTS[int(code)]
     return c.bytes_activation if name == "bf16" else c.bytes_fp8_activation * element_bytes(name)
+
+
+def mfu_peak_tflops(model: ModelSpec, seq: int, gpu: GPUSpec, code: int) -> float:
+    """The dense peak (TFLOP/s) MFU divides by: the model FLOPs of a step over the time they
+    would take at the peaks of the formats they run in. Under bf16 the BF16 peak; under FP8 /
+    MXFP8 / NVFP4 the linear layers' GEMMs (6 FLOPs per weight per token, the output layer's
+    excepted) at the format's peak, core attention and the output layer at the BF16 one. An
+    MFU against it stays at or below 1 for any run the GPU can do (against the BF16 peak an
+    NVFP4 run reads above 1)."""
+    name = QUANTS[int(code)]
+    bf16 = gpu.bf16_tflops
+    if name == "bf16":
+        return bf16
+    total = training_flops_per_token(model, seq)
+    high = 3.0 * attention_flops_all_layers(model, seq) + 6.0 * model.vocab_size * model.hidden_size
+    low = max(0.0, total - high)
+    peak = gpu.fp4_tflops if name == "nvfp4" else gpu.fp8_tflops  # as quant() runs them
+    if peak <= 0:  # a format this GPU has no tensor cores for (refused before a prediction)
+        return bf16
+    return total / (low / peak + high / bf16)

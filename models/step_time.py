@@ -208,6 +208,27 @@ def loss_bytes_per_logit(model: ModelSpec, c: Constants) -> float:
     return 6.0 + (c.norm_passes * c.bytes_activation if model.final_logit_softcap else 0.0)
 
 
+def softmax_stretch(model: ModelSpec, gpu, c: Constants) -> float:
+    """Fused attention's time (forward + backward) with the softmax's exponentials on the special
+    function units, over its time at the tensor rate alone, relative to the GPU and head size
+    `Constants.attention_efficiency` is defined at (`attention_exp_ratio_ref`: an H100 at head
+    dim 128, 1.0 there). Per attention score: 2·(d_qk + d_v) tensor FLOPs forward and
+    `attention_backward_factor` times that backward; one exponential forward and one backward
+    (P recomputed), at `GPUSpec.sfu_exp_tera_per_s`, not hidden behind the tensor cores (cuDNN's
+    and FlashAttention-2/3's softmax waits on the scores' GEMM and the next GEMM waits on it: the
+    Blackwell Ultra softmax blog's BMM1 -> softmax -> BMM2 chain). 1.0 where the GPU's SFU rate
+    is not in the catalog."""
+    if not gpu.sfu_exp_tera_per_s:
+        return 1.0
+    if model.mla is not None:
+        dims = model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim + model.mla.v_head_dim
+    else:
+        dims = 2 * model.head_dim
+    r = gpu.bf16_tflops / (gpu.sfu_exp_tera_per_s * 2.0 * dims)  # exp time / tensor time, forward
+    b = c.attention_backward_factor
+    return (1.0 + b + 2.0 * r) / (1.0 + b + 2.0 * c.attention_exp_ratio_ref)
+
+
 def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
                    st: StageTime, tp_link: Link, cp_link: Link, ep_link: Link, etp_link: Link,
                    util_acc: list[float]) -> float:
@@ -308,7 +329,7 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     ring = cfg.cp > 1 and not (window and model.window_type == "sliding")
     shape = attention_shape_factor(cfg.seq, window, model.window_type, attention_head_dim(model), c,
                                    cp_ring_calls(cfg.cp) if ring else 1.0)
-    attn = attn_flops / bf16_peak / c.attention_efficiency * shape
+    attn = attn_flops / bf16_peak / c.attention_efficiency * shape * softmax_stretch(model, gpu, c)
     st.attention_s += attn
     # memory-bound kernels; norms beyond the two pre-norms (post-norms) and the q / k norms each
     # read and write their input once

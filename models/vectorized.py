@@ -27,6 +27,7 @@ from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import memory_arrays, peak_memory_many, stage_memory_of
 from advisor.models.stages import Stages, memo_for
 from advisor.models.power import STAGE_POWER_FIELDS
+from advisor.models.quant import mfu_peak_tflops
 from advisor.models.step_time import (STAGE_FIELDS, STEP_FIELDS, DPTerms, at_clocks_arrays, dp_terms,
                                       stage_time_arrays, step_arrays)
 from advisor.search_spaces.columns import Layouts  # noqa: F401 (Layouts: API)
@@ -439,12 +440,14 @@ def _evaluate(model, cluster, L, c, caps, stage_caps, extra_wait_s, memory) -> R
     seqs, sinv = np.unique(L.seq, return_inverse=True)
     flops = np.array([training_flops_per_token(model, int(s)) for s in seqs])[sinv.reshape(-1)]
     tflops = tps * flops / 1e12
+    sq, qinv = np.unique(np.stack([L.seq, L.fp8]), axis=1, return_inverse=True)
+    mfu_peak = np.array([mfu_peak_tflops(model, int(a), gpu, int(b)) for a, b in sq.T])[qinv.reshape(-1)]
     rowd = {"tokens_per_s_per_gpu": tps, "step_time_s": step, "energy_j_per_step": energy,
             "energy_j_per_token": energy / tokens, "mean_power_w": mean, "throttle_risk": risk,
             "peak_power_w": S.max(power["peak_power_w"]), "clock_ratio": x[crit],
             "sm_clock_mhz": x[crit] * gpu.max_sm_clock_mhz if gpu.max_sm_clock_mhz else np.full(n, np.nan),
             "slowdown": slowdown, "throttle_fraction": S.sum((capped | power["spiking"]).astype(float)) / pp,
-            "steady_temp_c": temp, "tflops_per_gpu": tflops, "mfu": tflops / gpu.bf16_tflops,
+            "steady_temp_c": temp, "tflops_per_gpu": tflops, "mfu": tflops / mfu_peak,
             "demand_mean_w": demand[busiest], "demand_peak_w": demand_peak}
     if memory:
         peak, total_gib = memory_arrays(model, L, c, memo, S)

@@ -13,7 +13,7 @@ from advisor.models.attention import (REFERENCE_HEAD_DIM, REFERENCE_SEQ, cp_ring
 from advisor.models.constants import DEFAULT
 
 ROOT = Path(__file__).resolve().parents[1]
-MEASURED = ROOT / "data" / "measurements" / "h100x1-window-attention.jsonl"
+MEASURED = ROOT / "data" / "microbench" / "h100x1-window-attention.jsonl"
 
 
 def brute_tiles(seq, window, window_type, bm, bn):
