@@ -30,9 +30,7 @@ at all takes the t <= 0 branch of Load.power through np.where.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -274,22 +272,42 @@ def solve_clock(busy: list[Phase], waits: list[tuple[float, float]], gpu: GPUSpe
     return solve_load(Load.of(busy, waits, c), gpu, cap_w, c, power_scale)
 
 
-@lru_cache(maxsize=1024)
+_SCALES: dict = {}
+
+
 def power_scale_for_speed(speed: float, gpu: GPUSpec, cap_w: float, c: Constants = DEFAULT) -> float:
     """The switching-power multiplier under which a saturating GEMM at `cap_w` runs at `speed`
     times the rate it has with multiplier 1 (a slot measured `speed` fast under the cap: its
-    silicon needs 1 / that much more power per operation, in this model's terms)."""
-    g = [Phase("gemm", 1.0)]
-    base = solve_clock(g, [], gpu, cap_w, c)
-    if not base.capped or speed <= 0:
-        return 1.0
-    target = compute_stretch(base.x, c) / speed  # the stretch the slot has
-    lo, hi = 0.2, 5.0
-    for _ in range(50):
-        mid = math.sqrt(lo * hi)
-        s = compute_stretch(solve_clock(g, [], gpu, cap_w, c, mid).x, c)
-        if s > target:
-            hi = mid
-        else:
-            lo = mid
-    return math.sqrt(lo * hi)
+    silicon needs 1 / that much more power per operation, in this model's terms).
+    (power_scales_for_speeds of one.)"""
+    return power_scales_for_speeds([speed], gpu, cap_w, c)[0]
+
+
+def power_scales_for_speeds(speeds: Sequence[float], gpu: GPUSpec, cap_w: float, c: Constants = DEFAULT
+                            ) -> list[float]:
+    """power_scale_for_speed of each speed: the multipliers not found before are bisected
+    together (geometric bisection in [0.2, 5], 50 steps, each step one solve_loads of all of them;
+    the time of a saturating GEMM scales with compute_stretch of the clock the cap holds)."""
+    key = (gpu, float(cap_w), c)
+    miss = sorted({float(v) for v in speeds if (float(v), key) not in _SCALES})
+    if miss:
+        if len(_SCALES) > 4096:
+            _SCALES.clear()
+        g = [Phase("gemm", 1.0)]
+        base = solve_clock(g, [], gpu, cap_w, c)
+        got = np.ones(len(miss))
+        speed = np.array(miss)
+        ok = speed > 0
+        if base.capped and ok.any():
+            target = compute_stretch(base.x, c) / speed[ok]
+            load = Load(*[np.full(int(ok.sum()), v) for v in Load.of(g, (), c).parts()])
+            lo, hi = np.full(len(target), 0.2), np.full(len(target), 5.0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                for _ in range(50):
+                    mid = np.sqrt(lo * hi)
+                    slower = compute_stretch(solve_loads(load, gpu, cap_w, c, mid)[0], c) > target
+                    hi = np.where(slower, mid, hi)
+                    lo = np.where(slower, lo, mid)
+            got[ok] = np.sqrt(lo * hi)
+        _SCALES.update(((v, key), x) for v, x in zip(miss, got.tolist()))
+    return [_SCALES[(float(v), key)] for v in speeds]
