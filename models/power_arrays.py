@@ -501,6 +501,12 @@ class PowerArrays:
         risk = row["throttle_risk"]
         label = "high" if risk >= c.throttle_label_high else "medium" if risk >= c.throttle_label_medium else "low"
         cl = cluster or self.inp.cluster
+        # the stages' energies summed in stage order, as the per-layout objects always have them
+        # (np.add.reduceat of rows_of may pair them: a last-bit difference the JSON outputs show)
+        gps = self.inp.cluster.world_size / len(per)
+        energy = sum(s.energy_j for s in per) * gps
+        row.update(energy_j_per_step=energy, energy_j_per_token=energy / float(self.inp.L.gbs[i] * self.inp.L.seq[i]),
+                   mean_power_w=energy / gps / len(per) / st.step_time_s)
         reason = risk_reason(row["risk_kind"], per, busiest, crit, row["slowdown"], row["demand_peak_w"],
                              row["steady_temp_c"], cl.gpu)
         est = PowerEstimate(
