@@ -254,13 +254,25 @@ def load(path: Path = FILE) -> list[dict]:
         return json.load(f)["entries"]
 
 
+def checkout_relative(v):
+    """A JSON value with the paths of a packaged file (a calibration profile's `file`) taken from
+    the checkout's root on: the file written on one checkout holds on another."""
+    if isinstance(v, dict):
+        return {k: checkout_relative(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [checkout_relative(x) for x in v]
+    if isinstance(v, str) and v.startswith("/") and "/models/data/" in v:
+        return "<ROOT>/models/data/" + v.split("/models/data/", 1)[1]
+    return v
+
+
 def check(frozen: list[dict], only: str | None = None) -> list[str]:
     bad = []
     for e in frozen:
         if only and only not in e["id"]:
             continue
         args = {k: v for k, v in e.items() if k != "out"}
-        bad += [f"{e['id']}{d}" for d in diff(plain(run(args)), e["out"])]
+        bad += [f"{e['id']}{d}" for d in diff(checkout_relative(plain(run(args))), checkout_relative(e["out"]))]
     return bad
 
 

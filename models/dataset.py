@@ -34,33 +34,14 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
+from advisor.models.residuals import ADDITIVE, apply_residual, residual  # noqa: F401 (API: next to TARGETS)
 
 SCHEMA = "advisor.measurement/1"
 STATUSES = ("ok", "oom", "timeout", "crash", "refused", "killed", "skipped")
 TARGETS = ("tokens_per_s_per_gpu", "memory_gib_per_gpu", "mean_power_w", "peak_power_w", "throttle_fraction")
-ADDITIVE = ("throttle_fraction",)  # targets whose residual is a difference (fractions), not a log ratio
 THROTTLE_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 # tokens/s per GPU must equal tokens per step / steps.median_s / GPUs within this fraction
 TPS_TOLERANCE = 0.03
-
-
-def residual(target: str, measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    """What a surrogate learns: log(measured / predicted), or measured - predicted for fractions."""
-    if target in ADDITIVE:
-        return measured - predicted
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.log(measured / predicted)
-
-
-def apply_residual(target: str, predicted, r):
-    if type(predicted) is float and type(r) is float:  # one number (a prediction's interval): no numpy
-        if target in ADDITIVE:
-            return min(max(predicted + r, 0.0), 1.0)
-        return predicted * math.exp(r)
-    if target in ADDITIVE:
-        return np.clip(predicted + r, 0.0, 1.0)
-    return predicted * np.exp(r)
-
 
 
 class DatasetError(SpecError):

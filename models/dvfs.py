@@ -22,13 +22,18 @@ The power limiter holds the power it averages over `limiter_window_s` at the cap
 than the window (the kernels of a microbatch) are averaged; a wait of length L takes part with
 weight window / (window + L). Under a cap the clock is the one at which that average meets the
 cap (`solve_clock`); nothing here stretches time by the cap directly.
+
+Every function takes floats or numpy arrays (one value per pipeline stage of many layouts:
+models/power_arrays.py runs them on arrays; a single stage is a float or an array of one).
+Array callers run them under np.errstate(divide="ignore", invalid="ignore"): a stage with no time
+at all takes the t <= 0 branch of Load.power through np.where.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Sequence
+
+import numpy as np
 
 from advisor.catalog.specs import GPUSpec
 from advisor.models.constants import DEFAULT, Constants
@@ -36,9 +41,22 @@ from advisor.models.constants import DEFAULT, Constants
 PHASES = ("gemm", "attention", "memory", "comm", "wait")
 
 
-def voltage(x: float, c: Constants = DEFAULT) -> float:
+def where(cond, a, b):
+    """`a` where `cond` holds, else `b`: np.where on arrays, a branch on a float."""
+    if isinstance(cond, np.ndarray):
+        return np.where(cond, a, b)
+    return a if cond else b
+
+
+def positive(v):
+    """max(v, 0) of a float or an array."""
+    return np.maximum(v, 0.0) if isinstance(v, np.ndarray) else max(v, 0.0)
+
+
+def voltage(x, c: Constants = DEFAULT):
     """Supply voltage at clock ratio x, relative to the voltage at the maximum clock."""
-    return max(c.vf_min_voltage, 1.0 - c.vf_slope * (1.0 - x))
+    v = 1.0 - c.vf_slope * (1.0 - x)
+    return np.maximum(c.vf_min_voltage, v) if isinstance(v, np.ndarray) else max(c.vf_min_voltage, v)
 
 
 def stretch(x: float, share: float) -> float:
@@ -64,12 +82,19 @@ class Phase:
     """One kind of work on one GPU: seconds per step at the maximum clock, and its activity."""
 
     kind: str          # one of PHASES
-    seconds: float     # at the maximum clock
+    seconds: float     # at the maximum clock (or an array: one per stage)
     utilization: float = 1.0   # GEMM: achieved / best rate at f_max; memory-bound: HBM bandwidth / peak
-    fp8: bool = False
+    fp8: bool = False  # quantized GEMMs (or an array of flags)
 
 
-def phase_stretch(p: Phase, x: float, c: Constants = DEFAULT) -> float:
+def clock_share(kind: str, c: Constants = DEFAULT) -> float:
+    """Share of a phase's time that runs at the SM clock (the rest does not stretch)."""
+    if kind in ("gemm", "attention"):
+        return c.gemm_clock_share
+    return c.memory_sm_clock_share if kind == "memory" else 0.0
+
+
+def phase_stretch(p: Phase, x, c: Constants = DEFAULT):
     if p.kind in ("gemm", "attention"):
         return compute_stretch(x, c)
     if p.kind == "memory":
@@ -77,22 +102,22 @@ def phase_stretch(p: Phase, x: float, c: Constants = DEFAULT) -> float:
     return 1.0
 
 
-def phase_dynamic(p: Phase, c: Constants = DEFAULT) -> tuple[float, float]:
+def phase_dynamic(p: Phase, c: Constants = DEFAULT) -> tuple:
     """(switching power at f_max and v = 1, HBM power), as fractions of TDP - idle."""
     if p.kind == "gemm":
-        w = c.gemm_power * max(p.utilization, 0.0) ** c.gemm_power_exponent
-        return (w * (c.fp8_gemm_power if p.fp8 else 1.0), 0.0)
+        w = c.gemm_power * positive(p.utilization) ** c.gemm_power_exponent
+        return (w * where(p.fp8 != 0, c.fp8_gemm_power, 1.0), 0.0)
     if p.kind == "attention":
         return (c.attention_power, 0.0)
     if p.kind == "memory":
-        b = max(p.utilization, 0.0)  # bytes per second: both parts scale with them
+        b = positive(p.utilization)  # bytes per second: both parts scale with them
         return (c.memory_sm_power * b, c.memory_hbm_power * b)
     if p.kind == "comm":
         return (c.comm_power, 0.0)
     return (c.wait_power, 0.0)
 
 
-def phase_power(p: Phase, x: float, gpu: GPUSpec, c: Constants = DEFAULT, power_scale: float = 1.0) -> float:
+def phase_power(p: Phase, x, gpu: GPUSpec, c: Constants = DEFAULT, power_scale=1.0):
     """Watts of phase p at clock ratio x. `power_scale` multiplies the switching power (hotter or
     leakier silicon needs more power for the same work; placement uses it)."""
     span = gpu.tdp_w - gpu.idle_w
@@ -121,8 +146,7 @@ class Load:
         """Busy phases plus waits and gaps given as (length, weight): w·L seconds of each."""
         t1 = t0 = sw = h1 = h0 = 0.0
         for p in phases:
-            share = c.gemm_clock_share if p.kind in ("gemm", "attention") else (
-                c.memory_sm_clock_share if p.kind == "memory" else 0.0)
+            share = clock_share(p.kind, c)
             w, hbm = phase_dynamic(p, c)
             t1 += p.seconds * share
             t0 += p.seconds * (1.0 - share)
@@ -132,18 +156,32 @@ class Load:
         return cls(t1, t0, sw, h1, h0, sum(length * weight for length, weight in waits),
                    sum(length * weight for length, weight in gaps))
 
-    def seconds(self, x: float) -> float:
+    def seconds(self, x):
         return self.t1 / x + self.t0 + self.wait_s + self.gap_s
 
-    def power(self, x: float, gpu: GPUSpec, c: Constants = DEFAULT, power_scale: float = 1.0) -> float:
-        """Average watts at clock ratio x (the phases' power, time-weighted, in closed form)."""
+    def power(self, x, gpu: GPUSpec, c: Constants = DEFAULT, power_scale=1.0):
+        """Average watts at clock ratio x (the phases' power, time-weighted, in closed form); with
+        no time at all, the clock tree's."""
         t = self.seconds(x)
-        if t <= 0:
-            return gpu.idle_w + (gpu.tdp_w - gpu.idle_w) * c.clock_power * x * voltage(x, c) ** 2 * power_scale
+        span = gpu.tdp_w - gpu.idle_w
         v2 = voltage(x, c) ** 2
+        if not isinstance(t, np.ndarray) and t <= 0:
+            return gpu.idle_w + span * c.clock_power * x * v2 * power_scale
         e = (c.clock_power * x * t + self.switch + c.wait_power * self.wait_s) * v2 * power_scale
-        e += self.hbm1 / x + self.hbm0
-        return gpu.idle_w + (gpu.tdp_w - gpu.idle_w) * e / t
+        e = e + (self.hbm1 / x + self.hbm0)
+        busy = gpu.idle_w + span * e / t
+        if isinstance(t, np.ndarray):
+            empty = t <= 0
+            if empty.any():
+                return np.where(empty, gpu.idle_w + span * c.clock_power * x * v2 * power_scale, busy)
+        return busy
+
+    def take(self, idx) -> "Load":
+        """The stages `idx` of a Load of arrays (float fields stay)."""
+        return Load(*[v[idx] if isinstance(v, np.ndarray) else v for v in self.parts()])
+
+    def parts(self) -> tuple:
+        return (self.t1, self.t0, self.switch, self.hbm1, self.hbm0, self.wait_s, self.gap_s)
 
 
 def min_clock_ratio(c: Constants = DEFAULT) -> float:
@@ -165,40 +203,67 @@ def averaged_power(busy: list[Phase], waits: list[tuple[float, float]], x: float
     return Load.of(busy, waits, c).power(x, gpu, c, power_scale)
 
 
-def limiter_weight(length_s: float, c: Constants = DEFAULT) -> float:
+def limiter_weight(length_s, c: Constants = DEFAULT):
     """How much a wait of this length counts in the limiter's average (1 for short waits)."""
-    return c.limiter_window_s / (c.limiter_window_s + max(length_s, 0.0))
+    return c.limiter_window_s / (c.limiter_window_s + positive(length_s))
 
 
 def solve_load(load: Load, gpu: GPUSpec, cap_w: float, c: Constants = DEFAULT,
                power_scale: float = 1.0) -> ClockSolution:
     """The clock ratio at which `load`'s average power meets `cap_w` (1 when it stays below the
-    cap at the maximum clock; the lowest clock if even that is over). Power rises with x."""
+    cap at the maximum clock; the lowest clock if even that is over). Power rises with x.
+    (solve_loads on a Load of one.)"""
+    one = Load(*[np.atleast_1d(np.asarray(v, float)) for v in load.parts()])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x, demand, capped = solve_loads(one, gpu, np.array([float(cap_w)]), c, power_scale)
+        busy = one.power(x, gpu, c, power_scale)
+    return ClockSolution(float(x[0]), float(busy[0]), float(demand[0]), bool(capped[0]))
+
+
+def solve_loads(load: Load, gpu: GPUSpec, cap, c: Constants = DEFAULT, power_scale=1.0):
+    """solve_load of every stage of a Load of arrays (`cap`, `power_scale`: arrays or floats):
+    (clock ratio, power at the maximum clock, capped), arrays. Regula falsi (Illinois variant) on
+    the stages still unsolved, each with its own iterations and stopping rule (|hi - lo| < 1e-7
+    or within 1e-6 W of the cap, at most 60 steps; the clock held is the bracket's low end)."""
     demand = load.power(1.0, gpu, c, power_scale)
-    if demand <= cap_w:
-        return ClockSolution(1.0, demand, demand, False)
-    lo, hi = min_clock_ratio(c), 1.0
-    p_lo = load.power(lo, gpu, c, power_scale)
-    if p_lo >= cap_w:
-        return ClockSolution(lo, p_lo, demand, True)
-    f_lo, f_hi = p_lo - cap_w, demand - cap_w
-    side = 0
-    for _ in range(60):  # regula falsi, Illinois variant
+    cap = np.broadcast_to(np.asarray(cap, float), np.shape(demand))
+    capped = demand > cap
+    lo_x = min_clock_ratio(c)
+    p_lo = load.power(np.full_like(demand, lo_x), gpu, c, power_scale)
+    x = np.where(capped, lo_x, 1.0)
+    idx = np.flatnonzero(capped & (p_lo < cap))
+    if not len(idx):
+        return x, demand, capped
+    part = load.take(idx)
+    capv = cap[idx]
+    psv = power_scale[idx] if isinstance(power_scale, np.ndarray) else power_scale
+    lo = np.full(len(idx), lo_x)
+    hi = np.ones(len(idx))
+    f_lo = p_lo[idx] - capv
+    f_hi = demand[idx] - capv
+    side = np.zeros(len(idx), np.int8)
+    for _ in range(60):
         mid = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
-        f = load.power(mid, gpu, c, power_scale) - cap_w
-        if f > 0:
-            hi, f_hi = mid, f
-            if side == 1:
-                f_lo /= 2
-            side = 1
-        else:
-            lo, f_lo = mid, f
-            if side == -1:
-                f_hi /= 2
-            side = -1
-        if hi - lo < 1e-7 or abs(f) < 1e-6:
-            break
-    return ClockSolution(lo, load.power(lo, gpu, c, power_scale), demand, True)
+        f = part.power(mid, gpu, c, psv) - capv
+        up = f > 0
+        # f > 0: hi = mid, and f_lo halves when the step before also moved hi (Illinois)
+        f_lo = np.where(up, np.where(side == 1, f_lo / 2, f_lo), f)
+        f_hi = np.where(up, f, np.where(side == -1, f_hi / 2, f_hi))
+        hi = np.where(up, mid, hi)
+        lo = np.where(up, lo, mid)
+        side = np.where(up, 1, -1).astype(np.int8)
+        done = (hi - lo < 1e-7) | (np.abs(f) < 1e-6)
+        if done.any():
+            x[idx[done]] = lo[done]
+            keep = ~done
+            if not keep.any():
+                break
+            idx, lo, hi, f_lo, f_hi, side, capv = idx[keep], lo[keep], hi[keep], f_lo[keep], f_hi[keep], side[keep], capv[keep]
+            part = part.take(keep)
+            psv = psv[keep] if isinstance(psv, np.ndarray) else psv
+    else:
+        x[idx] = lo
+    return x, demand, capped
 
 
 def solve_clock(busy: list[Phase], waits: list[tuple[float, float]], gpu: GPUSpec, cap_w: float,
@@ -207,22 +272,42 @@ def solve_clock(busy: list[Phase], waits: list[tuple[float, float]], gpu: GPUSpe
     return solve_load(Load.of(busy, waits, c), gpu, cap_w, c, power_scale)
 
 
-@lru_cache(maxsize=1024)
+_SCALES: dict = {}
+
+
 def power_scale_for_speed(speed: float, gpu: GPUSpec, cap_w: float, c: Constants = DEFAULT) -> float:
     """The switching-power multiplier under which a saturating GEMM at `cap_w` runs at `speed`
     times the rate it has with multiplier 1 (a slot measured `speed` fast under the cap: its
-    silicon needs 1 / that much more power per operation, in this model's terms)."""
-    g = [Phase("gemm", 1.0)]
-    base = solve_clock(g, [], gpu, cap_w, c)
-    if not base.capped or speed <= 0:
-        return 1.0
-    target = compute_stretch(base.x, c) / speed  # the stretch the slot has
-    lo, hi = 0.2, 5.0
-    for _ in range(50):
-        mid = math.sqrt(lo * hi)
-        s = compute_stretch(solve_clock(g, [], gpu, cap_w, c, mid).x, c)
-        if s > target:
-            hi = mid
-        else:
-            lo = mid
-    return math.sqrt(lo * hi)
+    silicon needs 1 / that much more power per operation, in this model's terms).
+    (power_scales_for_speeds of one.)"""
+    return power_scales_for_speeds([speed], gpu, cap_w, c)[0]
+
+
+def power_scales_for_speeds(speeds: Sequence[float], gpu: GPUSpec, cap_w: float, c: Constants = DEFAULT
+                            ) -> list[float]:
+    """power_scale_for_speed of each speed: the multipliers not found before are bisected
+    together (geometric bisection in [0.2, 5], 50 steps, each step one solve_loads of all of them;
+    the time of a saturating GEMM scales with compute_stretch of the clock the cap holds)."""
+    key = (gpu, float(cap_w), c)
+    miss = sorted({float(v) for v in speeds if (float(v), key) not in _SCALES})
+    if miss:
+        if len(_SCALES) > 4096:
+            _SCALES.clear()
+        g = [Phase("gemm", 1.0)]
+        base = solve_clock(g, [], gpu, cap_w, c)
+        got = np.ones(len(miss))
+        speed = np.array(miss)
+        ok = speed > 0
+        if base.capped and ok.any():
+            target = compute_stretch(base.x, c) / speed[ok]
+            load = Load(*[np.full(int(ok.sum()), v) for v in Load.of(g, (), c).parts()])
+            lo, hi = np.full(len(target), 0.2), np.full(len(target), 5.0)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                for _ in range(50):
+                    mid = np.sqrt(lo * hi)
+                    slower = compute_stretch(solve_loads(load, gpu, cap_w, c, mid)[0], c) > target
+                    hi = np.where(slower, mid, hi)
+                    lo = np.where(slower, lo, mid)
+            got[ok] = np.sqrt(lo * hi)
+        _SCALES.update(((v, key), x) for v, x in zip(miss, got.tolist()))
+    return [_SCALES[(float(v), key)] for v in speeds]

@@ -1,7 +1,7 @@
 """How the analytical model walks layouts: flat (row, stage) indexing of a `Layouts` (one row per
 layout, a single layout is a Layouts of one) and the memo of what is computed once per distinct
 value (one layer's costs for a given shape, a plan's layers per rank). The terms themselves live in
-models/memory.py, step_time.py and power.py; this module holds no physics.
+models/memory.py, step_time.py and power_arrays.py; this module holds no physics.
 
 Stage arrays are flat: the stages of row r at `start[r] : start[r] + pp[r]` (ragged; segment
 reductions with numpy's reduceat).

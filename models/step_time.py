@@ -48,18 +48,23 @@ def gemm_time(m: float, k: float, n: float, peak_flops: float, hbm_bw: float, c:
     return t, flops / (t * peak_flops * eff_max)
 
 
-def collective_time(kind: str, nbytes: float, n: int, bw_gbs: float, latency: float) -> float:
-    """NCCL ring-style cost of a collective over n ranks moving nbytes per rank (the full buffer)."""
-    if n <= 1 or nbytes <= 0:
+def collective_time(kind: str, nbytes, n, bw_gbs, latency):
+    """NCCL ring-style cost of a collective over n ranks moving nbytes per rank (the full buffer).
+    Floats or arrays (one group per element; a group of one rank or no bytes costs nothing)."""
+    arrays = any(isinstance(v, np.ndarray) for v in (nbytes, n, bw_gbs, latency))
+    if not arrays and (n <= 1 or nbytes <= 0):
         return 0.0
     bw = bw_gbs * 1e9
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes / bw + 2 * latency * (n - 1) ** 0.5
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n * nbytes / bw + latency * (n - 1) ** 0.5
-    if kind == "p2p":
-        return nbytes / bw + latency
-    raise ValueError(kind)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if kind == "all_reduce":
+            v = 2.0 * (n - 1) / n * nbytes / bw + 2 * latency * (n - 1) ** 0.5
+        elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            v = (n - 1) / n * nbytes / bw + latency * (n - 1) ** 0.5
+        elif kind == "p2p":
+            v = nbytes / bw + latency
+        else:
+            raise ValueError(kind)
+    return np.where((np.asarray(n) <= 1) | (np.asarray(nbytes) <= 0), 0.0, v) if arrays else v
 
 
 @dataclass
@@ -590,18 +595,6 @@ class DPTerms:
     opt_base: np.ndarray
 
 
-def _coll(kind: str, nbytes, n, bw_gbs, lat):
-    """collective_time on arrays."""
-    n = np.asarray(n, float)
-    bw = bw_gbs * 1e9
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if kind == "all_reduce":
-            v = 2.0 * (n - 1) / n * nbytes / bw + 2 * lat * (n - 1) ** 0.5
-        else:
-            v = (n - 1) / n * nbytes / bw + lat * (n - 1) ** 0.5
-    return np.where((n <= 1) | (nbytes <= 0), 0.0, v)
-
-
 def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
     """group_link on arrays: (bandwidth GB/s, latency)."""
     gpn = cluster.domain_gpus
@@ -625,9 +618,9 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     d = (L.dp * L.cp)[r]
     gb = c.dp_grad_reduce_bytes
     dist = L.dist_opt[r]
-    grad = np.where(dist, _coll("reduce_scatter", dense * gb, d, dbw, dlat) + _coll("reduce_scatter", experts * gb, edp, ebw, elat),
-                    _coll("all_reduce", dense * gb, d, dbw, dlat) + _coll("all_reduce", experts * gb, edp, ebw, elat))
-    gather = np.where(dist, _coll("all_gather", dense * 2, d, dbw, dlat) + _coll("all_gather", experts * 2, edp, ebw, elat),
+    grad = np.where(dist, collective_time("reduce_scatter", dense * gb, d, dbw, dlat) + collective_time("reduce_scatter", experts * gb, edp, ebw, elat),
+                    collective_time("all_reduce", dense * gb, d, dbw, dlat) + collective_time("all_reduce", experts * gb, edp, ebw, elat))
+    gather = np.where(dist, collective_time("all_gather", dense * 2, d, dbw, dlat) + collective_time("all_gather", experts * 2, edp, ebw, elat),
                       0.0)
     shard = np.where(dist, dense / d + experts / edp, dense + experts)
     opt_base = shard * c.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency)

@@ -12,7 +12,7 @@ Thermal model of one stage on one slot (``slot_effect``):
 - a slot's speed under the cap (measured ``speed_at_cap``, leakage taken out, ``slot_speeds``)
   and its leakage at the stage's temperature set a switching-power multiplier: the one under
   which a saturating GEMM at the cap runs that much slower in the DVFS model
-  (models.dvfs.power_scale_for_speed);
+  (models.dvfs.power_scales_for_speeds);
 - clock, slowdown and power then come from models.power.stage_power on that stage, with the
   effective cap and that multiplier.
 
@@ -34,15 +34,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from advisor.catalog.specs import ClusterSpec, SpecError, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
-from advisor.models.dvfs import power_scale_for_speed
+from advisor.models.dvfs import power_scales_for_speeds
 from advisor.placement.profile import NodeProfile, SlotProfile
-from advisor.placement.stage_heat import StageHeat
+from advisor.placement.stage_heat import StageHeat, at_slots
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,28 @@ def slot_effect(heat: StageHeat, slot: SlotProfile, cluster: ClusterSpec,
                 curve: ThrottleCurve = ThrottleCurve(), c: Constants = DEFAULT,
                 speed: float = 1.0) -> SlotEffect:
     """What running stage `heat` on `slot` does: slowdown, mean power, temperature. `speed`: the
-    slot's silicon speed under the cap relative to its node (`slot_speeds`)."""
-    p_thermal = slot.power_at_temp_w(curve.target_c(cluster))
-    cap = max(min(cluster.power_cap_w, p_thermal), cluster.gpu.idle_w + 1.0)
-    t0 = slot.temp_c(min(heat.demand_mean_w, cap))
-    scale = power_scale_for_speed(speed / curve.leakage(t0), cluster.gpu, cluster.power_cap_w, c)
-    sp, slowdown = heat.at_slot(cap, c, scale)
-    limit = "none"
-    if sp.throttled:
-        limit = "thermal" if p_thermal < cluster.power_cap_w else "power cap"
-    return SlotEffect(slowdown, sp.mean_power_w, slot.temp_c(sp.mean_power_w), limit)
+    slot's silicon speed under the cap relative to its node (`slot_speeds`). (slot_effects of one.)"""
+    return slot_effects([(heat, slot, speed)], cluster, curve, c)[0]
+
+
+def slot_effects(pairs: Sequence[tuple[StageHeat, SlotProfile, float]], cluster: ClusterSpec,
+                 curve: ThrottleCurve = ThrottleCurve(), c: Constants = DEFAULT) -> list[SlotEffect]:
+    """slot_effect of every (stage, slot, speed), the stages priced on their slots in one array
+    pass (stage_heat.at_slots)."""
+    caps, rel, limits = [], [], []
+    for heat, slot, speed in pairs:
+        p_thermal = slot.power_at_temp_w(curve.target_c(cluster))
+        cap = max(min(cluster.power_cap_w, p_thermal), cluster.gpu.idle_w + 1.0)
+        t0 = slot.temp_c(min(heat.demand_mean_w, cap))
+        caps.append(cap)
+        rel.append(speed / curve.leakage(t0))
+        limits.append("thermal" if p_thermal < cluster.power_cap_w else "power cap")
+    scales = power_scales_for_speeds(rel, cluster.gpu, cluster.power_cap_w, c)
+    items = [(heat, cap, scale) for (heat, _, _), cap, scale in zip(pairs, caps, scales)]
+    out = []
+    for (sp, slowdown), (_, slot, _), limit in zip(at_slots(items, c), pairs, limits):
+        out.append(SlotEffect(slowdown, sp.mean_power_w, slot.temp_c(sp.mean_power_w), limit if sp.throttled else "none"))
+    return out
 
 
 # ------------------------------------------------------------------------------- rank geometry
@@ -166,18 +179,19 @@ class Assigner:
             if len(s) != cluster.gpus_per_node:
                 raise SpecError(f"profile of node {p.node!r} has {len(s)} GPUs but the cluster has "
                                 f"{cluster.gpus_per_node} per node")
-        cache: dict = {}
-        # eff[node][stage][cuda index]
+        # eff[node][stage][cuda index]: every distinct (stage, slot, speed) priced once, all in one pass
         speeds = [slot_speeds(slots, cluster, curve) for slots in self.slots]
-        self.eff = [[[self._effect(cache, h, s, sp, cluster, curve, c) for s, sp in zip(slots, node_speeds)]
+        keys, pairs = {}, []
+        for slots, node_speeds in zip(self.slots, speeds):
+            for h in heats:
+                for s, sp in zip(slots, node_speeds):
+                    key = (h.stage, s.ambient_c, s.c_per_w, sp)
+                    if key not in keys:
+                        keys[key] = len(pairs)
+                        pairs.append((h, s, sp))
+        effects = slot_effects(pairs, cluster, curve, c)
+        self.eff = [[[effects[keys[(h.stage, s.ambient_c, s.c_per_w, sp)]] for s, sp in zip(slots, node_speeds)]
                      for h in heats] for slots, node_speeds in zip(self.slots, speeds)]
-
-    @staticmethod
-    def _effect(cache, h, s, speed, cluster, curve, c) -> SlotEffect:
-        key = (h.stage, s.ambient_c, s.c_per_w, speed)
-        if key not in cache:
-            cache[key] = slot_effect(h, s, cluster, curve, c, speed)
-        return cache[key]
 
     def stage_time(self, node: int, stage: int, gpu: int) -> float:
         h = self.heats[stage]

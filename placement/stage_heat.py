@@ -6,20 +6,28 @@ only knows the splits Megatron's flags can express (even, or first/last override
 times for any split are built from it exactly: ``stage_times`` on the same layout with one layer
 per stage gives every layer's cost (the embedding rides on layer 0, the head on the last
 layer); a stage is the sum of its layers plus the PP send/recv of its position. Power comes
-from ``models.power.stage_power``: the stage's own phases and waits in the step, under a cap, with
-the DVFS model's constants (the clock its limiter holds, and what that does to its time).
+from the models' power terms on arrays (``models.power_arrays``: the fixed point of the stages'
+clocks and the step, each stage's phases and waits under a cap, with the DVFS model's constants);
+``at_slots`` prices many (stage, slot) pairs in one array pass.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+from advisor.models import dvfs
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import stage_memory
-from advisor.models import dvfs
-from advisor.models.power import StagePower, busy_phases, stage_power
-from advisor.models.step_time import StageTime, StepTime, at_clocks, stage_times, step_time
+from advisor.models.power import StagePower
+from advisor.models.power_arrays import FixedPoint, InStep, busy_phases_of, stage_power_arrays
+from advisor.models.stages import Stages
+from advisor.models.step_time import (StageTime, StepTime, at_clocks_arrays, stage_arrays, stage_objects,
+                                      stage_times, step_time)
+from advisor.search_spaces.columns import Layouts
 from advisor.search_spaces.layout import IllegalLayout, layer_counts
 
 _SUMMED = ("gemm_s", "attention_s", "memory_bound_s", "recompute_s", "tp_comm_s", "cp_comm_s",
@@ -49,14 +57,62 @@ class StageHeat:
 
     def at_slot(self, cap_w: float, c: Constants = DEFAULT, power_scale: float = 1.0) -> tuple[StagePower, float]:
         """This stage on a GPU limited to cap_w whose silicon needs power_scale times the switching
-        power: its power, clock, and the stretch of its compute_s (>= 1)."""
-        st = self.full
-        busy = busy_phases(st, self.step.num_microbatches, c, self.fp8)
-        sp = stage_power(self.step, self.stage, busy, self.cluster.gpu, cap_w, c, power_scale)
+        power: its power, clock, and the stretch of its compute_s (>= 1). (at_slots of one.)"""
+        return at_slots([(self, cap_w, power_scale)], c)[0]
+
+
+def at_slots(items: Sequence[tuple[StageHeat, float, float]], c: Constants = DEFAULT) -> list[tuple[StagePower, float]]:
+    """StageHeat.at_slot of every (stage, cap, switching-power multiplier), in one array pass
+    (models.power_arrays.stage_power_arrays: each stage in its step, the clock its cap holds)."""
+    if not items:
+        return []
+    heats = [h for h, _, _ in items]
+    gpu = heats[0].cluster.gpu
+
+    def col(get):
+        return np.array([float(get(h)) for h in heats])
+
+    steps = [h.step for h in heats]
+    ins = InStep(col(lambda h: h.step.step_time_s), col(lambda h: h.step.pipeline_s),
+                 col(lambda h: h.step.dp_exposed_s), col(lambda h: h.step.optimizer_s),
+                 col(lambda h: h.step.overhead_s), col(lambda h: h.step.stages[h.stage].total_s),
+                 np.array([max(s.total_s for s in st.stages) for st in steps]),
+                 col(lambda h: h.step.stages[h.stage].overhead_s), col(lambda h: h.step.num_microbatches))
+    busy = busy_phases_of(lambda name: col(lambda h: getattr(h.full, name)), ins.m, c, col(lambda h: h.fp8) != 0)
+    cap = np.array([float(v) for _, v, _ in items])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        d = stage_power_arrays(ins, busy, gpu, cap, c, np.array([float(v) for _, _, v in items]), 0.0)
+    cols = {k: v.tolist() for k, v in d.items()}
+    out = []
+    for i, h in enumerate(heats):
+        vals = {k: v[i] for k, v in cols.items()}
+        x = vals["clock_ratio"]
+        sp = StagePower(stage=h.stage, sm_clock_mhz=gpu.max_sm_clock_mhz * x if gpu.max_sm_clock_mhz else None,
+                        **{**vals, "throttled": bool(vals["throttled"]), "spiking": bool(vals["spiking"])})
+        st = h.full
         comp, mb = st.gemm_s + st.attention_s + st.recompute_s, st.memory_bound_s
-        stretch = ((comp * dvfs.compute_stretch(sp.clock_ratio, c) + mb * dvfs.memory_stretch(sp.clock_ratio, 1.0, c))
+        stretch = ((comp * dvfs.compute_stretch(x, c) + mb * dvfs.memory_stretch(x, 1.0, c))
                    / (comp + mb)) if comp + mb else 1.0
-        return sp, stretch
+        out.append((sp, stretch))
+    return out
+
+
+class HeatSteps:
+    """The step of a split (LayerCosts.step_time) with its stages at clocks x, as the arrays the
+    power fixed point (models.power_arrays.FixedPoint) reads; `step`: the last StepTime made."""
+
+    def __init__(self, costs: "LayerCosts", full: dict):
+        self.costs, self.full = costs, full
+        self.extra = np.zeros(1)
+        self.step: StepTime | None = None
+
+    def at(self, x: np.ndarray) -> tuple[dict, dict]:
+        at = at_clocks_arrays(self.full, x, self.costs.c)
+        step = self.step = self.costs.step_time(stage_objects(at, 0, len(x)))
+        totals = np.array([s.total_s for s in step.stages])
+        st = {f: np.array([getattr(step, f)]) for f in ("step_time_s", "pipeline_s", "dp_exposed_s", "optimizer_s")}
+        st.update(totals=totals, slow=np.array([totals.max()]))
+        return at, st
 
 
 class LayerCosts:
@@ -70,6 +126,7 @@ class LayerCosts:
         self.layer = stage_times(model, cluster, one, c)  # index i = layer i (+ embedding / head)
         self.position = stage_times(model, cluster, cfg, c)  # for the PP send/recv of each position
         self.base = step_time(model, cluster, cfg, c)  # DP, optimizer and fixed costs of the step
+        self.S = Stages(Layouts.of(model, [cfg]))  # the layout's stages, as the power arrays index them
 
     def default_counts(self) -> list[int]:
         return layer_counts(self.model, self.cfg)
@@ -129,23 +186,23 @@ class LayerCosts:
         mem = self.memory_gib(counts)
         fp8 = self.cfg.precision == "fp8"
         m = self.cfg.num_microbatches
-        busy_of = [busy_phases(st, m, self.c, fp8) for st in stages]
-        gpu, cap = self.cluster.gpu, self.cluster.power_cap_w
-        x = [1.0] * len(stages)
-        step = self.step_time(stages)
-        for _ in range(12):  # the clocks the cap holds and the step at them, to a fixed point
-            new = [stage_power(step, k, b, gpu, cap, self.c).clock_ratio for k, b in enumerate(busy_of)]
-            done = max(abs(a - b) for a, b in zip(new, x)) < 2e-4
-            x = new
-            step = self.step_time(at_clocks(stages, x, 1.0, self.c))
-            if done:
-                break
+        full = stage_arrays(stages)
+        busy = busy_phases_of(full.__getitem__, m, self.c, fp8)
+        gpu = self.cluster.gpu
+        cap = np.full(len(stages), float(self.cluster.power_cap_w))
+        steps = HeatSteps(self, full)
+        S = self.S
+        with np.errstate(divide="ignore", invalid="ignore"):
+            fp = FixedPoint(steps, S, full, busy, gpu, cap, self.c)
+            x, _, st = fp.solve()  # the clocks the cap holds and the step at them
+            power = stage_power_arrays(fp.inputs(st), busy, gpu, cap, self.c, clock=x)
+        step = steps.step
+        mean, peak, demand = (power[k].tolist() for k in ("mean_power_w", "peak_power_w", "demand_w"))
         out = []
         for k, (st, n, gib) in enumerate(zip(stages, counts, mem)):
-            p = stage_power(step, k, busy_of[k], gpu, cap, self.c, clock=x[k])
-            busy = (st.compute_s + st.memory_bound_s) * m / step.step_time_s
-            out.append(StageHeat(stage=k, layers=n, busy_fraction=busy, mean_power_w=p.mean_power_w,
-                                 peak_power_w=p.peak_power_w, demand_mean_w=p.demand_w,
+            busy_frac = (st.compute_s + st.memory_bound_s) * m / step.step_time_s
+            out.append(StageHeat(stage=k, layers=n, busy_fraction=busy_frac, mean_power_w=mean[k],
+                                 peak_power_w=peak[k], demand_mean_w=demand[k],
                                  time_per_microbatch_s=st.total_s, memory_gib=gib,
                                  compute_s=st.compute_s + st.memory_bound_s,
                                  comm_s=st.total_s - st.compute_s - st.memory_bound_s, step=step,
