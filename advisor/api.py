@@ -283,7 +283,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
 
     st = get_stack(stack)
     if options is None:
-        options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")))
+        options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")),
+                                    gradient_accumulation_fusion=bool(st.layout_defaults.get("gradient_accumulation_fusion")))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:

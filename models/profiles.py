@@ -55,7 +55,10 @@ STACKS: dict[str, Stack] = {
         # and their MoE recipes TE's fused permutation (moe_permute_fusion = True, e.g. Megatron-Bridge
         # recipes/qwen/qwen3_moe*.py, deepseek) and a fused (DeepSeek-V3) or CUDA-graphed (Qwen3)
         # router, priced as moe_router_fusion
-        {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True},
+        # ... and gradient_accumulation_fusion (Megatron-LM's default, on wherever TE or apex is
+        # installed: the wgrad GEMM accumulates into the main grad)
+        {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True,
+         "gradient_accumulation_fusion": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(

@@ -359,11 +359,12 @@ STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed
 def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
     """([K, len(UNIT_FIELDS)] one layer's forward costs per kind (step_time.layer_forward), [K, 2]
     GEMM utilisation sums) for a layer shape (tp, cp, mbs, seq, ep, etp, sp, quant code, TP
-    overlap, MoE knobs, microbatches where they matter)."""
+    overlap, MoE knobs, microbatches where they matter, gradient accumulation fusion of a MoE layer)."""
     def make():
-        tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
+        tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m, gaf = key
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                          **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, **dict(zip(MOE_KNOBS, knobs)))
+                          **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, gradient_accumulation_fusion=gaf,
+                          **dict(zip(MOE_KNOBS, knobs)))
         cl, c = memo.cluster, memo.c
         links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
                  group_link(cl, 1, etp, c))
@@ -408,14 +409,15 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     # with the 1F1B all-to-all overlap (the first and last microbatch have no partner)
     per_m = seq_mlp | (np.array([x[5] for x in extras], bool) if not L.same_extras
                        else np.full(len(extras), bool(extras[0][5])) if extras else False)
+    gaf = L.grad_fusion & model.is_moe  # only the experts' own accumulation is a per-layer term
     first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
-                               np.where(per_m, m, 0)])
+                               np.where(per_m, m, 0), gaf])
     units, utils = [], []
     for i in first:
         knobs = tuple(extras[i])
         key = (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]),
                bool(L.sp[i]), int(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
-               int(m[i]) if per_m[i] else 1)
+               int(m[i]) if per_m[i] else 1, bool(gaf[i]))
         u, ut = layer_units(memo, key)
         units.append(u)
         utils.append(ut)
@@ -490,9 +492,13 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
         one = np.where(vp > 1, one * (1.0 - c.pp_overlap_fraction), one)
         p2p = np.where(ok, p2p + one, p2p)
     out["pp_p2p_s"] = p2p
-    if c.grad_accum_bytes_per_param > 0:
+    # gradient accumulation outside the wgrad GEMMs (gradient_accumulation_fusion off): DDP's hook
+    # adds each weight gradient into the main grad, c.grad_accum_bytes_per_param per parameter of
+    # the stage and microbatch
+    unfused = ~L.grad_fusion[r]
+    if c.grad_accum_bytes_per_param > 0 and unfused.any():
         params = stage_param_arrays(L, memo, S)
-        acc = params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
+        acc = np.where(unfused, params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency), 0.0)
         mb = mb + acc
         backward = backward + acc
     out["memory_bound_s"] = mb
