@@ -131,6 +131,15 @@ class Constants:
     # Fraction of TP communication hidden when tp_comm_overlap is on (needs Transformer Engine
     # user buffers; Megatron reports most of it hidden).
     tp_overlap_fraction: float = 0.7
+    # Fraction of the backward re-gather of the sequence-parallel input (2 all-gathers per layer,
+    # step_time.layer_forward) left exposed: it is issued before the dgrad GEMM and can run behind
+    # it (fitted per stack; 1: none hidden, the start).
+    sp_regather_exposed: float = 1.0
+    # Per ring step of context parallelism, per layer and microbatch, forward + backward: the host-
+    # launched work of Transformer Engine's p2p ring besides the attention and the transfer (the
+    # chunk's attention calls, fp32 output / LSE corrections, dQ / dKV accumulation), seconds.
+    # 0 until fitted: only the te stack runs CP here (fitted on its runs; range 0-2 ms).
+    cp_step_overhead_s: float = 0.0
     # Fraction of the eligible window actually used to hide DP communication (fitted).
     dp_overlap_efficiency: float = 0.8
     # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction

@@ -317,6 +317,13 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     # TP collectives: 2 per layer (all-reduce, or all-gather + reduce-scatter with SP)
     tp_bytes = T * h * e
     tp = 2 * collective_time("all_reduce", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
+    if cfg.sequence_parallel and t > 1:
+        # with SP the column-parallel layers (QKV, FC1) keep only their sequence shard of the input
+        # and all-gather it again in the backward for the weight gradient (TE's LayerNormLinear /
+        # LayerNormMLP, megatron's LinearWithGradAccumulationAndAsyncCommunication): 2 more
+        # all-gathers per layer, issued before the dgrad GEMM; entered at half (the step doubles
+        # TP communication for the backward)
+        tp += c.sp_regather_exposed * collective_time("all_gather", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
     if cfg.tp_comm_overlap:
         tp *= 1.0 - c.tp_overlap_fraction
     st.tp_comm_s += tp
@@ -335,8 +342,14 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
             st.cp_comm_s += collective_time("all_gather", kv_elems * e * cfg.cp, cfg.cp, cp_link.bw_gbs,
                                             cp_link.latency)
         else:
-            ring = (cfg.cp - 1) * collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
-            st.cp_comm_s += max(0.0, ring - attn)
+            # Transformer Engine's p2p ring (AttnFuncWithCPAndKVP2P): cp steps, each the attention
+            # of one K / V chunk (~attn / cp) while the next chunk travels; a step's transfer hides
+            # only behind that step's attention. Each step also costs host-launched kernels (the
+            # chunk's attention calls, the fp32 output / LSE corrections, dQ / dKV accumulation in
+            # the backward): cp_step_overhead_s per step, forward + backward
+            step = collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
+            st.cp_comm_s += (cfg.cp - 1) * max(0.0, step - attn / cfg.cp)
+            st.overhead_s += cfg.cp * c.cp_step_overhead_s
     st.overhead_s += c.layer_overhead_s
     return g + attn + mb + fp8_fwd
 
