@@ -318,12 +318,16 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     tp_bytes = T * h * e
     tp = 2 * collective_time("all_reduce", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
     if cfg.sequence_parallel and t > 1:
-        # with SP the column-parallel layers (QKV, FC1) keep only their sequence shard of the input
-        # and all-gather it again in the backward for the weight gradient (TE's LayerNormLinear /
-        # LayerNormMLP, megatron's LinearWithGradAccumulationAndAsyncCommunication): 2 more
-        # all-gathers per layer, issued before the dgrad GEMM; entered at half (the step doubles
-        # TP communication for the backward)
-        tp += c.sp_regather_exposed * collective_time("all_gather", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
+        # With SP, per layer: forward 2 all-gathers of the column-parallel layers' inputs (QKV,
+        # FC1) and 2 reduce-scatters, backward the same in reverse (entered here at half: the step
+        # doubles TP communication for the backward), plus the inputs all-gathered again in the
+        # backward for the weight gradient (TE's LayerNormLinear / LayerNormMLP, megatron's
+        # LinearWithGradAccumulationAndAsyncCommunication keep only their sequence shard), issued
+        # before the dgrad GEMM. Under FP8 TE casts those inputs before it gathers them
+        # (quantized all-gather): they travel at the format's bytes per element.
+        gin = collective_time("all_gather", T * h * (q.in_bytes if fp8 else e), t, tp_link.bw_gbs, tp_link.latency)
+        gbf = collective_time("all_gather", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
+        tp += (1.0 + c.sp_regather_exposed) * gin - gbf
     if cfg.tp_comm_overlap:
         tp *= 1.0 - c.tp_overlap_fraction
     st.tp_comm_s += tp
