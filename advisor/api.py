@@ -284,7 +284,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     st = get_stack(stack)
     if options is None:
         options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")),
-                                    moe_fusion=bool(st.layout_defaults.get("moe_permute_fusion")))
+                                    moe_fusion=bool(st.layout_defaults.get("moe_permute_fusion")),
+                                    gradient_accumulation_fusion=bool(st.layout_defaults.get("gradient_accumulation_fusion")))
     if options.cross_entropy_impl is None:  # the stack's loss (te: TE's fused cross entropy, as the recipes)
         options = dataclasses.replace(options, cross_entropy_impl=stack_cross_entropy(st.name))
     if objective not in OBJECTIVES:

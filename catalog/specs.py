@@ -422,6 +422,13 @@ class TrainConfig:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     tp_comm_overlap: bool = False
+    # The weight-gradient GEMM accumulates into the main gradient itself (--gradient-accumulation-
+    # fusion: TE's fuse_wgrad_accumulation, apex's fused_weight_gradient_mlp_cuda for the output
+    # layer). Off: megatron's DDP hook adds each weight gradient into the main grad after the GEMM,
+    # one more read and write of the main grad per parameter and microbatch (models/step_time.py).
+    # megatron-core's TransformerConfig default is off; NVIDIA's recipes turn it on (the te stack's
+    # layout default); this project's runner runs it off (apex is missing on its machines).
+    gradient_accumulation_fusion: bool = False
     pp_first_layers: int | None = None
     pp_last_layers: int | None = None
     account_for_embedding: bool = False
@@ -456,7 +463,7 @@ class TrainConfig:
                                or cf != cf or cf == float("inf")):
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
         for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
-                  "moe_permute_fusion"):
+                  "moe_permute_fusion", "gradient_accumulation_fusion"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:

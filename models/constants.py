@@ -90,15 +90,16 @@ class Constants:
     # and drain, its Q (forward) / K, V (backward) load and O / dK, dV store, and the per-row
     # memory-bound passes (dO.O preprocess, dQ accumulator clear + convert, GQA dK / dV reduction:
     # ~20-30 x head_dim bytes per row and head, ~3 tile-times of a 128-row block on H100). Plausible
-    # 1-8. Fitted on TE's measured window / full attention (bench/fit_window_attention.py: 5.26;
-    # leave-one-shape-out 5.07-5.44).
-    attention_edge_tiles: float = 5.26
+    # 1-8. Fitted on TE's measured window / full attention at the te profile's attention_efficiency
+    # (bench/fit_window_attention.py: 4.91 at 0.513; 5.26 at the 0.480 before the session-22 te refit).
+    attention_edge_tiles: float = 4.91
     # Fused attention's efficiency at head dim 256 relative to 128 (FA3's 256 kernels: 128 x 80 / 64 x 80
     # tiles with one consumer warpgroup in the backward vs 64 x 128 with two). Plausible 0.6-1.0;
     # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward, with
     # the softmax's SFU time (step_time.softmax_stretch: 0.889 at head dim 256 on H100) priced
-    # apart: bench/fit_window_attention.py (0.735; 0.826 before the SFU term, which it now excludes).
-    attention_hdim256_efficiency: float = 0.735
+    # apart: bench/fit_window_attention.py (0.708 at the te profile's attention_efficiency 0.513;
+    # 0.826 before the SFU term, which it now excludes).
+    attention_hdim256_efficiency: float = 0.708
     # The softmax's exponentials run on the special function units (SFU, MUFU.EX2), not the tensor
     # cores: one per attention score forward, and one again backward (P recomputed), against
     # 2·(d_qk + d_v) tensor FLOPs per score forward and attention_backward_factor times that
@@ -158,6 +159,15 @@ class Constants:
     # Fraction of TP communication hidden when tp_comm_overlap is on (needs Transformer Engine
     # user buffers; Megatron reports most of it hidden).
     tp_overlap_fraction: float = 0.7
+    # Fraction of the backward re-gather of the sequence-parallel input (2 all-gathers per layer,
+    # step_time.layer_forward) left exposed: it is issued before the dgrad GEMM and can run behind
+    # it (fitted per stack; 1: none hidden, the start).
+    sp_regather_exposed: float = 1.0
+    # Per ring step of context parallelism, per layer and microbatch, forward + backward: the host-
+    # launched work of Transformer Engine's p2p ring besides the attention and the transfer (the
+    # chunk's attention calls, fp32 output / LSE corrections, dQ / dKV accumulation), seconds.
+    # 0 until fitted: only the te stack runs CP here (fitted on its runs; range 0-2 ms).
+    cp_step_overhead_s: float = 0.0
     # Fraction of the eligible window actually used to hide DP communication (fitted).
     dp_overlap_efficiency: float = 0.8
     # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction

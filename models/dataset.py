@@ -257,7 +257,12 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
     if layers is not None and layers != model.num_layers:
         raise _Bad(f"layers = {layers} but the model has {model.num_layers}")
     try:
-        cfg = TrainConfig.from_dict(legacy_config(_get(rec, "config", dict), model, str(rec.get("stack") or "local")))
+        config = legacy_config(_get(rec, "config", dict), model, str(rec.get("stack") or "local"))
+        if isinstance(rec.get("fp8_recipe"), str):
+            # te records before the runner wrote the recipe into the config name it beside it; the
+            # config's fp8_recipe then holds the default (delayed) whatever ran
+            config = {**config, "fp8_recipe": rec["fp8_recipe"]}
+        cfg = TrainConfig.from_dict(config)
     except (SpecError, TypeError, ValueError) as e:
         raise _Bad(f"config: {e}") from None
     cluster = cluster_of(rec)

@@ -319,7 +319,9 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     # ... and each local expert weight's gradient added into its fp32 main grad in the experts'
     # backward (grad_accum_bytes_per_param; inside the phase the runner times, and behind
     # SequentialMLP's host loop when that is slower)
-    x_mem += E_loc * (h * mats * f + f * h) * c.grad_accum_bytes_per_param / hbm
+    # (none with gradient_accumulation_fusion: the grouped wgrad GEMM accumulates into it)
+    if not cfg.gradient_accumulation_fusion:
+        x_mem += E_loc * (h * mats * f + f * h) * c.grad_accum_bytes_per_param / hbm
     gpu = x_gemm + x_mem + c.moe_expert_overhead_s
     # the host launches expert after expert: SequentialMLP each expert's MLP (the GPU waits when
     # that is slower); TE's GroupedLinear one cuBLAS GEMM per local expert in each of its six GEMM

@@ -32,11 +32,13 @@ TE_SETTINGS = {
     # in `torch.float if grad_reduce_in_fp32 else param.dtype` (distributed/distributed_data_parallel.py),
     # and TE's fused wgrad accumulation adds into that bf16 main_grad
     "bytes_grad": 2.0,
-    # TE / apex fused Adam (one kernel per tensor chunk: 30 B/param) and gradient_accumulation_fusion
-    # (the wgrad GEMM accumulates into the fp32 main grad: no separate add), the Megatron-Bridge /
-    # NeMo defaults with Transformer Engine installed (models/constants.py)
+    # TE / apex fused Adam (one kernel per tensor chunk: 30 B/param), the Megatron-Bridge / NeMo
+    # default with Transformer Engine installed (models/constants.py)
     "optimizer_bytes_per_param": 30.0,
-    "grad_accum_bytes_per_param": 0.0,
+    # where gradient_accumulation_fusion is off (a layout field: the te stack's default is on, this
+    # project's runner runs it off), DDP's hook adds the bf16 weight gradient into the bf16 main
+    # grad: read 2 + read 2 + write 2 bytes per parameter and microbatch
+    "grad_accum_bytes_per_param": 6.0,
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
 }
@@ -68,9 +70,27 @@ TE_PRIOR: dict[str, tuple[float, float]] = {
     # overlap_p2p_comm of the interleaved schedule: most of the send/recv behind compute
     "pp_overlap_fraction": (0.6, 0.3),
     # kernel launch and framework time per layer and microbatch: TE runs ~60-100 kernels per layer
-    # forward + backward at ~3-5 us of launch each where the GPU waits on the CPU
-    "layer_overhead_s": (150e-6, 150e-6),
+    # forward + backward (more under FP8: casts, amax updates) at ~3-10 us of eager PyTorch launch
+    # each where the GPU waits on the CPU: 0.2-1 ms
+    "layer_overhead_s": (300e-6, 300e-6),
+    # NCCL all-gather / reduce-scatter on 4 x H100 NVLink, 16 MiB - 1 GiB, fitted in the profile's
+    # form (collective_time: bus bytes / (450 GB/s x efficiency) + latency x sqrt(n - 1)) over groups
+    # of 2 and 4: efficiency 0.597, latency 50 us (bench/te_terms.py on
+    # data/measurements/h100x4-nccl-bw.jsonl; per group the bus bandwidth is 246-254 GB/s over 2,
+    # 312-313 over 4: 0.55-0.70). The microbenchmark's latency holds the host's launch of each call,
+    # which a training step mostly hides: a wide prior
+    "nvlink_efficiency": (0.60, 0.07),
+    "intra_latency_s": (50e-6, 30e-6),
+    # the SP backward re-gather runs on NCCL's stream beside the dgrad GEMM: anywhere from hidden to
+    # exposed (no measurement of its own)
+    "sp_regather_exposed": (0.5, 0.4),
+    # TE's CP ring step: a few attention / correction kernels per step at ~5-10 us of launch each,
+    # forward and backward, ~0.1-0.5 ms (no measurement of its own)
+    "cp_step_overhead_s": (3e-4, 3e-4),
 }
+# the run-to-run spread of our own TE runs (repeats of the same job: 0.2-3.6%, bench/te_check.py)
+# with the power-capped clock they run at: what the model cannot know of one of our runs
+MEASURED_SPREAD = 0.04
 # the spread of published throughput the model cannot know about (container versions, node
 # quality): the same llama3-70b 64-GPU layout republished across containers spans ~8%
 PUBLISHED_SPREAD = 0.08
@@ -84,6 +104,10 @@ TE_FIT: dict[str, tuple[float, float]] = {
     "tp_overlap_fraction": (0.0, 1.0),  # TP communication hidden by userbuffers overlap
     "pp_overlap_fraction": (0.0, 1.0),  # PP send/recv hidden by overlap_p2p_comm (interleaved)
     "layer_overhead_s": (1e-6, 1e-3),  # per layer per microbatch launch / framework time
+    "nvlink_efficiency": (0.3, 1.0),  # NCCL bus bandwidth of the NVLink collectives, fraction of the link
+    "intra_latency_s": (5e-6, 200e-6),  # per NCCL call in a node, seconds
+    "sp_regather_exposed": (0.0, 1.0),  # SP's backward re-gather of the column-parallel inputs left exposed
+    "cp_step_overhead_s": (0.0, 2e-3),  # per CP ring step, layer and microbatch, forward + backward
 }
 
 
@@ -98,6 +122,7 @@ class Row:
     run: PublishedRun
     cfg: object
     weight: float
+    spread: float = PUBLISHED_SPREAD  # what the model cannot know about the row (log scale)
 
     @property
     def y(self) -> float:
@@ -126,6 +151,55 @@ def fit_rows(runs: Iterable[PublishedRun], stack: str = "te",
     for x in rows:
         x.weight = 1.0 / dup[_key(x)]
     return rows, left
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One of our own measured runs (a models.dataset Record) in the shape of a PublishedRun row."""
+
+    row_id: str
+    model_key: str
+    model: object
+    cluster: object
+    cfg: object
+    tokens_per_s_per_gpu: float
+    source_group: str = "measured"
+    family: str = ""
+    fp8_recipe: str = ""
+
+    @property
+    def gpu_type(self) -> str:
+        return self.cluster.gpu.name
+
+    @property
+    def num_gpus(self) -> int:
+        return self.cluster.world_size
+
+
+def measured_rows(records: Iterable, source: str = "measured", spread: float = MEASURED_SPREAD) -> list[Row]:
+    """Rows of measured records (models.dataset Record) as they ran: their config is the runner's,
+    no stack layout defaults; the repeats of one configuration weigh 1 together."""
+    rows = []
+    for r in records:
+        name = r.model.name.split("[")[0]
+        run = MeasuredRun(r.id, name, r.model, r.cluster, r.cfg, float(r.y["tokens_per_s_per_gpu"]), source,
+                          r.model.family or "", r.cfg.fp8_recipe if r.cfg.precision == "fp8" else "")
+        rows.append(Row(run, r.cfg, 1.0, spread))
+    dup = Counter(_key(x) for x in rows)
+    for x in rows:
+        x.weight = 1.0 / dup[_key(x)]
+    return rows
+
+
+def architecture(x: Row) -> str:
+    """A row's architecture for leave-one-architecture-out: the model (llama3-8b, llama3-70b, ...),
+    every GPT-3 size as one ("gpt3": same layer design) and every Nemotron as one ("nemotron")."""
+    key = x.run.model_key.replace("_", "-")
+    if key.startswith("gpt3"):
+        return "gpt3"
+    if x.run.family == "nemotron" or key.startswith("nemotron"):
+        return "nemotron"
+    return key
 
 
 def _key(x: Row) -> tuple:
@@ -157,7 +231,8 @@ def fit(rows: Sequence[Row], base: Constants, names: Sequence[str] = tuple(TE_FI
     centre = np.array([priors.get(n, (getattr(base, n), 0.0))[0] for n in names], float)
     sigma = np.array([priors[n][1] if n in priors else 10.0 * span[i] for i, n in enumerate(names)], float)
     wsum = sum(x.weight for x in rows)
-    w = np.sqrt(np.array([x.weight for x in rows]) * len(rows) / wsum) / spread
+    w = np.sqrt(np.array([x.weight for x in rows]) * len(rows) / wsum) / np.array(
+        [spread if x.spread == PUBLISHED_SPREAD else x.spread for x in rows])
 
     def consts(u):
         return base.replace(**{n: float(v) for n, v in zip(names, lo + span * u)})
@@ -176,12 +251,16 @@ def fit(rows: Sequence[Row], base: Constants, names: Sequence[str] = tuple(TE_FI
 
 
 def cross_validate(rows: Sequence[Row], base: Constants, by: Callable[[Row], str],
-                   names: Sequence[str] = tuple(TE_FIT), **kw) -> tuple[np.ndarray, dict[str, dict]]:
-    """Leave-one-group-out: fit without each group, predict it. Returns the out-of-fold log errors
-    (one per row) and {group: {"n", "mape", "bias"}}."""
+                   names: Sequence[str] = tuple(TE_FIT), only: Iterable[str] | None = None,
+                   **kw) -> tuple[np.ndarray, dict[str, dict]]:
+    """Leave-one-group-out: fit without each group (each of `only`, when given), predict it.
+    Returns the out-of-fold log errors (one per row; NaN for rows never left out) and
+    {group: {"n", "mape", "bias"}}."""
     groups = defaultdict(list)
     for i, x in enumerate(rows):
         groups[by(x)].append(i)
+    if only is not None:
+        groups = {g: idx for g, idx in groups.items() if g in set(only)}
     oof = np.full(len(rows), np.nan)
     out = {}
     for g, idx in sorted(groups.items()):

@@ -59,10 +59,12 @@ STACKS: dict[str, Stack] = {
         # NeMo / Megatron-Bridge performance recipes set tp_comm_overlap for TP > 1 (userbuffers),
         # and their MoE recipes TE's fused permutation (moe_permute_fusion = True, e.g. Megatron-Bridge
         # recipes/qwen/qwen3_moe*.py, deepseek) and a fused (DeepSeek-V3) or CUDA-graphed (Qwen3)
-        # router, priced as moe_router_fusion; and TE's fused cross entropy (Megatron-Bridge's recipes:
-        # cross_entropy_loss_fusion = True, cross_entropy_fusion_impl = "te")
+        # router, priced as moe_router_fusion; TE's fused cross entropy (Megatron-Bridge's recipes:
+        # cross_entropy_loss_fusion = True, cross_entropy_fusion_impl = "te"); and
+        # gradient_accumulation_fusion (Megatron-LM's default, on wherever TE or apex is installed:
+        # the wgrad GEMM accumulates into the main grad)
         {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True,
-         "cross_entropy_impl": "te"},
+         "cross_entropy_impl": "te", "gradient_accumulation_fusion": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(

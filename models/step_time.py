@@ -351,6 +351,17 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     # TP collectives: 2 per layer (all-reduce, or all-gather + reduce-scatter with SP)
     tp_bytes = T * h * e
     tp = 2 * collective_time("all_reduce", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
+    if cfg.sequence_parallel and t > 1:
+        # With SP, per layer: forward 2 all-gathers of the column-parallel layers' inputs (QKV,
+        # FC1) and 2 reduce-scatters, backward the same in reverse (entered here at half: the step
+        # doubles TP communication for the backward), plus the inputs all-gathered again in the
+        # backward for the weight gradient (TE's LayerNormLinear / LayerNormMLP, megatron's
+        # LinearWithGradAccumulationAndAsyncCommunication keep only their sequence shard), issued
+        # before the dgrad GEMM. Under FP8 TE casts those inputs before it gathers them
+        # (quantized all-gather): they travel at the format's bytes per element.
+        gin = collective_time("all_gather", T * h * (q.in_bytes if fp8 else e), t, tp_link.bw_gbs, tp_link.latency)
+        gbf = collective_time("all_gather", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
+        tp += (1.0 + c.sp_regather_exposed) * gin - gbf
     if cfg.tp_comm_overlap:
         tp *= 1.0 - c.tp_overlap_fraction
     st.tp_comm_s += tp
@@ -369,8 +380,14 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
             st.cp_comm_s += collective_time("all_gather", kv_elems * e * cfg.cp, cfg.cp, cp_link.bw_gbs,
                                             cp_link.latency)
         else:
-            ring = (cfg.cp - 1) * collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
-            st.cp_comm_s += max(0.0, ring - attn)
+            # Transformer Engine's p2p ring (AttnFuncWithCPAndKVP2P): cp steps, each the attention
+            # of one K / V chunk (~attn / cp) while the next chunk travels; a step's transfer hides
+            # only behind that step's attention. Each step also costs host-launched kernels (the
+            # chunk's attention calls, the fp32 output / LSE corrections, dQ / dKV accumulation in
+            # the backward): cp_step_overhead_s per step, forward + backward
+            step = collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
+            st.cp_comm_s += (cfg.cp - 1) * max(0.0, step - attn / cfg.cp)
+            st.overhead_s += cfg.cp * c.cp_step_overhead_s
     st.overhead_s += c.layer_overhead_s
     return g + attn + mb + fp8_fwd
 
@@ -393,11 +410,12 @@ STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed
 def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
     """([K, len(UNIT_FIELDS)] one layer's forward costs per kind (step_time.layer_forward), [K, 2]
     GEMM utilisation sums) for a layer shape (tp, cp, mbs, seq, ep, etp, sp, quant code, TP
-    overlap, MoE knobs, microbatches where they matter)."""
+    overlap, MoE knobs, microbatches where they matter, gradient accumulation fusion of a MoE layer)."""
     def make():
-        tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m = key
+        tp, cp, mbs, seq, ep, etp, sp, fp8, tpo, knobs, m, gaf = key
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                          **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, **dict(zip(MOE_KNOBS, knobs)))
+                          **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, gradient_accumulation_fusion=gaf,
+                          **dict(zip(MOE_KNOBS, knobs)))
         cl, c = memo.cluster, memo.c
         links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
                  group_link(cl, 1, etp, c))
@@ -442,14 +460,15 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     # with the 1F1B all-to-all overlap (the first and last microbatch have no partner)
     per_m = seq_mlp | (np.array([x[5] for x in extras], bool) if not L.same_extras
                        else np.full(len(extras), bool(extras[0][5])) if extras else False)
+    gaf = L.grad_fusion & model.is_moe  # only the experts' own accumulation is a per-layer term
     first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, L.tp_overlap, codes,
-                               np.where(per_m, m, 0)])
+                               np.where(per_m, m, 0), gaf])
     units, utils = [], []
     for i in first:
         knobs = tuple(extras[i])
         key = (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]),
                bool(L.sp[i]), int(L.fp8[i]), bool(L.tp_overlap[i]), knobs,
-               int(m[i]) if per_m[i] else 1)
+               int(m[i]) if per_m[i] else 1, bool(gaf[i]))
         u, ut = layer_units(memo, key)
         units.append(u)
         utils.append(ut)
@@ -524,9 +543,13 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
         one = np.where(vp > 1, one * (1.0 - c.pp_overlap_fraction), one)
         p2p = np.where(ok, p2p + one, p2p)
     out["pp_p2p_s"] = p2p
-    if c.grad_accum_bytes_per_param > 0:
+    # gradient accumulation outside the wgrad GEMMs (gradient_accumulation_fusion off): DDP's hook
+    # adds each weight gradient into the main grad, c.grad_accum_bytes_per_param per parameter of
+    # the stage and microbatch
+    unfused = ~L.grad_fusion[r]
+    if c.grad_accum_bytes_per_param > 0 and unfused.any():
         params = stage_param_arrays(L, memo, S)
-        acc = params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency)
+        acc = np.where(unfused, params[:, 0] * c.grad_accum_bytes_per_param / (hbm * c.hbm_efficiency), 0.0)
         mb = mb + acc
         backward = backward + acc
     out["memory_bound_s"] = mb

@@ -56,6 +56,10 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
     reason = refusal(model, cfg, stack)
     if reason:
         return reason
+    if cfg.gradient_accumulation_fusion:
+        # megatron-core's fused wgrad accumulation of the output layer is apex's
+        # fused_weight_gradient_mlp_cuda, which the runner's machines lack
+        return "gradient_accumulation_fusion needs apex, which this runner's machines lack; measure it with --runner command"
     if model.is_moe and cfg.moe_dispatcher == "flex":
         return "the flex dispatcher needs DeepEP, which the runner's machines do not have"
     if model.is_moe and stack == "local" and cfg.moe_router_fusion:

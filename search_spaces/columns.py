@@ -74,7 +74,8 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 vp=col["vp"], mbs=col["mbs"], gbs=np.full(n, workload.gbs, np.int64),
                 seq=np.full(n, workload.seq, np.int64), recompute=col["rc"], sp=tp1 & bool(options.sequence_parallel), dist_opt=col["dist"].astype(bool),
                 overlap_grad=dpcp, overlap_param=col["dist"].astype(bool) & dpcp,
-                tp_overlap=tp1 & bool(options.tp_comm_overlap), fp8=np.full(n, QUANTS.index(quant_name(workload.precision, workload.fp8_recipe)), np.int8),
+                tp_overlap=tp1 & bool(options.tp_comm_overlap),
+                grad_fusion=np.full(n, bool(options.gradient_accumulation_fusion)), fp8=np.full(n, QUANTS.index(quant_name(workload.precision, workload.fp8_recipe)), np.int8),
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,
                 extras=[_moe_defaults(model, options)] * n, same_extras=True,
                 ce=np.full(n, CROSS_ENTROPY_IMPLS.index(options.cross_entropy_impl or "unfused"), np.int8))
@@ -119,6 +120,7 @@ class Layouts:
     overlap_grad: np.ndarray
     overlap_param: np.ndarray
     tp_overlap: np.ndarray
+    grad_fusion: np.ndarray        # gradient_accumulation_fusion
     fp8: np.ndarray                # catalog.specs.QUANTS code of the linear layers' format (0 = bf16)
     plan: np.ndarray
     plans: list
@@ -168,7 +170,7 @@ class Layouts:
                    recompute=np.array([RECOMPUTE_CODES[c.recompute] for c in cfgs], np.int64),
                    sp=col("sequence_parallel", bool), dist_opt=col("distributed_optimizer", bool),
                    overlap_grad=col("overlap_grad_reduce", bool), overlap_param=col("overlap_param_gather", bool),
-                   tp_overlap=col("tp_comm_overlap", bool),
+                   tp_overlap=col("tp_comm_overlap", bool), grad_fusion=col("gradient_accumulation_fusion", bool),
                    fp8=np.array([c.quant_code for c in cfgs], np.int8), plan=plan, plans=plans,
                    configs=cfgs, extras=[c.moe_knobs() for c in cfgs],
                    ce=np.array([CROSS_ENTROPY_IMPLS.index(c.cross_entropy_impl) for c in cfgs], np.int8))
@@ -186,6 +188,7 @@ class Layouts:
                 recompute=names[int(self.recompute[i])], sequence_parallel=bool(self.sp[i]),
                 distributed_optimizer=bool(self.dist_opt[i]), overlap_grad_reduce=bool(self.overlap_grad[i]),
                 overlap_param_gather=bool(self.overlap_param[i]), tp_comm_overlap=bool(self.tp_overlap[i]),
+                gradient_accumulation_fusion=bool(self.grad_fusion[i]),
                 **dict(zip(MOE_KNOBS, self.extras[i])), **self.splits[int(self.split[i])],
                 cross_entropy_impl=CROSS_ENTROPY_IMPLS[int(self.ce[i]) if self.ce is not None else 0])
         return c

@@ -55,6 +55,7 @@ class SpaceOptions:
     max_layout_vp: int = 8  # explicit layouts are generated for vp up to this that no other split allows:
     every_layout_vp: bool = False  # every such vp (True) or the powers of two (False)
     tp_comm_overlap: bool = False  # needs Transformer Engine
+    gradient_accumulation_fusion: bool = False  # TrainConfig.gradient_accumulation_fusion of every layout
     sequence_parallel: bool = True  # whenever TP > 1 (off where the stack's runner cannot run it)
     distributed_optimizer: tuple[bool, ...] = (True,)
     # the loss's cross entropy (catalog.specs.CROSS_ENTROPY_IMPLS); None: the stack's layout default
@@ -246,6 +247,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 cross_entropy_impl=options.cross_entropy_impl or "unfused",
                                 moe_router_fusion=options.moe_fusion and model.is_moe,
                                 moe_permute_fusion=options.moe_fusion and model.is_moe,
+                                gradient_accumulation_fusion=options.gradient_accumulation_fusion,
                                 **split,
                             )
                             if keep is None or keep(cfg):
