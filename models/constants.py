@@ -83,6 +83,12 @@ class Constants:
     # 50-73% of peak forward on A100/H100); backward does 2.5x the forward FLOPs.
     attention_efficiency: float = 0.55
     attention_backward_factor: float = 2.5
+    # The fused attention kernel's rate against the length L it works on (queries and keys): as
+    # L / (L + attention_half_tokens). cuDNN causal attention (TE's on Hopper), forward + backward,
+    # head dim 128, on our H100: 409 (4K), 486-510 (8K), 525-547 (16K), 559-587 (32K) TFLOP/s
+    # (models/profile_fit.TE_PRIOR's source) fit 606 x L / (L + 1,938) within 1.6%. Prices the
+    # shorter chunks of context parallelism's ring (step_time.layer_forward).
+    attention_half_tokens: float = 1940.0
     # Fraction of peak HBM bandwidth that elementwise / normalisation kernels reach (fitted;
     # measured device-to-device copy: 4.3 of 4.8 TB/s on H200 = 0.9, kernels reach less).
     hbm_efficiency: float = 0.70
@@ -128,18 +134,21 @@ class Constants:
     # across nodes).
     intra_latency_s: float = 15e-6
     inter_latency_s: float = 40e-6
-    # Fraction of TP communication hidden when tp_comm_overlap is on (needs Transformer Engine
-    # user buffers; Megatron reports most of it hidden).
+    # Fraction of the hideable TP communication (1 - 1 / (2 tp) of it: the last chunk of TE's
+    # pipelined reduce-scatter has no GEMM beside it) hidden when tp_comm_overlap is on (needs
+    # Transformer Engine user buffers; Megatron reports most of it hidden).
     tp_overlap_fraction: float = 0.7
     # Fraction of the backward re-gather of the sequence-parallel input (2 all-gathers per layer,
     # step_time.layer_forward) left exposed: it is issued before the dgrad GEMM and can run behind
     # it (fitted per stack; 1: none hidden, the start).
     sp_regather_exposed: float = 1.0
-    # Per ring step of context parallelism, per layer and microbatch, forward + backward: the host-
-    # launched work of Transformer Engine's p2p ring besides the attention and the transfer (the
-    # chunk's attention calls, fp32 output / LSE corrections, dQ / dKV accumulation), seconds.
-    # 0 until fitted: only the te stack runs CP here (fitted on its runs; range 0-2 ms).
-    cp_step_overhead_s: float = 0.0
+    # Per ring step of context parallelism, per layer and microbatch, forward + backward: HBM passes
+    # over the rank's attention output in fp32 (T x heads x head dim x 4 B) that Transformer Engine's
+    # p2p ring makes to merge each step's partial result: forward the output / LSE correction (read
+    # the step's output, read and write the fp32 accumulator: ~2.5), backward the dQ accumulation in
+    # fp32 (read + write: 2), dK / dV (~1 with GQA), the output and its gradient read again (~1): ~6.
+    # Fitted per stack (te: on its CP runs; range 0-40).
+    cp_step_passes: float = 6.0
     # Fraction of the eligible window actually used to hide DP communication (fitted).
     dp_overlap_efficiency: float = 0.8
     # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction
