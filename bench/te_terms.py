@@ -1,6 +1,6 @@
 """The te profile's communication terms checked one by one (issue #22, item 3).
 
-    python bench/te_terms.py [--calibration te] [--nccl data/measurements/h100x4-nccl-bw.jsonl]
+    python bench/te_terms.py [--calibration te] [--nccl data/microbench/h100x4-nccl-bw.jsonl]
                              [--runs data/measurements/h100x4-te.jsonl]
 
 1. NCCL on the lent 4 x H100 (bench/nccl_bw_gpu.py): for each op and group size, the fit of
@@ -30,7 +30,7 @@ from advisor.models.dataset import load  # noqa: E402
 from advisor.models.predict import predict  # noqa: E402
 from advisor.models.step_time import collective_time  # noqa: E402
 
-NCCL = ROOT / "data/measurements/h100x4-nccl-bw.jsonl"
+NCCL = ROOT / "data/microbench/h100x4-nccl-bw.jsonl"
 RUNS = ROOT / "data/measurements/h100x4-te.jsonl"
 NVLINK_GBS = 450.0  # H100 SXM NVLink 4, per direction (catalog intra_node_bw_gbs)
 

@@ -42,7 +42,7 @@ def gpu_name(device: str) -> str:
 # fitted on the measured file by bench/fit_window_attention.py (0.410 ms; leave-one-shape-out
 # 0.384-0.469 ms). Plausible 0.1-0.6 ms. The same calls back to back (bench/kernel_rates.py's
 # bursts) hide it.
-ISOLATED_CALL_S = 572e-6
+ISOLATED_CALL_S = 590e-6
 
 
 def predict_case(row: dict, gpu, c) -> tuple[float, float]:

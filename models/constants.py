@@ -91,15 +91,15 @@ class Constants:
     # memory-bound passes (dO.O preprocess, dQ accumulator clear + convert, GQA dK / dV reduction:
     # ~20-30 x head_dim bytes per row and head, ~3 tile-times of a 128-row block on H100). Plausible
     # 1-8. Fitted on TE's measured window / full attention at the te profile's attention_efficiency
-    # (bench/fit_window_attention.py: 4.91 at 0.513; 5.26 at the 0.480 before the session-22 te refit).
-    attention_edge_tiles: float = 4.91
+    # (bench/fit_window_attention.py: 4.87 at 0.516; 5.26 at the 0.480 before the session-22 te refit).
+    attention_edge_tiles: float = 4.87
     # Fused attention's efficiency at head dim 256 relative to 128 (FA3's 256 kernels: 128 x 80 / 64 x 80
     # tiles with one consumer warpgroup in the backward vs 64 x 128 with two). Plausible 0.6-1.0;
     # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward, with
     # the softmax's SFU time (step_time.softmax_stretch: 0.889 at head dim 256 on H100) priced
-    # apart: bench/fit_window_attention.py (0.708 at the te profile's attention_efficiency 0.513;
+    # apart: bench/fit_window_attention.py (0.706 at the te profile's attention_efficiency 0.516;
     # 0.826 before the SFU term, which it now excludes).
-    attention_hdim256_efficiency: float = 0.708
+    attention_hdim256_efficiency: float = 0.706
     # The softmax's exponentials run on the special function units (SFU, MUFU.EX2), not the tensor
     # cores: one per attention score forward, and one again backward (P recomputed), against
     # 2·(d_qk + d_v) tensor FLOPs per score forward and attention_backward_factor times that
@@ -111,6 +111,12 @@ class Constants:
     # 2.25-2.5x H100's, about as many exponentials per second) are slower per FLOP, B300 / GB300
     # (SFU rate doubled: r 0.41-0.46) about as fast as an H100 per FLOP.
     attention_exp_ratio_ref: float = 0.5
+    # The fused attention kernel's rate against the length L it works on (queries and keys): as
+    # L / (L + attention_half_tokens). cuDNN causal attention (TE's on Hopper), forward + backward,
+    # head dim 128, on our H100: 409 (4K), 486-510 (8K), 525-547 (16K), 559-587 (32K) TFLOP/s
+    # (models/profile_fit.TE_PRIOR's source) fit 606 x L / (L + 1,938) within 1.6%. Prices the
+    # shorter chunks of context parallelism's ring (step_time.layer_forward).
+    attention_half_tokens: float = 1940.0
     # Fraction of peak HBM bandwidth that elementwise / normalisation kernels reach (fitted;
     # measured device-to-device copy: 4.3 of 4.8 TB/s on H200 = 0.9, kernels reach less).
     hbm_efficiency: float = 0.70
@@ -156,18 +162,21 @@ class Constants:
     # across nodes).
     intra_latency_s: float = 15e-6
     inter_latency_s: float = 40e-6
-    # Fraction of TP communication hidden when tp_comm_overlap is on (needs Transformer Engine
-    # user buffers; Megatron reports most of it hidden).
+    # Fraction of the hideable TP communication (1 - 1 / (2 tp) of it: the last chunk of TE's
+    # pipelined reduce-scatter has no GEMM beside it) hidden when tp_comm_overlap is on (needs
+    # Transformer Engine user buffers; Megatron reports most of it hidden).
     tp_overlap_fraction: float = 0.7
     # Fraction of the backward re-gather of the sequence-parallel input (2 all-gathers per layer,
     # step_time.layer_forward) left exposed: it is issued before the dgrad GEMM and can run behind
     # it (fitted per stack; 1: none hidden, the start).
     sp_regather_exposed: float = 1.0
-    # Per ring step of context parallelism, per layer and microbatch, forward + backward: the host-
-    # launched work of Transformer Engine's p2p ring besides the attention and the transfer (the
-    # chunk's attention calls, fp32 output / LSE corrections, dQ / dKV accumulation), seconds.
-    # 0 until fitted: only the te stack runs CP here (fitted on its runs; range 0-2 ms).
-    cp_step_overhead_s: float = 0.0
+    # Per ring step of context parallelism, per layer and microbatch, forward + backward: HBM passes
+    # over the rank's attention output in fp32 (T x heads x head dim x 4 B) that Transformer Engine's
+    # p2p ring makes to merge each step's partial result: forward the output / LSE correction (read
+    # the step's output, read and write the fp32 accumulator: ~2.5), backward the dQ accumulation in
+    # fp32 (read + write: 2), dK / dV (~1 with GQA), the output and its gradient read again (~1): ~6.
+    # Fitted per stack (te: on its CP runs; range 0-40).
+    cp_step_passes: float = 6.0
     # Fraction of the eligible window actually used to hide DP communication (fitted).
     dp_overlap_efficiency: float = 0.8
     # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction

@@ -65,8 +65,9 @@ TE_PRIOR: dict[str, tuple[float, float]] = {
     # Memory-bound passes per layer and token: TE fuses norm+cast, rope, bias-dropout-add and the
     # activation: 2 norms x 2, 2 residual adds x 3, rope ~2 = 12 (vs 16 unfused)
     "elementwise_hidden_passes": (12.0, 4.0),
-    # TP communication hidden by TE userbuffers: Megatron-Core reports most of it hidden (0.7)
-    "tp_overlap_fraction": (0.7, 0.2),
+    # TP communication hidden by TE userbuffers, of the 1 - 1 / (2 tp) it can hide: Megatron-Core
+    # reports most of it hidden (0.7 of all of it at TP 8: 0.75 of the hideable)
+    "tp_overlap_fraction": (0.75, 0.2),
     # overlap_p2p_comm of the interleaved schedule: most of the send/recv behind compute
     "pp_overlap_fraction": (0.6, 0.3),
     # kernel launch and framework time per layer and microbatch: TE runs ~60-100 kernels per layer
@@ -84,9 +85,8 @@ TE_PRIOR: dict[str, tuple[float, float]] = {
     # the SP backward re-gather runs on NCCL's stream beside the dgrad GEMM: anywhere from hidden to
     # exposed (no measurement of its own)
     "sp_regather_exposed": (0.5, 0.4),
-    # TE's CP ring step: a few attention / correction kernels per step at ~5-10 us of launch each,
-    # forward and backward, ~0.1-0.5 ms (no measurement of its own)
-    "cp_step_overhead_s": (3e-4, 3e-4),
+    # TE's CP ring step's fp32 merges, counted in models/constants.py: ~6 passes
+    "cp_step_passes": (6.0, 4.0),
 }
 # the run-to-run spread of our own TE runs (repeats of the same job: 0.2-3.6%, bench/te_check.py)
 # with the power-capped clock they run at: what the model cannot know of one of our runs
@@ -107,7 +107,7 @@ TE_FIT: dict[str, tuple[float, float]] = {
     "nvlink_efficiency": (0.3, 1.0),  # NCCL bus bandwidth of the NVLink collectives, fraction of the link
     "intra_latency_s": (5e-6, 200e-6),  # per NCCL call in a node, seconds
     "sp_regather_exposed": (0.0, 1.0),  # SP's backward re-gather of the column-parallel inputs left exposed
-    "cp_step_overhead_s": (0.0, 2e-3),  # per CP ring step, layer and microbatch, forward + backward
+    "cp_step_passes": (0.0, 40.0),  # HBM passes over the fp32 attention output per CP ring step
 }
 
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
-from advisor.models.attention import attention_head_dim, cp_ring_calls
+from advisor.models.attention import attention_head_dim
 from advisor.models.attention import shape_factor as attention_shape_factor
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
@@ -331,10 +331,15 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     # kernel call of its own (a sliding-window layer's all-gather CP: one call)
     window = model.layer_window(layer)
     attn_flops = attention_core_flops_per_token(model, cfg.seq, layer=layer) * T / t
-    ring = cfg.cp > 1 and not (window and model.window_type == "sliding")
-    shape = attention_shape_factor(cfg.seq, window, model.window_type, attention_head_dim(model), c,
-                                   cp_ring_calls(cfg.cp) if ring else 1.0)
+    # CP's ring: priced below by the chunks' kernel rate (attention_half_tokens), not as extra calls
+    shape = attention_shape_factor(cfg.seq, window, model.window_type, attention_head_dim(model), c, 1.0)
     attn = attn_flops / bf16_peak / c.attention_efficiency * shape * softmax_stretch(model, gpu, c)
+    if cfg.cp > 1 and not (window and model.window_type == "sliding"):
+        # TE's p2p ring runs each step's attention on a chunk of seq / cp keys (the rank's two
+        # load-balanced halves): the fused kernel's rate grows with the length it works on as
+        # L / (L + attention_half_tokens), so the ring's chunks run slower than one whole-sequence call
+        full, chunk = cfg.seq, cfg.seq / cfg.cp
+        attn *= (full / (full + c.attention_half_tokens)) / (chunk / (chunk + c.attention_half_tokens))
     st.attention_s += attn
     # memory-bound kernels; norms beyond the two pre-norms (post-norms) and the q / k norms each
     # read and write their input once
@@ -363,7 +368,12 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
         gbf = collective_time("all_gather", tp_bytes, t, tp_link.bw_gbs, tp_link.latency)
         tp += (1.0 + c.sp_regather_exposed) * gin - gbf
     if cfg.tp_comm_overlap:
-        tp *= 1.0 - c.tp_overlap_fraction
+        # TE's userbuffers split each GEMM into tp chunks: the all-gather's ring exchange moves the
+        # next chunk while the GEMM of the one it has runs (all of it can hide: the first chunk is
+        # local), the pipelined reduce-scatter sends each chunk's result while the next chunk's GEMM
+        # runs (the last chunk's has nothing to hide behind): at most 1 - 1 / (2 tp) of the TP
+        # communication (half all-gather, half reduce-scatter) is hidden
+        tp *= 1.0 - c.tp_overlap_fraction * (1.0 - 0.5 / t)
     st.tp_comm_s += tp
     # CP: ring exchange of K and V, overlapped with the attention compute. Transformer Engine
     # refuses a sliding window with the ring (cp_comm_type p2p: "The context parallel running
@@ -382,12 +392,14 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
         else:
             # Transformer Engine's p2p ring (AttnFuncWithCPAndKVP2P): cp steps, each the attention
             # of one K / V chunk (~attn / cp) while the next chunk travels; a step's transfer hides
-            # only behind that step's attention. Each step also costs host-launched kernels (the
-            # chunk's attention calls, the fp32 output / LSE corrections, dQ / dKV accumulation in
-            # the backward): cp_step_overhead_s per step, forward + backward
+            # only behind that step's attention. Each step also merges its partial result in fp32
+            # (the output and LSE corrections forward, dQ / dK / dV accumulation backward):
+            # cp_step_passes HBM passes over the rank's fp32 attention output per step, forward +
+            # backward (entered at a third: the step triples memory-bound time for the backward)
             step = collective_time("p2p", kv_elems * e, 2, cp_link.bw_gbs, cp_link.latency)
             st.cp_comm_s += (cfg.cp - 1) * max(0.0, step - attn / cfg.cp)
-            st.overhead_s += cfg.cp * c.cp_step_overhead_s
+            q_width = a * (model.mla.v_head_dim if model.mla is not None else model.head_dim) / t
+            st.memory_bound_s += cfg.cp * c.cp_step_passes * T * q_width * 4.0 / (hbm * c.hbm_efficiency) / 3
     st.overhead_s += c.layer_overhead_s
     return g + attn + mb + fp8_fwd
 
