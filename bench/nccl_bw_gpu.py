@@ -14,8 +14,7 @@ the layouts use, one size at a time, so the two can be compared term by term:
 ``bytes`` is the full buffer per rank (the all-gather's output, the reduce-scatter's input, the
 all-reduce's tensor, the all-to-all's send buffer, the p2p message). One JSON line per (op, group
 size, bytes) with the median time over the iterations (CUDA events), the algorithm bandwidth
-(bytes / t) and the bus bandwidth (NCCL's: x (n-1)/n for all-gather, reduce-scatter, all-to-all,
-x 2 (n-1)/n for all-reduce). Rank 0 writes, and prints a table::
+(bytes / t) and the bus bandwidth (NCCL's: models.step_time.bus_factor). Rank 0 writes, and prints a table::
 
     python -m torch.distributed.run --nproc_per_node 4 bench/nccl_bw_gpu.py OUT.jsonl [--iters 20]
 """
@@ -31,16 +30,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from advisor.models.step_time import bus_factor  # needs the repo on PYTHONPATH (te_device.sh sets it)
+
 SIZES = [1 << s for s in range(18, 31, 2)]  # 256 KiB .. 1 GiB
 OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "ring", "p2p")
-
-
-def _bus_factor(op: str, n: int) -> float:
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
 
 
 def _runner(op: str, nbytes: int, group, ranks: list[int], rank: int, dev):
@@ -125,7 +118,7 @@ def main(argv=None) -> int:
                 algbw = nbytes / t_max / 1e9
                 rows.append({"op": op, "group": n, "concurrent_groups": world // n if op != "p2p" else 1,
                              "bytes": nbytes, "seconds": t_max, "algbw_gbs": algbw,
-                             "busbw_gbs": algbw * _bus_factor(op, n)})
+                             "busbw_gbs": algbw * bus_factor(op, n)})
                 del fn
                 torch.cuda.empty_cache()
     if rank == 0:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 from advisor.models.dataset import load  # noqa: E402
 from advisor.models.predict import predict  # noqa: E402
-from advisor.models.step_time import collective_time  # noqa: E402
+from advisor.models.step_time import bus_factor, collective_time  # noqa: E402
 
 NCCL = ROOT / "data/microbench/h100x4-nccl-bw.jsonl"
 RUNS = ROOT / "data/measurements/h100x4-te.jsonl"
@@ -57,15 +57,6 @@ PAIRS = [
     ("8 vs 2 microbatches (grad acc.)", "te-l8b-dp-02", "te-l8b-dp-00"),
 ]
 TERMS = ("tp_comm_s", "cp_comm_s", "pp_p2p_s", "pipeline_bubble_s", "memory_bound_s", "dp_comm_exposed_s")
-
-
-def bus_factor(op: str, n: int) -> float:
-    """NCCL's bus-bandwidth factor (bytes on the busiest link per byte of the buffer)."""
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
 
 
 def fit_hockney(sizes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:

@@ -49,16 +49,14 @@ def predict_case(row: dict, gpu, c) -> tuple[float, float]:
     """(forward, forward + backward) GPU seconds the advisor predicts for one measured case (what
     step_time prices for such a layer; without the isolated call's host time)."""
     from advisor.catalog.specs import ModelSpec
-    from advisor.models.attention import attention_head_dim, shape_factor
     from advisor.models.flops import attention_core_flops_per_token
-    from advisor.models.step_time import softmax_stretch
+    from advisor.models.step_time import attention_seconds
 
     hq, hkv, d, w = row["q_heads"], row["kv_heads"], row["head_dim"], row["window"]
     m = ModelSpec(name="probe", num_layers=1, hidden_size=hq * d, ffn_hidden_size=hq * d, num_attention_heads=hq,
                   vocab_size=1, num_query_groups=hkv if hkv != hq else None, kv_channels=d, window_size=w)
     tokens = row["seq"] * row["batch"]
-    fwd = attention_core_flops_per_token(m, row["seq"], layer=0) * tokens / (gpu.bf16_tflops * 1e12) / c.attention_efficiency
-    fwd *= shape_factor(row["seq"], w, m.window_type, attention_head_dim(m), c) * softmax_stretch(m, gpu, c)
+    fwd = attention_seconds(m, attention_core_flops_per_token(m, row["seq"], layer=0) * tokens, row["seq"], w, gpu, c)
     return fwd, fwd * (1 + c.attention_backward_factor)
 
 

@@ -48,22 +48,35 @@ def gemm_time(m: float, k: float, n: float, peak_flops: float, hbm_bw: float, c:
     return t, flops / (t * peak_flops * eff_max)
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def bus_factor(kind: str, n):
+    """NCCL's bus-bandwidth factor (nccl-tests' PERFORMANCE.md): bytes on the busiest link per byte of
+    the buffer over a ring of n ranks; 1 for a point-to-point transfer (p2p, a CP ring's send / recv)."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
 def collective_time(kind: str, nbytes, n, bw_gbs, latency):
-    """NCCL ring-style cost of a collective over n ranks moving nbytes per rank (the full buffer).
+    """NCCL ring-style cost of a collective over n ranks moving nbytes per rank (the full buffer):
+    bus_factor x bytes / bandwidth + latency (x sqrt(n-1) per ring pass for the collectives).
     Floats or arrays (one group per element; a group of one rank or no bytes costs nothing)."""
+    if kind not in COLLECTIVES:
+        raise ValueError(kind)
     arrays = any(isinstance(v, np.ndarray) for v in (nbytes, n, bw_gbs, latency))
     if not arrays and (n <= 1 or nbytes <= 0):
         return 0.0
     bw = bw_gbs * 1e9
     with np.errstate(divide="ignore", invalid="ignore"):
-        if kind == "all_reduce":
-            v = 2.0 * (n - 1) / n * nbytes / bw + 2 * latency * (n - 1) ** 0.5
-        elif kind in ("all_gather", "reduce_scatter", "all_to_all"):
-            v = (n - 1) / n * nbytes / bw + latency * (n - 1) ** 0.5
-        elif kind == "p2p":
-            v = nbytes / bw + latency
+        if kind == "p2p":
+            lat = latency
         else:
-            raise ValueError(kind)
+            lat = (2 * latency if kind == "all_reduce" else latency) * (n - 1) ** 0.5
+        v = bus_factor(kind, n) * nbytes / bw + lat
     return np.where((np.asarray(n) <= 1) | (np.asarray(nbytes) <= 0), 0.0, v) if arrays else v
 
 
@@ -234,6 +247,13 @@ def softmax_stretch(model: ModelSpec, gpu, c: Constants) -> float:
     return (1.0 + b + 2.0 * r) / (1.0 + b + 2.0 * c.attention_exp_ratio_ref)
 
 
+def attention_seconds(model: ModelSpec, flops: float, seq: int, window: int, gpu, c: Constants) -> float:
+    """Fused attention's forward seconds for `flops` of core attention over a whole `seq`: BF16 peak at
+    attention_efficiency x the kernel's tiles (attention.shape_factor) x the softmax's SFU time."""
+    shape = attention_shape_factor(seq, window, model.window_type, attention_head_dim(model), c, 1.0)
+    return flops / (gpu.bf16_tflops * 1e12) / c.attention_efficiency * shape * softmax_stretch(model, gpu, c)
+
+
 def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
                    st: StageTime, tp_link: Link, cp_link: Link, ep_link: Link, etp_link: Link,
                    util_acc: list[float]) -> float:
@@ -332,8 +352,7 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
     window = model.layer_window(layer)
     attn_flops = attention_core_flops_per_token(model, cfg.seq, layer=layer) * T / t
     # CP's ring: priced below by the chunks' kernel rate (attention_half_tokens), not as extra calls
-    shape = attention_shape_factor(cfg.seq, window, model.window_type, attention_head_dim(model), c, 1.0)
-    attn = attn_flops / bf16_peak / c.attention_efficiency * shape * softmax_stretch(model, gpu, c)
+    attn = attention_seconds(model, attn_flops, cfg.seq, window, gpu, c)
     if cfg.cp > 1 and not (window and model.window_type == "sliding"):
         # TE's p2p ring runs each step's attention on a chunk of seq / cp keys (the rank's two
         # load-balanced halves): the fused kernel's rate grows with the length it works on as
