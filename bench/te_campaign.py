@@ -156,6 +156,20 @@ def edge() -> list[dict]:
             + _jobs(QWEN3_PROXY, "eqw3", qw, layers=12, seq=4096, gbs=32))
 
 
+def top() -> list[dict]:
+    """Issue #22's check of recommend's #1 (`python bench/te_recommend_check.py`): the #1 layouts of
+    `recommend --stack te` (with the stack's and the runner's settings) that no run had measured."""
+    gpt = [("top", dict(tp=2, dp=2, mbs=16, sequence_parallel=True, precision="fp8")),
+           ("top", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8"))]
+    l70 = [("top", dict(dp=4, mbs=2)), ("top", dict(dp=4, mbs=2, precision="fp8"))]
+    mix = [("top", dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True))]
+    qw = [("top", dict(dp=4, ep=4, mbs=8))]
+    return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64)
+            + _jobs("llama3-70b", "l70b", l70, layers=4, seq=4096, gbs=16)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32))
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -185,7 +199,7 @@ def predict(names: list[str]) -> int:
 
 
 BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3() + nemotron(),
-           "x4-te-moe": moe, "x4-te-edge": edge}
+           "x4-te-moe": moe, "x4-te-edge": edge, "x4-te-top": top}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

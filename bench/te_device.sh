@@ -9,6 +9,9 @@
 #   bash bench/te_device.sh tests     # the GPU runner tests, TE included
 #   bash bench/te_device.sh nccl      # NCCL bandwidth vs size (bench/nccl_bw_gpu.py), 4 GPUs
 #   bash bench/te_device.sh window    # TE fused attention with sliding windows (#29), 1 GPU
+#   bash bench/te_device.sh outside   # memory outside torch's allocator, step by step (#27), 4 GPUs,
+#                                     # under four NCCL environments (bench/outside_memory_gpu.py)
+#   bash bench/te_device.sh nvml      # the telemetry contract against the real NVML (#23)
 #   bash bench/te_device.sh tune SECONDS TRIALS   # a real `tune --runner megatron --stack te` study
 #                                     # (carry .whl/optuna, sqlalchemy, alembic, mako, colorlog, markupsafe)
 # Records land in $OUT/<batch>.jsonl: commit them as data/measurements/h100x4-te*.jsonl.
@@ -27,6 +30,12 @@ if [ ! -d /tmp/site/megatron/core ]; then
 fi
 export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
+pytest_deps() {  # the GPU image has no pytest: .whl/ carries it (pip download pytest pluggy iniconfig ...)
+  python3 -c "import pytest" 2>/dev/null && return 0
+  python3 -c "import packaging" 2>/dev/null || extra=.whl/packaging-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pytest-*.whl \
+    .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/pytest_timeout-*.whl .whl/pytest_xdist-*.whl .whl/execnet-*.whl ${extra:-}
+}
 nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,power.limit,driver_version --format=csv | tee "$OUT/gpus.csv"
 case "$step" in
 run)
@@ -39,10 +48,29 @@ run)
   python3 bench/te_campaign.py table "$OUT"/x4-te*.jsonl
   ;;
 tests)
-  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_runner.py 2>&1 | tail -15
+  pytest_deps || exit 2
+  timeout 400 python3 -m pytest -n 0 -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_runner.py 2>&1 | tail -15
   ;;
 nccl)
   timeout 240 python3 -m torch.distributed.run --nproc_per_node 4 bench/nccl_bw_gpu.py "$OUT/h100x4-nccl-bw.jsonl" 2>&1 | grep -v -i warn | tail -90
+  ;;
+outside)
+  o="$OUT/h100x4-outside-memory.jsonl"
+  for v in default buff1m nch4 nocumem; do
+    case $v in
+      default) e="NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,ALLOC NCCL_DEBUG_FILE=$OUT/nccl-info.%p.txt" ;;
+      buff1m) e="NCCL_BUFFSIZE=1048576" ;;
+      nch4) e="NCCL_MAX_NCHANNELS=4" ;;
+      nocumem) e="NCCL_CUMEM_ENABLE=0" ;;
+    esac
+    env $e timeout 120 python3 -m torch.distributed.run --nproc_per_node 4 bench/outside_memory_gpu.py "$o" $v 2>&1 \
+      | grep -v -i warn | grep -E "^$v|rror" | head -20
+  done
+  for f in "$OUT"/nccl-info.*.txt; do [ -f "$f" ] && head -c 200000 "$f" > "$f.head" && mv "$f.head" "$f"; done
+  ;;
+nvml)
+  pytest_deps || exit 2
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/contracts/test_telemetry_contract.py 2>&1 | tail -8
   ;;
 window)
   timeout 200 python3 bench/window_attention_gpu.py "$OUT/h100x1-window-attention.jsonl" 2>&1 | grep -v -i warn | tail -45

@@ -274,7 +274,7 @@ def probe_memory(job, model, optimizer, iters, points, state):
     """One more step after the measured ones (which ran without it), its allocator peak counter
     reset before the forward-backward schedule and again before optimizer.step(): the peak of
     each phase (runners/mem_probe.py). Host-side counters, no snapshot, no extra sync inside."""
-    points["step_start"] = mem_point(torch.cuda)
+    points["step_start"] = mem_point(torch.cuda, device=True)
     torch.cuda.reset_peak_memory_stats()
     state["phase"] = "probe forward_backward"
     forward_backward(job, model, optimizer, iters)
@@ -290,7 +290,7 @@ def probe_memory(job, model, optimizer, iters, points, state):
 def run_job(job, ev, rank, state):
     i = job["index"]
     torch.cuda.reset_peak_memory_stats()
-    points = {"start": mem_point(torch.cuda)}
+    points = {"start": mem_point(torch.cuda, device=True)}
     ev("start", cfg=i, allocated_gib=torch.cuda.memory_allocated() / GIB)
     state["phase"] = "build"
     config, model, optimizer, n_params = build(job)

@@ -6,8 +6,11 @@ The worker reads ``point`` at named moments of one extra step run after the meas
 timed steps are untouched): ``start`` (before the model is built), ``built`` (model, gradient
 buffers, fp32 main parameters), ``step_start`` (the steady state between steps: + the optimizer's
 states), ``forward_backward`` (its peak counter reset just before the step's zero-grad and
-forward-backward schedule), ``optimizer`` (reset just before ``optimizer.step()``, read after it,
-with ``torch.cuda.mem_get_info``: the whole device as the driver sees it).
+forward-backward schedule), ``optimizer`` (reset just before ``optimizer.step()``, read after it).
+``start``, ``step_start`` and ``optimizer`` also read ``torch.cuda.mem_get_info`` (the whole device as
+the driver sees it), so the memory outside torch's allocator is known before the job's model and
+process groups exist (CUDA context, libraries, the world communicator, what earlier jobs of the
+same process left) and after its steps (plus the communicators its groups opened).
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ def _gib(b: float | None) -> float | None:
     return None if b is None else b / GIB
 
 
+def _outside(p: dict) -> float | None:
+    return _gib(p["device_used"] - p["reserved"]) if "device_used" in p else None
+
+
 def summarize(points: dict[str, dict]) -> dict:
     """GiB per phase from ``point`` readings (see the module doc for the names).
 
@@ -44,8 +51,9 @@ def summarize(points: dict[str, dict]) -> dict:
     over static; peak_gib / peak_phase: the step's peak (max over phases, not a sum);
     reserved_peak_gib and reserved_over_peak_gib (reserved minus allocated at the peak: the
     caching allocator's cached, fragmented memory); inactive_split_peak_gib: the largest
-    inactive-split bytes of a phase; outside_allocator_gib: device used minus reserved (CUDA
-    context, NCCL, libraries' own cudaMalloc); num_alloc_retries / num_ooms: allocator retries
+    inactive-split bytes of a phase; outside_allocator_gib: device used minus reserved after the
+    step (CUDA context, NCCL, libraries' own cudaMalloc); outside_start_gib: the same before the
+    model was built (None without a device reading there); num_alloc_retries / num_ooms: allocator retries
     (cudaMalloc failed, cache freed, retried) and OOMs from the job's start to the probe's end."""
     static = points["step_start"]["allocated"]
     out: dict = {"built_gib": _gib(points.get("built", {}).get("allocated")), "static_gib": _gib(static)}
@@ -65,7 +73,8 @@ def summarize(points: dict[str, dict]) -> dict:
         reserved_over_peak_gib=_gib(reserved_peak - peaks[phase]),
         inactive_split_peak_gib=_gib(max(points[ph]["inactive_split_bytes.all.peak"] for ph in PHASES)),
         device_used_gib=_gib(end.get("device_used")),
-        outside_allocator_gib=_gib(end["device_used"] - end["reserved"]) if "device_used" in end else None,
+        outside_allocator_gib=_outside(end),
+        outside_start_gib=_outside(points.get("start", {})),
         num_alloc_retries=end["num_alloc_retries"] - first["num_alloc_retries"],
         num_ooms=end["num_ooms"] - first["num_ooms"])
     return out

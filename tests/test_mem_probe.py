@@ -18,7 +18,7 @@ def _pt(alloc, max_alloc, resv, max_resv, retries=0, ooms=0, inactive=0, device=
     return p
 
 
-POINTS = {"start": _pt(0, 0, 0, 0, retries=5),
+POINTS = {"start": _pt(0, 0, 0, 0, retries=5, device=1.25),
           "built": _pt(20, 20, 22, 22, retries=5),
           "step_start": _pt(44, 60, 66, 66, retries=6),
           "forward_backward": _pt(45, 61.5, 66, 70, retries=8, inactive=3.0),
@@ -34,15 +34,17 @@ def test_summary_takes_the_phase_peaks_not_their_sum():
     assert s["reserved_peak_gib"] == 70 and s["reserved_over_peak_gib"] == 8.5
     assert s["inactive_split_peak_gib"] == 3.0
     assert s["device_used_gib"] == 72.5 and s["outside_allocator_gib"] == 6.5
+    assert s["outside_start_gib"] == 1.25
     assert s["num_alloc_retries"] == 3 and s["num_ooms"] == 0  # since the job's start
     json.dumps(s, allow_nan=False)
 
 
 def test_summary_optimizer_peak_and_no_device_reading():
-    pts = dict(POINTS, optimizer=_pt(44, 63, 66, 70, retries=8))
+    pts = dict(POINTS, optimizer=_pt(44, 63, 66, 70, retries=8), start=_pt(0, 0, 0, 0, retries=5))
     s = summarize(pts)
     assert s["peak_phase"] == "optimizer" and s["peak_gib"] == 63
     assert s["device_used_gib"] is None and s["outside_allocator_gib"] is None
+    assert s["outside_start_gib"] is None
 
 
 def test_point_reads_the_allocator_and_the_device():
