@@ -272,7 +272,8 @@ def _statuses(ds: Path) -> dict[str, str]:
         for line in ds.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                out[r["id"]] = r["status"]
+                if "id" in r and "status" in r:  # trial records only (micro-benchmarks share $OUT)
+                    out[r["id"]] = r["status"]
     return out
 
 

@@ -32,9 +32,9 @@ export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTI
   NVSHMEM_DISABLE_NVLS=1 CUDA_DEVICE_ORDER=PCI_BUS_ID PYTHONUNBUFFERED=1
 pytest_deps() {  # the GPU image has no pytest: .whl/ carries it (pip download pytest pluggy iniconfig ...)
   python3 -c "import pytest" 2>/dev/null && return 0
-  python3 -c "import packaging" 2>/dev/null || extra=.whl/packaging-*.whl
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pytest-*.whl \
-    .whl/pluggy-*.whl .whl/iniconfig-*.whl .whl/pytest_timeout-*.whl .whl/pytest_xdist-*.whl .whl/execnet-*.whl ${extra:-}
+  python3 -c "import packaging" 2>/dev/null || extra=.whl/pt/packaging-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/pt/pytest-*.whl \
+    .whl/pt/pluggy-*.whl .whl/pt/iniconfig-*.whl .whl/pt/pytest_timeout-*.whl .whl/pt/pytest_xdist-*.whl .whl/pt/execnet-*.whl ${extra:-}
 }
 nvidia-smi --query-gpu=index,name,uuid,pci.bus_id,power.limit,driver_version --format=csv | tee "$OUT/gpus.csv"
 case "$step" in
