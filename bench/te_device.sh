@@ -11,6 +11,7 @@
 #   bash bench/te_device.sh window    # TE fused attention with sliding windows (#29), 1 GPU
 #   bash bench/te_device.sh outside   # memory outside torch's allocator, step by step (#27), 4 GPUs,
 #                                     # under four NCCL environments (bench/outside_memory_gpu.py)
+#   bash bench/te_device.sh outside-mcore   # the same, megatron-core's groups one by one, 4 layouts
 #   bash bench/te_device.sh nvml      # the telemetry contract against the real NVML (#23)
 #   bash bench/te_device.sh tune SECONDS TRIALS   # a real `tune --runner megatron --stack te` study
 #                                     # (carry .whl/optuna, sqlalchemy, alembic, mako, colorlog, markupsafe)
@@ -67,6 +68,12 @@ outside)
       | grep -v -i warn | grep -E "^$v|rror" | head -20
   done
   for f in "$OUT"/nccl-info.*.txt; do [ -f "$f" ] && head -c 200000 "$f" > "$f.head" && mv "$f.head" "$f"; done
+  ;;
+outside-mcore)
+  for lay in "1 1 1 1" "2 1 1 1" "1 2 1 1" "1 1 1 4"; do
+    timeout 90 python3 -m torch.distributed.run --nproc_per_node 4 bench/outside_memory_megatron_gpu.py \
+      "$OUT/h100x4-outside-memory-mcore.jsonl" $lay 2>&1 | grep -v -i warn | grep -E "^tp|rror" | head -24
+  done
   ;;
 nvml)
   pytest_deps || exit 2

@@ -375,16 +375,18 @@ class Sampler:
     def begin_window(self, name: str) -> None:
         if name in self._open:
             raise ValueError(f"window {name!r} is already open")
+        # the window's start first, then its boundary sample: on a real device the sample is
+        # stamped after the clock read, so it falls inside the window (found by the real-NVML contract)
+        self._open[name] = self.clock()
         self.sample_once()
         self.n_boundary += 1
-        self._open[name] = self.clock()
 
     def end_window(self, name: str) -> WindowSummary:
         if name not in self._open:
             raise ValueError(f"window {name!r} was not begun")
-        t1 = self.clock()
         self.sample_once()
         self.n_boundary += 1
+        t1 = self.clock()
         t0 = self._open.pop(name)
         self.windows.append((name, t0, t1))
         return WindowSummary(name, t0, t1, summarize(self._build_trace(t0, t1), t0, t1))
