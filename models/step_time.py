@@ -82,27 +82,35 @@ def collective_time(kind: str, nbytes, n, bw_gbs, latency):
 
 @dataclass
 class Link:
-    bw_gbs: float
-    latency: float
-    inter_node: bool
+    """A group's link (group_links): floats for one group, arrays for many."""
+
+    bw_gbs: float | np.ndarray
+    latency: float | np.ndarray
+    inter_node: bool | np.ndarray
+
+
+def group_links(cluster: ClusterSpec, stride, size, c: Constants) -> Link:
+    """Link a group of `size` ranks spaced `stride` apart uses (arrays: one group per element):
+    NVLink when it fits in the job's share of one NVLink domain (`ClusterSpec.domain_gpus`: an
+    HGX node, or the GPUs of an NVL72 rack, over its 4-GPU trays). Across domains, the k ranks of
+    the group that share a domain drive k NICs at once (NCCL runs one ring / channel per NIC; a
+    node's boundary hop carries the group's traffic over all of them), so the group's per-rank
+    bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX H100 (8 x 400 Gb/s per
+    node) show multi-node all-reduce bus bandwidths near the NVLink one with full nodes, and
+    ~50 GB/s with one rank per node."""
+    gpn = cluster.domain_gpus
+    stride, size = np.asarray(stride), np.asarray(size)
+    inter = (size > 1) & (stride * size > gpn)
+    per_node = np.where(stride < gpn, np.maximum(1, np.minimum(size, gpn // np.maximum(stride, 1))), 1)
+    bw = np.minimum(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
+    return Link(np.where(inter, bw * c.network_efficiency, cluster.intra_node_bw_gbs * c.nvlink_efficiency),
+                np.where(inter, c.inter_latency_s, c.intra_latency_s), inter)
 
 
 def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
-    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in the job's
-    share of one NVLink domain (`ClusterSpec.domain_gpus`: an HGX node, or the GPUs of an NVL72
-    rack, over its 4-GPU trays). Across domains, the k ranks of the group that share a domain
-    drive k NICs at once (NCCL runs one
-    ring / channel per NIC; a node's boundary hop carries the group's traffic over all of them), so
-    the group's per-rank bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX
-    H100 (8 x 400 Gb/s per node) show multi-node all-reduce bus bandwidths near the NVLink one
-    with full nodes, and ~50 GB/s with one rank per node."""
-    span = stride * size
-    gpn = cluster.domain_gpus
-    if size <= 1 or span <= gpn:
-        return Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False)
-    per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
-    bw = min(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
-    return Link(bw * c.network_efficiency, c.inter_latency_s, True)
+    """group_links of one group, as floats."""
+    g = group_links(cluster, stride, size, c)
+    return Link(float(g.bw_gbs), float(g.latency), bool(g.inter_node))
 
 
 @dataclass
@@ -649,26 +657,14 @@ class DPTerms:
     opt_base: np.ndarray
 
 
-def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
-    """group_link on arrays: (bandwidth GB/s, latency)."""
-    gpn = cluster.domain_gpus
-    stride, size = np.asarray(stride), np.asarray(size)
-    span = stride * size
-    intra = (size <= 1) | (span <= gpn)
-    per_node = np.where(stride < gpn, np.maximum(1, np.minimum(size, gpn // np.maximum(stride, 1))), 1)
-    bw = np.minimum(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
-    return (np.where(intra, cluster.intra_node_bw_gbs * c.nvlink_efficiency, bw * c.network_efficiency),
-            np.where(intra, c.intra_latency_s, c.inter_latency_s))
-
-
 def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:
     r, k = S.row, S.k
     params = stage_param_arrays(L, memo, S)
     dense, experts = params[:, 0], params[:, 1]
-    dbw, dlat = _group_link(cluster, L.tp * L.cp, L.dp, c)
+    dl = group_links(cluster, L.tp * L.cp, L.dp, c)
     edp = L.expert_dp
-    ebw, elat = _group_link(cluster, L.ep * L.etp, edp, c)
-    dbw, dlat, ebw, elat, edp = dbw[r], dlat[r], ebw[r], elat[r], edp[r]
+    el = group_links(cluster, L.ep * L.etp, edp, c)
+    dbw, dlat, ebw, elat, edp = dl.bw_gbs[r], dl.latency[r], el.bw_gbs[r], el.latency[r], edp[r]
     d = (L.dp * L.cp)[r]
     gb = c.dp_grad_reduce_bytes
     dist = L.dist_opt[r]
