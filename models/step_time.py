@@ -88,6 +88,11 @@ class Link:
     latency: float | np.ndarray
     inter_node: bool | np.ndarray
 
+    def groups(self) -> list[Link]:
+        """One Link of floats per group."""
+        return [Link(float(b), float(t), bool(x)) for b, t, x in
+                zip(np.atleast_1d(self.bw_gbs), np.atleast_1d(self.latency), np.atleast_1d(self.inter_node))]
+
 
 def group_links(cluster: ClusterSpec, stride, size, c: Constants) -> Link:
     """Link a group of `size` ranks spaced `stride` apart uses (arrays: one group per element):
@@ -109,8 +114,7 @@ def group_links(cluster: ClusterSpec, stride, size, c: Constants) -> Link:
 
 def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
     """group_links of one group, as floats."""
-    g = group_links(cluster, stride, size, c)
-    return Link(float(g.bw_gbs), float(g.latency), bool(g.inter_node))
+    return group_links(cluster, stride, size, c).groups()[0]
 
 
 @dataclass
@@ -456,8 +460,7 @@ def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
                           **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, gradient_accumulation_fusion=gaf,
                           **dict(zip(MOE_KNOBS, knobs)))
         cl, c = memo.cluster, memo.c
-        links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
-                 group_link(cl, 1, etp, c))
+        links = group_links(cl, np.array([1, tp, etp, 1]), np.array([tp, cp, ep, etp]), c).groups()  # TP, CP, EP, ETP
         vals = np.zeros((len(memo.kinds), len(UNIT_FIELDS)))
         util = np.zeros((len(memo.kinds), 2))
         for j, i in enumerate(memo.kinds):
