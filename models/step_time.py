@@ -450,6 +450,12 @@ STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed
 # output layer) is computed once per distinct value by the per-layer functions above.
 # ------------------------------------------------------------------------------------------------
 
+def layer_links(memo: Memo, tp: int, cp: int, ep: int, etp: int) -> list[Link]:
+    """The links of a layer's TP, CP, EP and expert-TP groups (Megatron's rank order tp-cp-ep-dp-pp)."""
+    return memo.get("links", (tp, cp, ep, etp), lambda: group_links(
+        memo.cluster, np.array([1, tp, etp, 1]), np.array([tp, cp, ep, etp]), memo.c).groups())
+
+
 def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
     """([K, len(UNIT_FIELDS)] one layer's forward costs per kind (step_time.layer_forward), [K, 2]
     GEMM utilisation sums) for a layer shape (tp, cp, mbs, seq, ep, etp, sp, quant code, TP
@@ -459,14 +465,13 @@ def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
                           **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, gradient_accumulation_fusion=gaf,
                           **dict(zip(MOE_KNOBS, knobs)))
-        cl, c = memo.cluster, memo.c
-        links = group_links(cl, np.array([1, tp, etp, 1]), np.array([tp, cp, ep, etp]), c).groups()  # TP, CP, EP, ETP
+        links = layer_links(memo, tp, cp, ep, etp)
         vals = np.zeros((len(memo.kinds), len(UNIT_FIELDS)))
         util = np.zeros((len(memo.kinds), 2))
         for j, i in enumerate(memo.kinds):
             one = StageTime(stage=0)
             u = [0.0, 0.0]
-            layer_forward(memo.model, i, cfg, cl, c, one, *links, u)
+            layer_forward(memo.model, i, cfg, memo.cluster, memo.c, one, *links, u)
             vals[j] = [getattr(one, f) for f in UNIT_FIELDS]
             util[j] = u
         return vals, util
@@ -480,7 +485,7 @@ def loss_terms(memo: Memo, T: float, tp: int) -> tuple[float, float, float]:
         gpu = cl.gpu
         tt, u = gemm_time(T, m.hidden_size, m.vocab_size / tp, gpu.bf16_tflops * 1e12,
                           gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
-        link = group_link(cl, 1, tp, c)
+        link = layer_links(memo, tp, 1, 1, 1)[0]
         ar = 2 * collective_time("all_reduce", T * 4 * 3, tp, link.bw_gbs, link.latency)
         return (tt, u, ar)
     return memo.get("loss", (T, tp), make)
@@ -793,7 +798,3 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
             out[k].stage = s.stage
     return StepTime(**{f: float(st[f][0]) for f in STEP_FIELDS}, overhead_s=c.step_overhead_s, stages=out,
                     num_microbatches=cfg.num_microbatches)
-
-
-def hbm_bw(cluster: ClusterSpec) -> float:
-    return cluster.gpu.hbm_bandwidth_gbs * 1e9
