@@ -28,7 +28,7 @@ def measure_cmd(
     seq: int = typer.Option(4096, "--seq"),
     recompute: str = typer.Option("none", "--recompute", help="none, selective or full"),
     precision: str = typer.Option("bf16", "--precision"),
-    stack: str = typer.Option("local", "--stack", help="local (megatron-core's local layers) or te (Transformer Engine layer spec: SP, CP, FP8; needs TE installed)"),
+    stack: str = typer.Option("local", "--stack", help="local (megatron-core's local layers) or te (Transformer Engine layer spec: SP, CP, FP8; needs TE installed); with --runner command, the stack your command runs (its records say it)"),
     fp8_recipe: str = typer.Option("delayed", "--fp8-recipe", help="te stack, --precision fp8: delayed or tensorwise (current scaling)"),
     sequence_parallel: bool = typer.Option(False, "--sequence-parallel/--no-sequence-parallel"),
     distributed_optimizer: bool = typer.Option(True, "--distributed-optimizer/--no-distributed-optimizer"),

@@ -41,7 +41,7 @@ def tune_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="sampler seed"),
     sampler: str = typer.Option("tpe", "--sampler", help="tpe (Optuna's default) or surrogate (active learning: expected improvement of a GP on the measurements, the --calibration prediction as its prior)"),
     power_cap: Optional[float] = typer.Option(None, "--power-cap", help="per-GPU power cap in W (default: the GPU's TDP)"),
-    stack: str = typer.Option("local", "--stack", help="megatron runner's software stack: local (megatron-core's local layers) or te (Transformer Engine: SP, CP, FP8; needs TE installed); also the profile the study predicts with"),
+    stack: str = typer.Option("local", "--stack", help="megatron runner's software stack: local (megatron-core's local layers) or te (Transformer Engine: SP, CP, FP8; needs TE installed); with --runner command, the stack your command runs (its records say it); also the profile the study predicts with"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
     steps: int = typer.Option(10, "--steps", help="megatron: measured steps per trial"),
     warmup: int = typer.Option(3, "--warmup", help="megatron: warm-up steps per trial"),

@@ -586,7 +586,7 @@ class Tuner:
         from advisor.runners.ray_exec import Job
 
         opts = dict(self.s.runner_options)
-        if self.s.runner == "megatron":
+        if self.s.runner != "simulate":  # the stack the runner runs: the built-in one's, or the user's command's
             opts["stack"] = self.s.stack
         if self.spool is not None and self.s.runner != "simulate":
             opts["spool"] = str(self.spool.resolve())

@@ -82,27 +82,39 @@ def collective_time(kind: str, nbytes, n, bw_gbs, latency):
 
 @dataclass
 class Link:
-    bw_gbs: float
-    latency: float
-    inter_node: bool
+    """A group's link (group_links): floats for one group, arrays for many."""
+
+    bw_gbs: float | np.ndarray
+    latency: float | np.ndarray
+    inter_node: bool | np.ndarray
+
+    def groups(self) -> list[Link]:
+        """One Link of floats per group."""
+        return [Link(float(b), float(t), bool(x)) for b, t, x in
+                zip(np.atleast_1d(self.bw_gbs), np.atleast_1d(self.latency), np.atleast_1d(self.inter_node))]
+
+
+def group_links(cluster: ClusterSpec, stride, size, c: Constants) -> Link:
+    """Link a group of `size` ranks spaced `stride` apart uses (arrays: one group per element):
+    NVLink when it fits in the job's share of one NVLink domain (`ClusterSpec.domain_gpus`: an
+    HGX node, or the GPUs of an NVL72 rack, over its 4-GPU trays). Across domains, the k ranks of
+    the group that share a domain drive k NICs at once (NCCL runs one ring / channel per NIC; a
+    node's boundary hop carries the group's traffic over all of them), so the group's per-rank
+    bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX H100 (8 x 400 Gb/s per
+    node) show multi-node all-reduce bus bandwidths near the NVLink one with full nodes, and
+    ~50 GB/s with one rank per node."""
+    gpn = cluster.domain_gpus
+    stride, size = np.asarray(stride), np.asarray(size)
+    inter = (size > 1) & (stride * size > gpn)
+    per_node = np.where(stride < gpn, np.maximum(1, np.minimum(size, gpn // np.maximum(stride, 1))), 1)
+    bw = np.minimum(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
+    return Link(np.where(inter, bw * c.network_efficiency, cluster.intra_node_bw_gbs * c.nvlink_efficiency),
+                np.where(inter, c.inter_latency_s, c.intra_latency_s), inter)
 
 
 def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
-    """Link a group of `size` ranks spaced `stride` apart uses: NVLink when it fits in the job's
-    share of one NVLink domain (`ClusterSpec.domain_gpus`: an HGX node, or the GPUs of an NVL72
-    rack, over its 4-GPU trays). Across domains, the k ranks of the group that share a domain
-    drive k NICs at once (NCCL runs one
-    ring / channel per NIC; a node's boundary hop carries the group's traffic over all of them), so
-    the group's per-rank bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX
-    H100 (8 x 400 Gb/s per node) show multi-node all-reduce bus bandwidths near the NVLink one
-    with full nodes, and ~50 GB/s with one rank per node."""
-    span = stride * size
-    gpn = cluster.domain_gpus
-    if size <= 1 or span <= gpn:
-        return Link(cluster.intra_node_bw_gbs * c.nvlink_efficiency, c.intra_latency_s, False)
-    per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
-    bw = min(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
-    return Link(bw * c.network_efficiency, c.inter_latency_s, True)
+    """group_links of one group, as floats."""
+    return group_links(cluster, stride, size, c).groups()[0]
 
 
 @dataclass
@@ -438,6 +450,12 @@ STEP_FIELDS = ("step_time_s", "pipeline_s", "bubble_s", "dp_comm_s", "dp_exposed
 # output layer) is computed once per distinct value by the per-layer functions above.
 # ------------------------------------------------------------------------------------------------
 
+def layer_links(memo: Memo, tp: int, cp: int, ep: int, etp: int) -> list[Link]:
+    """The links of a layer's TP, CP, EP and expert-TP groups (Megatron's rank order tp-cp-ep-dp-pp)."""
+    return memo.get("links", (tp, cp, ep, etp), lambda: group_links(
+        memo.cluster, np.array([1, tp, etp, 1]), np.array([tp, cp, ep, etp]), memo.c).groups())
+
+
 def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
     """([K, len(UNIT_FIELDS)] one layer's forward costs per kind (step_time.layer_forward), [K, 2]
     GEMM utilisation sums) for a layer shape (tp, cp, mbs, seq, ep, etp, sp, quant code, TP
@@ -447,15 +465,13 @@ def layer_units(memo: Memo, key) -> tuple[np.ndarray, np.ndarray]:
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
                           **quant_fields(fp8), tp_comm_overlap=tpo, gbs=m * mbs, gradient_accumulation_fusion=gaf,
                           **dict(zip(MOE_KNOBS, knobs)))
-        cl, c = memo.cluster, memo.c
-        links = (group_link(cl, 1, tp, c), group_link(cl, tp, cp, c), group_link(cl, etp, ep, c),
-                 group_link(cl, 1, etp, c))
+        links = layer_links(memo, tp, cp, ep, etp)
         vals = np.zeros((len(memo.kinds), len(UNIT_FIELDS)))
         util = np.zeros((len(memo.kinds), 2))
         for j, i in enumerate(memo.kinds):
             one = StageTime(stage=0)
             u = [0.0, 0.0]
-            layer_forward(memo.model, i, cfg, cl, c, one, *links, u)
+            layer_forward(memo.model, i, cfg, memo.cluster, memo.c, one, *links, u)
             vals[j] = [getattr(one, f) for f in UNIT_FIELDS]
             util[j] = u
         return vals, util
@@ -469,7 +485,7 @@ def loss_terms(memo: Memo, T: float, tp: int) -> tuple[float, float, float]:
         gpu = cl.gpu
         tt, u = gemm_time(T, m.hidden_size, m.vocab_size / tp, gpu.bf16_tflops * 1e12,
                           gpu.hbm_bandwidth_gbs * 1e9, c, c.gemm_efficiency_max)
-        link = group_link(cl, 1, tp, c)
+        link = layer_links(memo, tp, 1, 1, 1)[0]
         ar = 2 * collective_time("all_reduce", T * 4 * 3, tp, link.bw_gbs, link.latency)
         return (tt, u, ar)
     return memo.get("loss", (T, tp), make)
@@ -649,26 +665,14 @@ class DPTerms:
     opt_base: np.ndarray
 
 
-def _group_link(cluster: ClusterSpec, stride, size, c: Constants):
-    """group_link on arrays: (bandwidth GB/s, latency)."""
-    gpn = cluster.domain_gpus
-    stride, size = np.asarray(stride), np.asarray(size)
-    span = stride * size
-    intra = (size <= 1) | (span <= gpn)
-    per_node = np.where(stride < gpn, np.maximum(1, np.minimum(size, gpn // np.maximum(stride, 1))), 1)
-    bw = np.minimum(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
-    return (np.where(intra, cluster.intra_node_bw_gbs * c.nvlink_efficiency, bw * c.network_efficiency),
-            np.where(intra, c.intra_latency_s, c.inter_latency_s))
-
-
 def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:
     r, k = S.row, S.k
     params = stage_param_arrays(L, memo, S)
     dense, experts = params[:, 0], params[:, 1]
-    dbw, dlat = _group_link(cluster, L.tp * L.cp, L.dp, c)
+    dl = group_links(cluster, L.tp * L.cp, L.dp, c)
     edp = L.expert_dp
-    ebw, elat = _group_link(cluster, L.ep * L.etp, edp, c)
-    dbw, dlat, ebw, elat, edp = dbw[r], dlat[r], ebw[r], elat[r], edp[r]
+    el = group_links(cluster, L.ep * L.etp, edp, c)
+    dbw, dlat, ebw, elat, edp = dl.bw_gbs[r], dl.latency[r], el.bw_gbs[r], el.latency[r], edp[r]
     d = (L.dp * L.cp)[r]
     gb = c.dp_grad_reduce_bytes
     dist = L.dist_opt[r]
@@ -794,7 +798,3 @@ def step_time(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Const
             out[k].stage = s.stage
     return StepTime(**{f: float(st[f][0]) for f in STEP_FIELDS}, overhead_s=c.step_overhead_s, stages=out,
                     num_microbatches=cfg.num_microbatches)
-
-
-def hbm_bw(cluster: ClusterSpec) -> float:
-    return cluster.gpu.hbm_bandwidth_gbs * 1e9

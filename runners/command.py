@@ -58,6 +58,7 @@ from advisor.runners.command_log import (GIB_PER_MB, LogParser, Step, bounds_fro
                                           parse_text)
 from advisor.runners.records import jsonable
 from advisor.runners.parent_watch import preexec_die_with_parent
+from advisor.search_spaces.layout import layout_refusal
 
 GUARD = Path(__file__).with_name("command_guard.py")
 STEP_FILE_ENV = "ADVISOR_STEP_FILE"
@@ -667,10 +668,13 @@ def execute_command(model: ModelSpec, cluster, cfgs: list[TrainConfig], timeout_
                         "(--ray-address), not inline")
     node = NodeInfo(cluster.gpus_per_node if nnodes > 1 else cfgs[0].world_size, node_rank, nnodes,
                     *(rendezvous if rendezvous else ("127.0.0.1", None)))
+    stack = o.get("stack")  # the stack the user says the command runs (tune's --stack); None: not named
     entries = [M.make_entry(model, cfg.world_size, steps=int(o.get("steps", 10)), warmup=int(o.get("warmup", 3)),
-                            id=(ids[k] if ids else None), **cfg.to_dict()) for k, cfg in enumerate(cfgs)]
+                            id=(ids[k] if ids else None), stack=stack or "local", **cfg.to_dict())
+               for k, cfg in enumerate(cfgs)]
     for e, cfg in zip(entries, cfgs):  # the user's stack decides what runs: legality only
         e.refused = refusal_reason(model, cfg, cluster.world_size)
+        e.stack = stack  # what its records say
     # Multi-node: no spool (a node's record is only part of the trial's; the driver merges them),
     # so a driver killed in the middle of a multi-node job retries its trials (the resume rule).
     spool = o.get("spool") if nnodes == 1 else None
@@ -681,15 +685,9 @@ def execute_command(model: ModelSpec, cluster, cfgs: list[TrainConfig], timeout_
     return [by_id[e.id] for e in entries if e.id in by_id]
 
 
-def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> str | None:
-    """What the command runner refuses: only what is not a legal layout (the user's stack may have
-    Transformer Engine, FP8, context parallelism), and a world size that is not the trial's."""
-    from advisor.search_spaces.layout import violations
-
-    if world_size is not None and cfg.world_size != world_size:
-        return f"world size {world_size} != tp*pp*cp*dp = {cfg.world_size}"
-    v = violations(model, None, cfg)
-    return f"illegal layout: {v[0]}" if v else None
+# What the command runner refuses: only what is not a legal layout (the user's stack may have
+# Transformer Engine, FP8, context parallelism), and a world size that is not the trial's.
+refusal_reason = layout_refusal
 
 
 def run_batch(entries: list[M.Entry], dataset: str | Path | None, nproc: int, *, spec: CommandSpec,

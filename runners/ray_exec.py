@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 from advisor.catalog.specs import ClusterSpec, ModelSpec, SpecError, TrainConfig
 from advisor.runners.simulate import new_record
+from advisor.search_spaces.layout import layout_refusal
 
 RUNNERS = ("simulate", "megatron", "command")
 
@@ -41,12 +42,8 @@ def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfi
             stack: str = "local") -> tuple[TrainConfig, str | None]:
     """The layout as `runner` will run it, and why it cannot run it (None when it can). `stack`:
     the megatron runner's ("local": megatron-core's local layers; "te": Transformer Engine)."""
-    if runner == "simulate":
-        return cfg, None
-    if runner == "command":  # the user's own stack: only legality (multi-node through Ray)
-        from advisor.runners.command import refusal_reason
-
-        return cfg, refusal_reason(model, cfg, cluster.world_size)
+    if runner in ("simulate", "command"):  # the model / the user's own stack: only legality (multi-node through Ray)
+        return cfg, layout_refusal(model, cfg, cluster.world_size)
     if runner != "megatron":
         raise ValueError(f"unknown runner {runner!r}")
     from advisor.runners import megatron_args as MA

@@ -1,7 +1,9 @@
 """The simulated runner: the analytical model plus measurement noise, in the measurement schema.
 
 Stands in for ``advisor.runners.measure`` where there are no GPUs (tests, CI, the tuning bench,
-trying a study before spending GPU hours). Every record says ``"simulated": true``.
+trying a study before spending GPU hours). Every record says ``"simulated": true``. It refuses
+what the command runner refuses (``search_spaces.layout.layout_refusal``: a world size that is not
+the cluster's, an illegal layout) with a ``refused`` record, and simulates every other layout.
 
 Noise: the step time is multiplied by a log-normal factor exp(N(0, sigma)) drawn once per
 (seed, layout) (run-to-run spread; 3% unless measurements say otherwise), and each reported step
@@ -27,6 +29,8 @@ from typing import Any, Mapping
 from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.predict import predict
 from advisor.runners.records import SCHEMA
+from advisor.search_spaces.layout import layout_refusal
+
 DEFAULTS = {"sigma": 0.03, "seed": 0, "oom_margin": 0.05, "delay_s": 0.0, "steps": 10, "inject": {}}
 
 
@@ -53,8 +57,12 @@ def _rng(seed: Any, *parts: str) -> random.Random:
 
 def run_trial(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, *, timeout_s: float | None = None,
               options: Mapping[str, Any] | None = None, node_rank: int = 0, **_: Any) -> dict[str, Any] | None:
-    """Simulate one measurement of `cfg`. Returns the record (None on node ranks > 0)."""
+    """Simulate one measurement of `cfg`. Returns the record (None on node ranks > 0): ``refused``
+    (one line) for a layout the runners refuse."""
     o = {**DEFAULTS, **(options or {})}
+    refused = layout_refusal(model, cfg, cluster.world_size)  # the command runner's rule: legality only
+    if refused:
+        return None if node_rank else new_record(model, cluster, cfg, "refused", refused, "simulate")
     key = cfg.key()
     for pattern, what in dict(o["inject"]).items():
         if pattern in key:

@@ -392,6 +392,16 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
     return out
 
 
+def layout_refusal(model: ModelSpec, cfg: TrainConfig, world_size: int | None = None) -> str | None:
+    """Why a runner that runs every legal layout (the command runner: the user's own stack; the
+    simulated runner) refuses `cfg`, in one line: a world size that is not the trial's, else the
+    first rule it breaks (violations, no cluster); None when it runs it."""
+    if world_size is not None and cfg.world_size != world_size:
+        return f"world size {world_size} != tp*pp*cp*dp = {cfg.world_size}"
+    v = violations(model, None, cfg)
+    return f"illegal layout: {v[0]}" if v else None
+
+
 def check(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) -> None:
     """Raise IllegalLayout naming the first rule the layout breaks."""
     v = violations(model, cluster, cfg)

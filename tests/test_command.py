@@ -273,7 +273,7 @@ def test_killed_tune_driver_resumes_a_command_study_with_nothing_lost_or_repeate
            "--seq", "512", "--gbs", "16", "--runner", "command", "--command",
            f"{sys.executable} {FAKE} --step-s 0.15 {{megatron_args}}", "--trials", "7", "--batch", "3",
            "--steps", "3", "--warmup", "1", "--ray-address", "inline", "--calibration", "none", "--seed", "0",
-           "--storage", str(journal), "--dataset", str(data), "--study-name", "cmd"]
+           "--storage", str(journal), "--dataset", str(data), "--study-name", "cmd", "--stack", "te"]
     spool = Path(f"{journal}.cmd.spool.jsonl")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -302,6 +302,7 @@ def test_killed_tune_driver_resumes_a_command_study_with_nothing_lost_or_repeate
     assert len({t.user_attrs["layout_key"] for t in done}) == 7  # nothing measured twice
     assert spooled <= {t.user_attrs["record"]["id"] for t in done}  # what the dead job measured is kept
     assert all(x["runner"] == "command" and x["status"] == "ok" for x in recs)
+    assert {x["stack"] for x in recs} == {"te"}  # the stack the user named (--stack), spooled and salvaged too
     stale = [t for t in trials if t.user_attrs.get("stale")]
     assert all(t.state == TS.FAIL for t in stale)
     for t in stale:

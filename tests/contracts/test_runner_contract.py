@@ -40,14 +40,17 @@ BASE = TrainConfig(tp=1, pp=1, dp=1, mbs=1, gbs=4, seq=512)
 # one layout per outcome; the runners' fakes pick what happens from the layout (command: mbs,
 # simulate: an injected crash) or from the record id (megatron's fake worker)
 LAYOUT = {"ok": BASE, "oom": BASE.replace(mbs=2, gbs=8), "crash": BASE.replace(mbs=4, gbs=8),
-          "timeout": BASE.replace(mbs=3, gbs=6), "refused": BASE.replace(cp=2)}
+          "timeout": BASE.replace(mbs=3, gbs=6), "refused": BASE.replace(cp=2),
+          "illegal": BASE.replace(mbs=3, gbs=4)}  # the right world size, a broken rule (gbs % mbs·dp)
 RUNNERS = R.RUNNERS
 REQUIRED = ("schema", "id", "timestamp", "status", "error", "model_name", "model", "layers", "config",
             "cluster", "env", "stack", "steps", "throughput", "memory", "telemetry", "runner", "simulated")
 pytestmark = pytest.mark.xdist_group("runner_contract")  # one worker runs the module's trials once
 
+# what each runner's records name as the stack: none simulated, the built-in runner's default, the
+# one the user named for the command runner (not "local": its records used to say that regardless)
+STACK = {"simulate": None, "megatron": "local", "command": "te"}
 CANNOT = {  # (runner, outcome): why the contract cannot ask it of that runner
-    ("simulate", "refused"): "the simulated runner runs every layout (the study screens legality before)",
     ("simulate", "timeout"): "the simulated runner has no watchdog: its executor times it out (ray_exec)",
 }
 
@@ -75,6 +78,7 @@ def options(runner: str, outcomes: list[str]) -> dict:
         if outcomes == ["oom"]:
             o["oom_margin"] = 1.0  # nothing fits: the layout OOMs
     if runner == "command":
+        o["stack"] = STACK[runner]  # the stack the user says the command runs (tune --stack)
         o["command"] = CommandSpec(f"{shlex.quote(sys.executable)} {DATA / 'fake_train.py'} --step-s 0.02 "
                                    "{megatron_args}", exit_grace_s=1.0).to_dict()
     return o
@@ -136,6 +140,11 @@ def test_one_record_per_trial_in_order_with_its_id_and_outcome(runner, trials):
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
+def test_every_record_names_the_stack_the_trial_ran_on(runner, trials):
+    assert [r["stack"] for r in trials[runner][1]] == [STACK[runner]] * len(trials[runner][0])
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
 def test_an_ok_record_has_steps_throughput_and_a_telemetry_summary_the_dataset_reads(runner, trials):
     rec = trials[runner][1][0]
     st, cfg = rec["steps"], TrainConfig.from_dict(rec["config"])
@@ -188,6 +197,17 @@ def test_a_layout_the_runner_cannot_run_is_refused_in_one_line(runner):
         pytest.skip(CANNOT[runner, "refused"])
     assert one_line(reason)
     assert R.prepare(runner, TINY, CLUSTER, LAYOUT["ok"])[1] is None
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_an_illegal_layout_called_directly_is_a_refused_record_never_a_run(runner, monkeypatch):
+    """execute() called without prepare() (as a study's executor does): the layout is not run."""
+    cfg, reason = R.prepare(runner, TINY, CLUSTER, LAYOUT["illegal"])
+    assert one_line(reason) and "gbs=4 is not a multiple of mbs" in reason
+    (rec,) = run_trials(runner, ["illegal"], monkeypatch)
+    check_schema(rec, runner)
+    assert rec["status"] == "refused" and rec["id"] == trial_id("illegal", 0)
+    assert rec["error"] == reason and rec["steps"] is None and rec["throughput"] is None
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
