@@ -3,6 +3,7 @@ peak, its upper bound and the usable memory; and on the runs that fit, predicted
 memory, leave-one-architecture-out, dense and MoE apart.
 
     python bench/memory_edge.py [--margin 0.05] [--fit]      # --fit writes models/data/memory_band.json
+    python bench/memory_edge.py --recipe 115                  # one published recipe, term by term per stage
 
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
@@ -207,12 +208,79 @@ def recipes(margin: float | None) -> list[dict]:
     return out
 
 
+def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
+    """One published recipe of the te fit set (its row id), with the te stack's layout defaults:
+    (the recipe: id, model, layout, micro-batches, band, usable GiB; one dict per pipeline stage:
+    layers, in-flight micro-batches per virtual chunk (Megatron's warm-up, layout.in_flight_chunks),
+    and the memory terms in GiB: bf16 weights, the linear layers' quantized copies, gradients,
+    optimizer states, activations, logits, the optimizer step's transient, runtime overhead, total
+    and the band's upper bound of that total)."""
+    from advisor.models import published as P
+    from advisor.models.memory import linear_params, stage_memory
+    from advisor.models.profiles import apply_layout_defaults
+    from advisor.models.quant import weight_copy_bytes
+    from advisor.search_spaces.layout import in_flight_chunks, stage_layers
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from fit_profiles import in_fit
+
+    runs = [r for r in P.load() if r.usable and in_fit(r)]
+    hit = [r for r in runs if str(r.row_id) == str(row_id)]
+    if not hit:
+        print(f"error: no published recipe {row_id!r} in the te fit set (ids: "
+              f"{', '.join(str(r.row_id) for r in runs)})", file=sys.stderr)
+        raise SystemExit(2)
+    r = hit[0]
+    c = resolve_calibration("default", "te").screening_constants
+    cfg = apply_layout_defaults(r.cfg, "te")
+    b = MB.band("te", r.model.is_moe)
+    copy = weight_copy_bytes(cfg.quant_code, c)
+    layers = stage_layers(r.model, cfg)
+    out = []
+    for sm in stage_memory(r.model, cfg, c):
+        fp8 = linear_params(r.model, cfg, layers[sm.stage]) * copy / 2**30
+        out.append({"stage": sm.stage, "layers": sm.layers, "in_flight": in_flight_chunks(cfg, sm.stage),
+                    "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
+                    "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
+                    "transient": sm.step_transient_gib, "overhead": sm.overhead_gib, "total": sm.total_gib,
+                    "upper": float(b.interval(sm.total_gib)[1])})
+    m = MB.default_margin(c.memory_usable_fraction)
+    head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
+            "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b,
+            "assumed": "; ".join(r.assumptions)}
+    return head, out
+
+
+def print_recipe(row_id: str) -> None:
+    head, stages = recipe_terms(row_id)
+    b = head["band"]
+    print(f"recipe {head['id']}: {head['model']} {head['layout']} ({head['microbatches']} micro-batches per step)")
+    if head["assumed"]:
+        print(f"assumed: {head['assumed']}")
+    print("per pipeline stage, GiB (in flight: micro-batches each virtual chunk holds at the stage's peak):")
+    cols = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead",
+            "total", "upper")
+    print(f"{'stage':>5} {'layers':>6}  {'in flight':18} " + " ".join(f"{k[:11]:>11}" for k in cols))
+    for s in stages:
+        fl = ",".join(str(n) for n in s["in_flight"])
+        print(f"{s['stage']:5d} {s['layers']:6d}  {fl[:18]:18} " + " ".join(f"{s[k]:11.2f}" for k in cols))
+    top = max(stages, key=lambda s: s["total"])
+    print(f"fullest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
+          f"(allocator part x {b.hi:.3f} + {b.add_hi_gib:.1f} + {b.outside_gib:.1f} outside the allocator), "
+          f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*")
     ap.add_argument("--margin", type=float, default=None, help="memory margin (default: the profile's)")
     ap.add_argument("--fit", action="store_true", help=f"write {MB.BAND_FILE.relative_to(ROOT)}")
+    ap.add_argument("--recipe", default=None, metavar="ROW",
+                    help="print one published recipe's memory terms per pipeline stage (its row id) and exit")
     a = ap.parse_args()
+    if a.recipe is not None:
+        print_recipe(a.recipe)
+        return
     paths = a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))
     rs = rows(paths)
     if a.fit:

@@ -136,8 +136,16 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     # two norm inputs (residual stream) and two norm outputs (inputs of the QKV and FC1 GEMMs),
     # stored sharded with sequence parallelism. Selective recompute (Megatron's default module,
     # core_attn) re-runs flash attention, which stores no score matrix, so it saves ~nothing here.
-    # Under fp8 Transformer Engine saves the inputs of its FP8 GEMMs (the norm outputs, the
-    # attention output, the activation output) as FP8 copies: 1 byte instead of 2 (`gemm_in`).
+    # Under fp8 Transformer Engine saves the inputs of its FP8 GEMMs as FP8 copies (`gemm_in`, 1
+    # byte: TE 2.x Linear / LayerNormLinear keep only the column-wise (transposed) data wgrad
+    # reads, or the row-wise local shard when sequence parallelism re-gathers it; `ln_out` /
+    # `inputmat.update_usage(rowwise_usage=False)` before save_for_backward). Where that input is
+    # a tensor no other op saves (the norm outputs, which the fused norm writes in FP8, and the
+    # activation output, whose function keeps its own input) the BF16 copy is freed: 1 byte
+    # instead of 2. The attention output is also kept by the attention itself (TE's FusedAttnFunc
+    # saves q, k, v and out in BF16 for its backward): under fp8 its FP8 copy comes on top (3
+    # bytes); under bf16 the projection saves the same tensor (2). Measured on the te runner's
+    # FP8 / BF16 pairs: bench/memory_fp8_pairs.py.
     elems = 2 * sbh / sp
     gemm_in = 2 * sbh / sp
     # post-norms (Gemma 2/3, GLM-4) keep their inputs too (the attention / MLP outputs, sharded
@@ -151,11 +159,15 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
         elems += s * b * (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim)  # latents (replicated)
         elems += s * b * a * (2 * qk + m.v_head_dim) / t  # q, k, v
-        gemm_in += s * b * a * m.v_head_dim / t  # attention output
+        attn_out = s * b * a * m.v_head_dim / t
     else:
         hd = model.head_dim
         elems += s * b * (a + 2 * model.kv_heads) * hd / t  # q, k, v
-        gemm_in += s * b * a * hd / t  # attention output
+        attn_out = s * b * a * hd / t
+    elems += attn_out  # kept by the attention (BF16), the projection's input under bf16
+    quantized = cfg.precision != "bf16"
+    if quantized:
+        gemm_in += attn_out  # the projection's FP8 copy
     gated = model.activation == "swiglu"
     if model.is_moe_layer(layer):
         moe_elems, moe_gemm_in = moe_activation_elements(model, cfg, c)  # models/moe.py
@@ -167,7 +179,7 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
             ffn = model.moe.dense_ffn_hidden_size
         elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
         gemm_in += s * b * ffn / t  # activation output (FC2 input)
-    gemm_bytes = saved_input_bytes(cfg.quant_code, c) if cfg.precision != "bf16" else e
+    gemm_bytes = saved_input_bytes(cfg.quant_code, c) if quantized else e
     return e * elems + gemm_bytes * gemm_in
 
 
