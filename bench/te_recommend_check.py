@@ -79,7 +79,8 @@ def measured_groups(paths) -> dict:
 def check(group, meas: dict, calibration: str, top: int, runner_settings: bool) -> dict:
     name, gpus, seq, gbs, prec = group
     _, cfg0, model, cluster = next(iter(meas.values()))
-    options = SpaceOptions.wide(tp_comm_overlap=False, gradient_accumulation_fusion=False) if runner_settings else None
+    options = SpaceOptions.wide(tp_comm_overlap=False, gradient_accumulation_fusion=False,
+                                  cross_entropy_impl="native") if runner_settings else None
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=prec, fp8_recipe=cfg0.fp8_recipe, top=top,
                     calibration=calibration, stack="te", options=options)
     ranked = [match_key(x.config) for x in res.recommendations]
