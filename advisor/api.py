@@ -17,6 +17,7 @@ from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load
 from advisor.catalog.specs import check_precision
 from advisor.models.domain import domain_note
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
+from advisor.models.outside_memory import outside_allocator_gib
 from advisor.models.objectives import OBJECTIVE_CAPS, OBJECTIVES, rank_order, score_arrays, score_prediction
 from advisor.models.power import CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.models.ranking import CapTable, best_at_cap, cap_evaluator, predict_at
@@ -403,7 +404,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   score=score_prediction(p, objective, best_tps, best_e), power_cap_w=cap,
                                   power_caps=sweep.to_dict() if sweep else {},
                                   stage_caps=sc.to_dict() if sc else {},
-                                  memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib, band,
+                                  memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib,
+                                                                outside_allocator_gib(m, cfg, None, rank_constants), band,
                                                                 c.gpu.memory_gib, sc_margin)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,

@@ -33,7 +33,7 @@ def test_recipe_terms_add_up_and_hold_megatrons_interleaved_warmup():
 def test_recipe_flag_prints_the_table_and_refuses_an_unknown_row():
     ok = subprocess.run([sys.executable, str(ROOT / "bench/memory_edge.py"), "--recipe", "115"],
                         capture_output=True, text=True, cwd=ROOT)
-    assert ok.returncode == 0 and "fullest stage 0" in ok.stdout and "fp8_copies" in ok.stdout
+    assert ok.returncode == 0 and "tightest stage 0" in ok.stdout and "fp8_copies" in ok.stdout and "outside" in ok.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "bench/memory_edge.py"), "--recipe", "nope"],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
