@@ -335,7 +335,14 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     per_logit = np.array([logits_bytes_per_logit(model, c, impl) for impl in CROSS_ENTROPY_IMPLS])
     ce = per_logit[L.ce[r]] if L.ce is not None else per_logit[0]
     logits = np.where(last, T * model.vocab_size / L.tp[r] * ce, 0.0)
-    weights = total * c.bytes_weight + linear * fp8_copy
+    # FP8 primary weights (TrainConfig.fp8_param_gather; megatron-core fp8_param with the distributed
+    # optimizer's fp8_param_gather, TE Float8Tensor parameters): the linear layers' weights exist
+    # only as TE's FP8 data + transpose (the copy above), no BF16 weight; the fp32 master copy stays
+    # in the optimizer's shard.
+    bf16_linear = linear * c.bytes_weight
+    if L.fpg is not None:
+        bf16_linear = np.where(L.fpg[r], 0.0, bf16_linear)
+    weights = (total - linear) * c.bytes_weight + bf16_linear + linear * fp8_copy
     grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation
     stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
