@@ -5,6 +5,7 @@ memory, leave-one-architecture-out, dense and MoE apart.
     python bench/memory_edge.py [--margin 0.05] [--fit]      # --fit writes models/data/memory_band.json
     python bench/memory_edge.py --recipe 115                  # one published recipe, term by term per stage
     python bench/memory_edge.py --outside                     # memory outside torch's allocator: solve and check
+    python bench/memory_edge.py --allocator                   # reserved but unallocated: fit, LOAO, per stage
 
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
@@ -105,7 +106,8 @@ def rows(paths: list[str]) -> list[dict]:
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": peak_memory_gib(model, cfg, c),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
-                        "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or "")})
+                        "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or ""),
+                        "memory": mem})
     return out
 
 
@@ -338,6 +340,89 @@ def print_outside(rs: list[dict]) -> None:
               f"predicted {r['outside_pred']:5.2f} ({r['outside'] - r['outside_pred']:+.2f})")
 
 
+ALLOC_KEYS = ("alloc_reserved_base_gib", "alloc_reserved_block", "alloc_reserved_moe")
+
+
+def allocator_stages(rs: list[dict]) -> list[dict]:
+    """Every pipeline stage of the ok runs with per-rank peak reserved and allocated: measured
+    reserved but unallocated (max over the stage's ranks of reserved - allocated) and the three
+    features of models/allocator_memory.py (the term with one coefficient at 1, the others 0,
+    through models.memory.stage_memory: the model's own code)."""
+    import dataclasses
+
+    from advisor.models.memory import stage_memory
+
+    out = []
+    for r in rs:
+        mem = r.get("memory") or {}
+        res, al = mem.get("peak_reserved_gib_per_rank"), mem.get("peak_allocated_gib_per_rank")
+        if r["status"] != "ok" or not res or not al or len(res) != len(al):
+            continue
+        cfg = r["cfg"]
+        per = len(res) // cfg.pp
+        if per < 1:
+            continue
+        feats = []
+        for k in ALLOC_KEYS:
+            basis = dataclasses.replace(resolve_calibration("default", r["stack"]).screening_constants,
+                                        **{x: float(x == k) for x in ALLOC_KEYS})
+            feats.append([s.reserved_free_gib for s in stage_memory(r["model_spec"], cfg, basis)])
+        for st in range(cfg.pp):
+            meas = max(res[i] - al[i] for i in range(st * per, (st + 1) * per))
+            out.append({"id": r["id"], "stack": r["stack"], "arch": r["arch"], "moe": r["moe"], "stage": st,
+                        "model": r["model"], "measured": meas, "x": [f[st] for f in feats]})
+    return out
+
+
+def fit_allocator(stages: list[dict]) -> dict:
+    """Non-negative least squares of the measured reserved-but-unallocated memory on the term's
+    three features; leave-one-architecture-out mean |error| (GiB) per stack and class."""
+    from scipy.optimize import nnls
+
+    from advisor.models.allocator_memory import RANGES
+
+    X = np.array([s["x"] for s in stages])
+    y = np.array([s["measured"] for s in stages])
+    coef = nnls(X, y)[0]
+    arch = np.array([s["arch"] for s in stages])
+    held = np.zeros(len(y))
+    for a in sorted(set(arch)):
+        h = arch == a
+        held[h] = X[h] @ nnls(X[~h], y[~h])[0]
+    fitted = dict(zip(ALLOC_KEYS, (float(v) for v in coef)))
+    inside = {k: RANGES[k][0] <= v <= RANGES[k][1] for k, v in fitted.items()}
+    return {"coef": fitted, "inside_ranges": inside, "fitted": X @ coef, "held_out": held, "y": y}
+
+
+def print_allocator(rs: list[dict]) -> None:
+    from advisor.models.constants import DEFAULT
+
+    stages = allocator_stages(rs)
+    f = fit_allocator(stages)
+    print(f"torch's caching allocator, reserved but unallocated per stage: {len(stages)} stages "
+          f"(peak reserved - peak allocated, max over the stage's ranks)")
+    for k, v in f["coef"].items():
+        print(f"  {k:24} fitted {v:6.3f}  shipped {getattr(DEFAULT, k):6.3f}  "
+              f"{'inside' if f['inside_ranges'][k] else 'OUTSIDE'} its physical range")
+    shipped = np.array([s["x"] for s in stages]) @ np.array([getattr(DEFAULT, k) for k in ALLOC_KEYS])
+    print(f"{'stack':5} {'class':5} {'stages':>6} {'measured':>9} {'shipped':>8} {'MAE':>5} {'LOAO MAE':>8} "
+          f"{'LOAO max under':>14}  (GiB; mean measured / predicted, mean |error|)")
+    for stack in sorted({s["stack"] for s in stages}):
+        for kind in (False, True):
+            sel = np.array([s["stack"] == stack and bool(s["moe"]) == kind for s in stages])
+            if not sel.any():
+                continue
+            y, p, h = f["y"][sel], shipped[sel], f["held_out"][sel]
+            print(f"{stack:5} {'moe' if kind else 'dense':5} {int(sel.sum()):6d} {y.mean():9.2f} {p.mean():8.2f} "
+                  f"{np.abs(y - p).mean():5.2f} {np.abs(y - h).mean():8.2f} {(y - h).max():14.2f}")
+    worst = np.argsort(f["y"] - shipped)[-5:][::-1]
+    print("largest under-predictions (shipped coefficients):")
+    for i in worst:
+        s = stages[i]
+        print(f"  {s['id'][:22]:22} {s['stack']:5} {s['model'][:26]:26} stage {s['stage']}: measured {s['measured']:5.2f}"
+              f" predicted {shipped[i]:5.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*")
@@ -347,7 +432,12 @@ def main() -> None:
                     help="solve and check the memory outside torch's allocator (models/outside_memory.py) and exit")
     ap.add_argument("--recipe", default=None, metavar="ROW",
                     help="print one published recipe's memory terms per pipeline stage (its row id) and exit")
+    ap.add_argument("--allocator", action="store_true",
+                    help="fit and check torch's reserved-but-unallocated memory (models/allocator_memory.py) and exit")
     a = ap.parse_args()
+    if a.allocator:
+        print_allocator(rows(a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))))
+        return
     if a.recipe is not None:
         print_recipe(a.recipe)
         return

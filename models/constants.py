@@ -71,8 +71,23 @@ class Constants:
     nccl_connect_gib: float = 0.28
     nccl_p2p_connect_gib: float = 0.44
     nccl_a2a_connect_gib: float = 0.75
-    # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted).
+    # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted). The te
+    # profile sets 0: its reserved-but-unallocated memory is the physical term below.
     fragmentation: float = 0.08
+    # ---- torch's caching allocator: reserved but unallocated at the peak (models/allocator_memory.py)
+    # Fitted on peak reserved - peak allocated of every pipeline stage of the measured runs (te and
+    # local, 334 stages), non-negative least squares: `python bench/memory_edge.py --allocator`
+    # (fit and leave-one-architecture-out). Ranges in models/allocator_memory.py (RANGES).
+    # What stays reserved whatever the layout: 20 MiB segments of the 1-10 MiB requests, 2 MiB
+    # rounding of the large pool, blocks of other streams (GiB).
+    alloc_reserved_base_gib: float = 1.33
+    # Fraction of the stage's largest transient block (fp32 logits of the cross entropy, FC1 output)
+    # that stays cached but unusable: a freed block cannot serve a larger request, so a new segment
+    # is cudaMalloc'ed and the old one stays reserved.
+    alloc_reserved_block: float = 0.54
+    # Fraction of one dropless MoE layer's token buffers (variable size every micro-batch), per MoE
+    # layer of the stage, that stays reserved.
+    alloc_reserved_moe: float = 0.45
     # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
     # headroom for allocation spikes and buffers the model does not see (our memory predictions
     # are within 7-12% MAPE of the measured peaks, docs/measurement.md).

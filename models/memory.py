@@ -17,6 +17,8 @@ from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainC
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
+from advisor.models.allocator_memory import (LOGIT_BLOCK_BYTES, dense_block_bytes, logits_block_bytes,
+                                             moe_buffer_bytes, reserved_free_gib)
 from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
 from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
@@ -40,12 +42,15 @@ class StageMemory:
     # memory outside torch's allocator (CUDA context, NCCL communicators: models/outside_memory.py);
     # not in total_gib, which is what torch's allocator reserves (what the runs measure)
     outside_gib: float = 0.0
+    # torch's caching allocator: reserved but unallocated at the peak (models/allocator_memory.py);
+    # in total_gib (the runs measure peak reserved)
+    reserved_free_gib: float = 0.0
 
     @property
     def total_gib(self) -> float:
         """What torch's caching allocator holds at the stage's peak."""
         return (self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
-                + self.logits_gib + self.overhead_gib + self.step_transient_gib)
+                + self.logits_gib + self.overhead_gib + self.step_transient_gib + self.reserved_free_gib)
 
     @property
     def device_gib(self) -> float:
@@ -250,15 +255,18 @@ def peak_memory_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np
 
 
 def activation_table(memo: Memo, key) -> np.ndarray:
-    """[K, 2]: one layer's activation bytes per kind with full recompute and without
-    (layer_activation_bytes; selective recompute stores what no recompute does), for a layer
+    """[K, 3]: one layer's activation bytes per kind with full recompute and without
+    (layer_activation_bytes; selective recompute stores what no recompute does), and its dropless
+    MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer), for a layer
     shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (router, capacity factor, padding))."""
     def make():
         tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
                           **quant_fields(fp8), moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
+        moe = moe_buffer_bytes(memo.model, cfg, memo.c)
         return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
-                          layer_activation_bytes(memo.model, i, cfg, memo.c, "none")] for i in memo.kinds])
+                          layer_activation_bytes(memo.model, i, cfg, memo.c, "none"),
+                          moe if memo.model.is_moe_layer(i) else 0.0] for i in memo.kinds])
     return memo.get("activations", key, make)
 
 
@@ -345,16 +353,33 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     weights = (total - linear) * c.bytes_weight + bf16_linear + linear * fp8_copy
     grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation
-    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
+    # torch's caching allocator: reserved but unallocated (models/allocator_memory.py): the stage's
+    # largest transient block (the loss stage's logits tensor, a dense layer's FC1 output) and its
+    # dropless MoE layers' token buffers
+    tp_r, cp_r, mbs_r, seq_r = L.tp[r], L.cp[r], L.mbs[r], L.seq[r]
+    ce_bytes = np.array([LOGIT_BLOCK_BYTES[impl] for impl in CROSS_ENTROPY_IMPLS])
+    ce_b = ce_bytes[L.ce[r]] if L.ce is not None else ce_bytes[0]
+    block = np.where(counts.sum(axis=1) > 0, dense_block_bytes(model, tp_r, cp_r, mbs_r, seq_r), 0.0)
+    block = np.where(last, np.maximum(block, logits_block_bytes(model, tp_r, cp_r, mbs_r, seq_r, ce_b)), block)
+    moe_layers = np.zeros(len(r))
+    moe_bytes = np.zeros(len(r))
+    for j in range(K):
+        moe_layers = moe_layers + np.where(per_key[:, j, 2][key] > 0, counts[:, j], 0.0)
+        moe_bytes = np.maximum(moe_bytes, per_key[:, j, 2][key])
+    xseg = L.xseg[r] if L.xseg is not None else False
+    reserved = reserved_free_gib(block, moe_layers, moe_bytes, xseg, c)
+    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f + reserved * GIB
     peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
     # StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
     parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
              "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB,
+             "reserved_free_gib": reserved,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
     total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
-                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"])
+                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"]
+                 + parts["reserved_free_gib"])
     S.cache["memory"] = (parts, total, counts.sum(axis=1))
     return peak, total_gib
 
@@ -366,11 +391,13 @@ def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
     if mat is None:
         mat = S.cache["memory_matrix"] = np.stack(
             [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                                                   "logits_gib", "step_transient_gib", "outside_gib")], 1)
+                                                   "logits_gib", "step_transient_gib", "outside_gib",
+                                                   "reserved_free_gib")], 1)
     over = c.runtime_overhead_gib
     return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
-                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t, outside_gib=out)
-            for k, (n, p, w, g, o, a, lg, t, out) in enumerate(S.rows(mat, i).tolist())]
+                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t, outside_gib=out,
+                        reserved_free_gib=rf)
+            for k, (n, p, w, g, o, a, lg, t, out, rf) in enumerate(S.rows(mat, i).tolist())]
 
 
 def outside_peak_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np.ndarray:
