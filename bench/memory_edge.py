@@ -242,7 +242,8 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
         out.append({"stage": sm.stage, "layers": sm.layers, "in_flight": in_flight_chunks(cfg, sm.stage),
                     "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
-                    "transient": sm.step_transient_gib, "overhead": sm.overhead_gib, "total": sm.total_gib,
+                    "transient": sm.step_transient_gib, "overhead": sm.overhead_gib,
+                    "reserved_free": sm.reserved_free_gib, "total": sm.total_gib,
                     "outside": sm.outside_gib, "upper": float(b.interval(sm.total_gib, sm.outside_gib)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
@@ -258,7 +259,7 @@ def print_recipe(row_id: str) -> None:
     if head["assumed"]:
         print(f"assumed: {head['assumed']}")
     print("per pipeline stage, GiB (in flight: micro-batches each virtual chunk holds at the stage's peak):")
-    cols = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead",
+    cols = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead", "reserved_free",
             "total", "outside", "upper")
     print(f"{'stage':>5} {'layers':>6}  {'in flight':18} " + " ".join(f"{k[:11]:>11}" for k in cols))
     for s in stages:
