@@ -367,6 +367,10 @@ class Constants:
     # (fitted; 16-4096; 0.3-1).
     moe_gemm_half_tokens: float = 159.0
     moe_gemm_efficiency: float = 1.0
+    # ... and by the expert's FFN width f (per ETP rank): f / (f + moe_gemm_half_ffn); 0 = no such
+    # loss (one grouped kernel: this runner's torch._grouped_mm); the te profile's value: models/moe.py
+    # MOE_TE_SETTINGS (TE's GroupedLinear: one cuBLAS GEMM per expert; moe.expert_width_fraction).
+    moe_gemm_half_ffn: float = 0.0
     moe_gemm_reference_tokens: float = 4096.0  # the token count the dense GEMM model is asked at (convention)
     # Expert activation and probability weighting, forward + backward, in HBM passes over the
     # routed T·k·f elements: SwiGLU reads 2f writes f, the fp32 probability product writes f in
@@ -386,6 +390,15 @@ class Constants:
     # per expert, each with its own descriptors and heuristic query, for fc1 and fc2 forward and
     # their dgrad and wgrad: 6 calls per expert (the te profile's value: models/moe.py MOE_TE_SETTINGS).
     moe_grouped_expert_host_s: float = 0.0
+    # ... and what a quantized format (FP8 through TE) adds to it per local expert per
+    # layer-microbatch: TE's GroupedLinear (transformer_engine/pytorch/module/grouped_linear.py,
+    # TE 2.x) quantizes each expert's input apart (tex.fused_multi_quantize: one kernel, but one
+    # quantized tensor with its own scale / amax / transpose built on the host per expert, for fc1
+    # and fc2 forward and their gradient outputs backward), fetches each expert's FP8 weight
+    # workspace in a Python loop (get_weight_workspace) and hands each expert's scale-inverse to
+    # its cuBLASLt GEMM: ~10 host objects and calls per expert (0 where no GroupedLinear issues
+    # the experts one by one; the te profile's value: models/moe.py MOE_TE_SETTINGS).
+    moe_fp8_expert_host_s: float = 0.0
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)
