@@ -146,7 +146,7 @@ def fit_rows(runs: Iterable[PublishedRun], stack: str = "te",
         if v:
             left[f"layout not enterable: {v[0].split(':')[0][:60]}"] += 1
             continue
-        rows.append(Row(r, apply_layout_defaults(r.cfg, stack, moe=r.model.is_moe), 1.0))
+        rows.append(Row(r, apply_layout_defaults(r.cfg, stack, r.explicit, moe=r.model.is_moe), 1.0))
     dup = Counter(_key(x) for x in rows)
     for x in rows:
         x.weight = 1.0 / dup[_key(x)]
