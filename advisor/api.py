@@ -410,7 +410,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   power_caps=sweep.to_dict() if sweep else {},
                                   stage_caps=sc.to_dict() if sc else {},
                                   memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib,
-                                                                outside_allocator_gib(m, cfg, None, rank_constants), band,
+                                                                [outside_allocator_gib(m, cfg, k, rank_constants)
+                                                                 for k in range(cfg.pp)], band,
                                                                 c.gpu.memory_gib, sc_margin)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,

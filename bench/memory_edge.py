@@ -202,8 +202,8 @@ def recipes(margin: float | None) -> list[dict]:
         pred = peak_memory_gib(r.model, cfg, c)
         outside = outside_allocator_gib(r.model, cfg, None, c)
         b = MB.band("te", r.model.is_moe)
-        # each stage's own allocator total with its own outside term (recommend pairs the fullest
-        # stage's total with the largest outside term of any stage)
+        # each stage's own allocator total with its own outside term: recommend's rule
+        # (models.memory.band_upper_many); "upper" pairs the fullest stage with the largest outside term
         per_stage = max(float(b.interval(sm.total_gib, sm.outside_gib)[1]) for sm in stage_memory(r.model, cfg, c))
         notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]
         if r.explicit:
@@ -213,7 +213,7 @@ def recipes(margin: float | None) -> list[dict]:
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
                     "upper": float(b.interval(pred, outside)[1]), "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
-                    "fits": bool(MB.fits(pred, outside, b, r.cluster.gpu.memory_gib, m)),
+                    "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "assumed": "; ".join(notes), "unmodelled": r.unmodelled})
     return out
 
@@ -497,13 +497,15 @@ def main() -> None:
     print()
     rec = recipes(a.margin)
     print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "
-          "upper bound, the largest upper bound of one stage with its own outside term, usable (GiB)")
+          "upper bound (fullest stage + largest outside term), the largest upper bound of one stage with its own "
+          "outside term (the verdict), usable (GiB)")
     for r in rec:
         print(f"{r['id']:>4} {r['model'][:16]:16} {r['layout'][:58]:58} {r['predicted']:6.1f} {r['outside']:5.1f} "
               f"{r['upper']:6.1f} {r['stage_upper']:6.1f} "
               f"{r['usable']:6.1f}  {'fits' if r['fits'] else 'DOES NOT FIT'}  {r['assumed']}")
     print(f"published recipes predicted not to fit: {sum(not r['fits'] for r in rec)} of {len(rec)} "
-          f"(per stage with its own outside term: {sum(r['stage_upper'] > r['usable'] for r in rec)})")
+          f"(each stage with its own outside term, as recommend screens; pairing the fullest stage with "
+          f"the largest outside term: {sum(r['upper'] > r['usable'] for r in rec)})")
     unmodelled = sorted({u for r in rec for u in r["unmodelled"]})
     if unmodelled:
         print("recipe settings of these rows the advisor has no field for (models/published.py RECIPES):")

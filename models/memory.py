@@ -400,7 +400,16 @@ def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
             for k, (n, p, w, g, o, a, lg, t, out, rf) in enumerate(S.rows(mat, i).tolist())]
 
 
-def outside_peak_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np.ndarray:
-    """Memory outside torch's allocator of every row of L on its first pipeline stage, the stage
-    with the most of it (it holds both embedding groups and every group the others hold)."""
-    return outside_allocator_arrays(L.tp, L.pp, L.cp, L.dp, L.ep, L.etp, 0, model.is_moe, L.fp8 != 0, c)
+def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
+    stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
+    the band (models.memory_band.Band.interval) on its own allocator peak plus its own memory outside
+    the allocator (the first stage holds more communicators than a middle one), so a layout fits when
+    every stage does."""
+    S = Stages(L)
+    peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
+    outside = S.cache["memory"][0]["outside_gib"]
+    upper = band.interval(total, outside)[1]
+    top = S.start + S.argmax(upper)
+    return peak, upper[top], total[top], outside[top]
