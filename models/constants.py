@@ -71,6 +71,21 @@ class Constants:
     nccl_connect_gib: float = 0.28
     nccl_p2p_connect_gib: float = 0.44
     nccl_a2a_connect_gib: float = 0.75
+    # What a transformer layer keeps for the backward beyond the tensors models/memory.py counts
+    # for every stack (those of Transformer Engine's fused layers), in tensors of the named width
+    # per token (models/memory.STACK_LAYER_KEEPS: the defaults are the local stack's column,
+    # TE_SETTINGS sets the te column). Not fitted: counted from the source of the layers.
+    # megatron-core's local MLP computes a gated unit unfused (transformer/mlp.py, glu():
+    # activation_func(x_glu) * (x_linear + glu_linear_offset)): silu keeps its input (a view of
+    # the FC1 output, kept anyway) and the product keeps the silu output and the new tensor
+    # x_linear + 0.0, two FFN-wide tensors that TE's fused SwiGLU (which keeps only its input)
+    # does not allocate.
+    glu_kept_copies: float = 2.0
+    # The local attention splits the QKV GEMM output into q, k, v views (torch.split without TE's
+    # SplitAlongDim); RoPE writes new q and k, and the value view SDPA keeps holds the whole QKV
+    # output alive: q and k once more (1: kept, 0: TE's fused attention, whose inputs are the
+    # tensors it keeps).
+    qkv_output_kept: float = 1.0
     # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted). The te
     # profile sets 0: its reserved-but-unallocated memory is the physical term below.
     fragmentation: float = 0.08

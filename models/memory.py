@@ -136,6 +136,52 @@ def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT, impl: str =
             + (c.bytes_activation if model.final_logit_softcap else 0.0))
 
 
+# What one transformer layer keeps for the backward beyond the tensors layer_activation_bytes
+# counts for every stack (those of Transformer Engine's fused layers, the te stack), per stack:
+# Constants fields, the local column their defaults, the te column in profile_fit.TE_SETTINGS.
+# - glu_kept_copies, FFN-wide tensors: megatron-core's local MLP runs a gated unit unfused
+#   (transformer/mlp.py glu(): activation_func(x_glu) * (x_linear + glu_linear_offset)): F.silu
+#   keeps its input (a view of the FC1 output, already counted), the product keeps the silu
+#   output and the new tensor x_linear + 0.0: 2. TE's fused SwiGLU keeps only its input: 0.
+# - qkv_output_kept: the local SelfAttention splits the QKV GEMM output with torch.split (views;
+#   TE's SplitAlongDim only exists with TE), RoPE (unfused: apply_rope_fusion off) writes new q
+#   and k, and the value view that SDPA keeps (runners/megatron_worker.SDPAttention; native GQA,
+#   the runner's default since env.attention; ADVISOR_SDPA_GQA=repeat keeps 2 (a - kv) heads
+#   more instead, not modelled) holds the whole QKV output alive: q and k once more, 1. Without
+#   RoPE or q / k norms only the query is a new tensor, and only where query.reshape cannot view
+#   the grouped split (more than one query group and head per group on the GPU). MLA: not
+#   counted (its local path is not measured). TE's fused attention keeps its own inputs: 0.
+# Checked on the local records' stages without recompute: python bench/memory_terms.py
+# data/measurements/*.jsonl --stack local --dense.
+STACK_LAYER_KEEPS: dict[str, dict[str, float]] = {
+    "local": {"glu_kept_copies": 2.0, "qkv_output_kept": 1.0},
+    "te": {"glu_kept_copies": 0.0, "qkv_output_kept": 0.0},
+}
+
+
+def stack_layer_elements(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
+    """Elements (bf16) one layer keeps per microbatch on one GPU beyond the te stack's tensors
+    (STACK_LAYER_KEEPS), without recompute."""
+    s, b, t = cfg.seq / cfg.cp, cfg.mbs, cfg.tp
+    out = 0.0
+    if c.qkv_output_kept and model.mla is None:
+        a, kv, hd = model.num_attention_heads, model.kv_heads, model.head_dim
+        if model.position_embedding == "rope" or qk_norm_width(model):
+            heads = a + kv  # new q and k besides the QKV output the value view keeps
+        else:
+            heads = a if kv // t > 1 and a != kv else 0  # the query's reshape copy
+        out += c.qkv_output_kept * s * b * heads * hd / t
+    if model.activation == "swiglu" and c.glu_kept_copies:
+        if model.is_moe_layer(layer):
+            ffn = model.moe.shared_ffn_hidden_size  # routed experts: moe.py's fitted counts
+        elif model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
+            ffn = model.moe.dense_ffn_hidden_size
+        else:
+            ffn = model.ffn_hidden_size
+        out += c.glu_kept_copies * s * b * (ffn or 0) / t
+    return out
+
+
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT,
                            recompute: str | None = None) -> float:
     """Bytes of activations one transformer layer stores for one microbatch on one GPU (with
@@ -195,6 +241,7 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
             ffn = model.moe.dense_ffn_hidden_size
         elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
         gemm_in += s * b * ffn / t  # activation output (FC2 input)
+    elems += stack_layer_elements(model, layer, cfg, c)
     gemm_bytes = saved_input_bytes(cfg.quant_code, c) if quantized else e
     return e * elems + gemm_bytes * gemm_in
 

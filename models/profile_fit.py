@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from advisor.models.constants import DEFAULT, Constants
+from advisor.models.memory import STACK_LAYER_KEEPS
 from advisor.models.moe import MOE_TE_SETTINGS
 from advisor.models.predict import Prediction, predict
 from advisor.models.profiles import apply_layout_defaults
@@ -39,6 +40,8 @@ TE_SETTINGS = {
     # project's runner runs it off), DDP's hook adds the bf16 weight gradient into the bf16 main
     # grad: read 2 + read 2 + write 2 bytes per parameter and microbatch
     "grad_accum_bytes_per_param": 6.0,
+    # what TE's fused layers keep for the backward (models/memory.py STACK_LAYER_KEEPS)
+    **STACK_LAYER_KEEPS["te"],
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
 }
