@@ -70,10 +70,22 @@ TE_PRIOR: dict[str, tuple[float, float]] = {
     "tp_overlap_fraction": (0.75, 0.2),
     # overlap_p2p_comm of the interleaved schedule: most of the send/recv behind compute
     "pp_overlap_fraction": (0.6, 0.3),
-    # kernel launch and framework time per layer and microbatch: TE runs ~60-100 kernels per layer
-    # forward + backward (more under FP8: casts, amax updates) at ~3-10 us of eager PyTorch launch
-    # each where the GPU waits on the CPU: 0.2-1 ms
-    "layer_overhead_s": (300e-6, 300e-6),
+    # GPU-side fixed time per layer and microbatch: TE runs ~60-100 kernels per layer forward +
+    # backward (more under FP8: casts, amax updates), each with a few us of launch latency and
+    # tail between dependent kernels: 0.1-0.5 ms. The host's own issue time is host_* below (the
+    # GPU waits for it only where its work is shorter: step_time.layer_host_s)
+    "layer_overhead_s": (200e-6, 150e-6),
+    # host issue time per layer and microbatch, forward + backward (models/constants.py): ~4 blocks
+    # of ~20 ops each, at the 0.7-1.3 ms per ~20-op expert MLP megatron-core's SequentialMLP takes
+    # of host time on our H100 VM (moe_sequential_expert_s 0.81 ms): ~3.2 ms
+    "host_layer_s": (3.2e-3, 1.6e-3),
+    # per TP collective: our micro-benchmark's small all-gather / reduce-scatter (<= 1 MiB) takes a
+    # median 81 us from an idle GPU, host issue included (bench/host_bound.py)
+    "host_collective_s": (80e-6, 60e-6),
+    # per CP ring step (forward + backward): ~20 Python-issued ops at ~40 us
+    "host_cp_step_s": (0.8e-3, 0.6e-3),
+    # per FP8 GEMM: TE's quantize / scaling calls, ~3 ops at ~40 us
+    "host_fp8_gemm_s": (120e-6, 100e-6),
     # NCCL all-gather / reduce-scatter on 4 x H100 NVLink, 16 MiB - 1 GiB, fitted in the profile's
     # form (collective_time: bus bytes / (450 GB/s x efficiency) + latency x sqrt(n - 1)) over groups
     # of 2 and 4: efficiency 0.597, latency 50 us (bench/te_terms.py on
@@ -103,7 +115,11 @@ TE_FIT: dict[str, tuple[float, float]] = {
     "elementwise_hidden_passes": (4.0, 20.0),  # HBM passes of the fused norm / rope / residual kernels
     "tp_overlap_fraction": (0.0, 1.0),  # TP communication hidden by userbuffers overlap
     "pp_overlap_fraction": (0.0, 1.0),  # PP send/recv hidden by overlap_p2p_comm (interleaved)
-    "layer_overhead_s": (1e-6, 1e-3),  # per layer per microbatch launch / framework time
+    "layer_overhead_s": (1e-6, 1e-3),  # per layer per microbatch GPU-side launch gaps
+    "host_layer_s": (1e-4, 1.2e-2),  # host issue time per layer and microbatch
+    "host_collective_s": (5e-6, 1e-3),  # ... per TP collective
+    "host_cp_step_s": (1e-6, 5e-3),  # ... per CP ring step
+    "host_fp8_gemm_s": (1e-6, 1e-3),  # ... per FP8 GEMM
     "nvlink_efficiency": (0.3, 1.0),  # NCCL bus bandwidth of the NVLink collectives, fraction of the link
     "intra_latency_s": (5e-6, 200e-6),  # per NCCL call in a node, seconds
     "sp_regather_exposed": (0.0, 1.0),  # SP's backward re-gather of the column-parallel inputs left exposed
