@@ -15,7 +15,7 @@ from advisor.models.step_time import at_clocks, layer_host_s, stage_times, step_
 from support import ROOT, load_bench
 
 TE_RUNS = ROOT / "data/measurements/h100x4-te.jsonl"
-HOST = DEFAULT.replace(host_layer_s=4e-3, host_collective_s=2e-4, host_cp_step_s=1e-3, host_fp8_gemm_s=1e-4)
+HOSTC = DEFAULT.replace(host_layer_s=4e-3, host_collective_s=2e-4, host_cp_step_s=1e-3, host_fp8_gemm_s=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def _cfg(**kw):
 
 
 def test_layer_host_time_counts_the_layers_collectives_ring_steps_and_fp8_gemms():
-    c = HOST
+    c = HOSTC
     assert layer_host_s(_cfg(dp=4, mbs=4), c) == pytest.approx(4e-3)
     # TP with SP: 2 all-gathers + 2 reduce-scatters forward, 6 backward; without SP 4 all-reduces
     assert layer_host_s(_cfg(tp=2, dp=2, mbs=4, sequence_parallel=True), c) == pytest.approx(4e-3 + 10 * 2e-4)
