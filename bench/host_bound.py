@@ -1,6 +1,6 @@
 """Where our dense TE runs leave the GPU idle, and which term explains it (issue #22, GPT-3 2.7B).
 
-    python bench/host_bound.py [--calibration te] [--set host_layer_s=5e-3 ...] [--runs RUNS.jsonl]
+    python bench/host_bound.py [--calibration te] [--set host_layer_s=5e-3 ...] [--runs RUNS.jsonl] [--loro]
 
 NVML's utilization is the share of time some kernel runs, NCCL's included (a rank waiting for its
 peer inside a collective counts as busy), so 1 - utilization is time with no kernel at all: the
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import re
 import statistics
 import sys
@@ -94,6 +95,38 @@ def rows(runs: Path, cal, lat_s: float) -> list[dict]:
     return out
 
 
+def leave_one_run_out(cal) -> None:
+    """The host costs (profile_fit.HOST, the other constants as `cal` has them) refitted on our TE
+    runs without each GPT-3 job in turn: that job's predicted / measured tokens/s. Does the floor's
+    form carry to a layout it has not seen, given the machine's costs from the others?"""
+    from advisor.models import profile_fit as F
+
+    fitp = _fit_profiles()
+    rows = fitp.te_run_rows()
+    kw = dict(names=F.HOST, bounds=F.TE_FIT, priors=F.TE_PRIOR, spread=F.MEASURED_SPREAD)
+    print("GPT-3 runs, host costs refitted without each (leave one run out):")
+    errs = []
+    for job in sorted({REPEAT.sub("", x.run.model_key + " " + x.cfg.key()) for x in rows
+                       if F.architecture(x) == "gpt3"}):
+        test = [x for x in rows if x.run.model_key + " " + x.cfg.key() == job]
+        c, info = F.fit([x for x in rows if x not in test], cal.constants, **kw)
+        e = float(np.mean(F.log_errors(test, c)))
+        errs.append(abs(math.exp(e) - 1))
+        stuck = all(math.isclose(v, F.TE_PRIOR[k][0], rel_tol=1e-3) for k, v in info["fitted"].items())
+        print(f"  {job:<80} {math.exp(e) - 1:+6.1%}  (" + ", ".join(f"{k} {v:.3g}" for k, v in info["fitted"].items())
+              + ")" + ("  at the priors: the fit found no binding optimum" if stuck else ""))
+    print(f"  mean |error| {np.mean(errs):.1%} over {len(errs)} runs")
+
+
+def _fit_profiles():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fit_profiles", ROOT / "bench/fit_profiles.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def short(cfg) -> str:
     return (f"tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} cp{cfg.cp} mbs{cfg.mbs} m{cfg.num_microbatches}"
             + (" fp8" if cfg.precision != "bf16" else ""))
@@ -104,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default="te", help="a profile name or calibration file (default te)")
     ap.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="override profile constants")
     ap.add_argument("--runs", default=str(RUNS))
+    ap.add_argument("--loro", action="store_true",
+                    help="also refit the host costs without each GPT-3 run in turn and predict it")
     a = ap.parse_args(argv)
     cal = on_vm(resolve_calibration(a.calibration, "te"))  # our runs: our VM's host issue costs
     if a.set:
@@ -119,6 +154,8 @@ def main(argv=None) -> int:
         print(f"{x['id']:<16} {x['layout']:<30} {x['step']:>7.3f} {x['util']:>6.1%} {x['idle']:>7.3f} "
               f"{x['lat_idle']:>8.3f} {x['host_idle']:>7.3f} {x['host_per_lmb'] * 1e3:>9.2f} "
               f"{(x['step'] / x['pred_step'] - 1):>+8.1%}")
+    if a.loro:
+        leave_one_run_out(cal)
     for name, sel in (("all", rs), ("gpt3", [x for x in rs if x["model"] == "gpt3-2.7b"]),
                       ("others", [x for x in rs if x["model"] != "gpt3-2.7b"])):
         if not sel:
