@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_measurements import evaluate, group_stats  # noqa: E402  (beside this file)
 
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
+from advisor.models.profile_fit import on_vm  # noqa: E402
 
 REPEAT = re.compile(r"-call\d+$")  # a repeated job's id: <id>-call<N> (its record's repeat_of names <id>)
 DEFAULT = Path(__file__).resolve().parent.parent / "data/measurements/h100x4-te.jsonl"
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calibration", default="te", help="a profile name or calibration file (default te)")
     ap.add_argument("--rows", action="store_true", help="print every run")
     a = ap.parse_args(argv)
-    cal = resolve_calibration("default" if a.calibration == "te" else a.calibration, "te")
+    # with our VM's host issue costs (profile_fit.on_vm): these are our runs
+    cal = on_vm(resolve_calibration("default" if a.calibration == "te" else a.calibration, "te"))
     ds, rows = evaluate(a.paths, cal)
     recs = {r.id: r for r in ds.records}
     first, seen = [], set()  # each job's first usable record (a job whose first run crashed: its rerun)

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
+from advisor.models.profile_fit import on_vm  # noqa: E402
 from advisor.models.dataset import load  # noqa: E402
 from advisor.models.predict import predict  # noqa: E402
 from advisor.models.step_time import bus_factor, collective_time  # noqa: E402
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nccl", default=str(NCCL))
     ap.add_argument("--runs", default=str(RUNS))
     a = ap.parse_args(argv)
-    cal = resolve_calibration("default" if a.calibration == "te" else a.calibration, "te")
+    cal = on_vm(resolve_calibration("default" if a.calibration == "te" else a.calibration, "te"))  # our runs: our VM's host
     print_nccl(nccl_rows(Path(a.nccl)), cal.screening_constants)
     print_pairs(Path(a.runs), cal)
     return 0 if cal is not None and not math.isnan(cal.screening_constants.nvlink_efficiency) else 1

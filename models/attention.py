@@ -134,3 +134,31 @@ def cp_ring_calls(cp: int) -> float:
     the queries against a whole chunk (from a higher rank): on average over the ranks 3/4 of the
     queries per step (TE's AttnFuncWithCPAndKVP2P). 1 without CP or with the all-gather."""
     return 1.0 + 0.75 * (cp - 1) if cp > 1 else 1.0
+
+
+def softmax_stretch(model: ModelSpec, gpu, c: Constants) -> float:
+    """Fused attention's time (forward + backward) with the softmax's exponentials on the special
+    function units, over its time at the tensor rate alone, relative to the GPU and head size
+    `Constants.attention_efficiency` is defined at (`attention_exp_ratio_ref`: an H100 at head
+    dim 128, 1.0 there). Per attention score: 2·(d_qk + d_v) tensor FLOPs forward and
+    `attention_backward_factor` times that backward; one exponential forward and one backward
+    (P recomputed), at `GPUSpec.sfu_exp_tera_per_s`, not hidden behind the tensor cores (cuDNN's
+    and FlashAttention-2/3's softmax waits on the scores' GEMM and the next GEMM waits on it: the
+    Blackwell Ultra softmax blog's BMM1 -> softmax -> BMM2 chain). 1.0 where the GPU's SFU rate
+    is not in the catalog."""
+    if not gpu.sfu_exp_tera_per_s:
+        return 1.0
+    if model.mla is not None:
+        dims = model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim + model.mla.v_head_dim
+    else:
+        dims = 2 * model.head_dim
+    r = gpu.bf16_tflops / (gpu.sfu_exp_tera_per_s * 2.0 * dims)  # exp time / tensor time, forward
+    b = c.attention_backward_factor
+    return (1.0 + b + 2.0 * r) / (1.0 + b + 2.0 * c.attention_exp_ratio_ref)
+
+
+def attention_seconds(model: ModelSpec, flops: float, seq: int, window: int, gpu, c: Constants) -> float:
+    """Fused attention's forward seconds for `flops` of core attention over a whole `seq`: BF16 peak at
+    attention_efficiency x the kernel's tiles (attention.shape_factor) x the softmax's SFU time."""
+    shape = shape_factor(seq, window, model.window_type, attention_head_dim(model), c, 1.0)
+    return flops / (gpu.bf16_tflops * 1e12) / c.attention_efficiency * shape * softmax_stretch(model, gpu, c)

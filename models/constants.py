@@ -150,15 +150,16 @@ class Constants:
     # memory-bound passes (dO.O preprocess, dQ accumulator clear + convert, GQA dK / dV reduction:
     # ~20-30 x head_dim bytes per row and head, ~3 tile-times of a 128-row block on H100). Plausible
     # 1-8. Fitted on TE's measured window / full attention at the te profile's attention_efficiency
-    # (bench/fit_window_attention.py: 4.87 at 0.516; 5.26 at the 0.480 before the session-22 te refit).
-    attention_edge_tiles: float = 4.87
+    # (bench/fit_window_attention.py: 5.14 at 0.492, the te refit with the host issue floor; 4.87 at
+    # 0.516; 5.26 at the 0.480 before the session-22 te refit).
+    attention_edge_tiles: float = 5.14
     # Fused attention's efficiency at head dim 256 relative to 128 (FA3's 256 kernels: 128 x 80 / 64 x 80
     # tiles with one consumer warpgroup in the backward vs 64 x 128 with two). Plausible 0.6-1.0;
     # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward, with
     # the softmax's SFU time (step_time.softmax_stretch: 0.889 at head dim 256 on H100) priced
-    # apart: bench/fit_window_attention.py (0.706 at the te profile's attention_efficiency 0.516;
-    # 0.826 before the SFU term, which it now excludes).
-    attention_hdim256_efficiency: float = 0.706
+    # apart: bench/fit_window_attention.py (0.725 at the te profile's attention_efficiency 0.492;
+    # 0.706 at 0.516; 0.826 before the SFU term, which it now excludes).
+    attention_hdim256_efficiency: float = 0.725
     # The softmax's exponentials run on the special function units (SFU, MUFU.EX2), not the tensor
     # cores: one per attention score forward, and one again backward (P recomputed), against
     # 2·(d_qk + d_v) tensor FLOPs per score forward and attention_backward_factor times that
@@ -193,6 +194,30 @@ class Constants:
     layer_overhead_s: float = 60e-6
     # Fixed per-step overhead (optimizer bookkeeping, python, synchronisation), seconds (fitted).
     step_overhead_s: float = 0.02
+    # ---- host issue time (the CPU launching a layer's kernels; step_time.layer_host_s) -----------
+    # Eager PyTorch issues every kernel and collective from the CPU; the GPU runs ahead of nothing,
+    # so a stage's microbatch takes at least the host's issue time of its layers, and where the GPU
+    # work is shorter the difference is time with no kernel on the GPU (NVML utilization below
+    # 100%: GPT-3 2.7B's TP2 / CP2 TE runs, 82-86%). Seconds per layer and microbatch, forward +
+    # backward, on the CPU our runs had; 0 (not priced) where a profile has not fitted them.
+    # Source of the scale: megatron-core's SequentialMLP on this H100 VM takes 0.7-1.3 ms of host
+    # time per expert MLP of ~20 kernels and their autograd (moe_sequential_expert_s: ~40 us per
+    # op); a TE transformer layer is ~4 such blocks (norm + QKV, core attention, projection +
+    # residual, norm + MLP + residual) plus DDP's per-parameter gradient hooks: ~3 ms.
+    host_layer_s: float = 0.0
+    # ... per TP collective the layer issues (forward + backward: 10 with sequence parallelism, 2
+    # all-gathers + 2 reduce-scatters forward, their 4 transposes and the 2 re-gathers backward; 4
+    # all-reduces without), each a torch.distributed call and TE's buffer handling around it: our
+    # NCCL micro-benchmark times a small call from an idle GPU at 65-90 us, host issue included
+    # (data/microbench/h100x4-nccl-bw.jsonl).
+    host_collective_s: float = 0.0
+    # ... per step of context parallelism's p2p ring (cp steps forward + backward per layer and
+    # microbatch): TE's AttnFuncWithCPAndKVP2P issues each step's send / recv, chunk views, fused
+    # attention call and the fp32 output / LSE (dQ / dKV) merges from Python (~20 ops at ~40 us).
+    host_cp_step_s: float = 0.0
+    # ... per FP8 GEMM (forward, dgrad and wgrad of each TE linear layer): TE's quantize and
+    # scaling-bookkeeping calls around it (a few ops at ~40 us).
+    host_fp8_gemm_s: float = 0.0
     # Optimizer step: HBM bytes per parameter of the local optimizer shard, counted from the kernels
     # of this project's runner (megatron-core 0.19.2 without apex / Transformer Engine: torch's
     # foreach AdamW and megatron's local multi-tensor fallbacks, bf16 params with fp32 main params

@@ -17,8 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
-from advisor.models.attention import attention_head_dim
-from advisor.models.attention import shape_factor as attention_shape_factor
+from advisor.models.attention import attention_seconds, softmax_stretch  # noqa: F401  (their home was here)
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.memory import stage_param_arrays
@@ -155,6 +154,10 @@ class StageTime:
     # mean rank's, measured 4 x H100 EP runs draw 580-650 W per GPU where the busiest draws ~690)
     moe_ep_idle_compute_s: float = 0.0
     moe_ep_idle_memory_s: float = 0.0
+    # the host's issue time of the stage's layers (not GPU time: layer_host_s), and the part of it
+    # the GPU waits for beyond its own work (max(0, host - the rest); inside overhead_s)
+    host_s: float = 0.0
+    host_wait_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -175,7 +178,7 @@ _MOE_PARTS = ("moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory
               "moe_expert_memory_s")
 _EP_IDLE = ("moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
 ADDITIVE_TERMS = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-             "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS + _EP_IDLE
+             "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS + _EP_IDLE + ("host_s",)
 
 
 @dataclass
@@ -236,34 +239,6 @@ def loss_bytes_per_logit(model: ModelSpec, c: Constants) -> float:
     softmax / cross entropy's 6, plus a read and a write of the logits for a final soft-capping
     (tanh, Gemma 2)."""
     return 6.0 + (c.norm_passes * c.bytes_activation if model.final_logit_softcap else 0.0)
-
-
-def softmax_stretch(model: ModelSpec, gpu, c: Constants) -> float:
-    """Fused attention's time (forward + backward) with the softmax's exponentials on the special
-    function units, over its time at the tensor rate alone, relative to the GPU and head size
-    `Constants.attention_efficiency` is defined at (`attention_exp_ratio_ref`: an H100 at head
-    dim 128, 1.0 there). Per attention score: 2·(d_qk + d_v) tensor FLOPs forward and
-    `attention_backward_factor` times that backward; one exponential forward and one backward
-    (P recomputed), at `GPUSpec.sfu_exp_tera_per_s`, not hidden behind the tensor cores (cuDNN's
-    and FlashAttention-2/3's softmax waits on the scores' GEMM and the next GEMM waits on it: the
-    Blackwell Ultra softmax blog's BMM1 -> softmax -> BMM2 chain). 1.0 where the GPU's SFU rate
-    is not in the catalog."""
-    if not gpu.sfu_exp_tera_per_s:
-        return 1.0
-    if model.mla is not None:
-        dims = model.mla.qk_nope_head_dim + model.mla.qk_rope_head_dim + model.mla.v_head_dim
-    else:
-        dims = 2 * model.head_dim
-    r = gpu.bf16_tflops / (gpu.sfu_exp_tera_per_s * 2.0 * dims)  # exp time / tensor time, forward
-    b = c.attention_backward_factor
-    return (1.0 + b + 2.0 * r) / (1.0 + b + 2.0 * c.attention_exp_ratio_ref)
-
-
-def attention_seconds(model: ModelSpec, flops: float, seq: int, window: int, gpu, c: Constants) -> float:
-    """Fused attention's forward seconds for `flops` of core attention over a whole `seq`: BF16 peak at
-    attention_efficiency x the kernel's tiles (attention.shape_factor) x the softmax's SFU time."""
-    shape = attention_shape_factor(seq, window, model.window_type, attention_head_dim(model), c, 1.0)
-    return flops / (gpu.bf16_tflops * 1e12) / c.attention_efficiency * shape * softmax_stretch(model, gpu, c)
 
 
 def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
@@ -432,7 +407,23 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
             q_width = a * (model.mla.v_head_dim if model.mla is not None else model.head_dim) / t
             st.memory_bound_s += cfg.cp * c.cp_step_passes * T * q_width * 4.0 / (hbm * c.hbm_efficiency) / 3
     st.overhead_s += c.layer_overhead_s
+    st.host_s += layer_host_s(cfg, c, cast[2], bool(window and model.window_type == "sliding"))
     return g + attn + mb + fp8_fwd
+
+
+def layer_host_s(cfg: TrainConfig, c: Constants, fp8_gemms: int = 0, cp_all_gather: bool = False) -> float:
+    """Host (CPU) seconds to issue one layer's kernels and collectives for one microbatch, forward +
+    backward (Constants.host_*): the layer's own ops, its TP collectives (10 with sequence
+    parallelism, 4 all-reduces without), CP's ring steps (or a windowed layer's all-gather and
+    reduce-scatter), and the FP8 GEMMs (`fp8_gemms` per forward, x3 with dgrad and wgrad)."""
+    n_tp = (10 if cfg.sequence_parallel else 4) if cfg.tp > 1 else 0
+    h = c.host_layer_s + c.host_fp8_gemm_s * 3 * fp8_gemms
+    if cfg.cp > 1:
+        if cp_all_gather:
+            n_tp += 2
+        else:
+            h += c.host_cp_step_s * cfg.cp
+    return h + c.host_collective_s * n_tp
 
 
 # StageTime fields that are sums over a stage's layers of one layer's forward costs (the ones
@@ -603,6 +594,10 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     out["backward_s"] = backward
     with np.errstate(divide="ignore", invalid="ignore"):
         out["gemm_utilization"] = np.where(util1 != 0, util0 / util1, 0.0)
+    # the host issues kernels no faster than layer_host_s each layer: the GPU runs ahead of nothing,
+    # so where its own work is shorter it waits for the host (no kernel: NVML utilization < 100%)
+    out["host_wait_s"] = np.maximum(0.0, out["host_s"] - total_arrays(out))
+    out["overhead_s"] = out["overhead_s"] + out["host_wait_s"]
     return out
 
 
@@ -644,6 +639,10 @@ def at_clocks_arrays(full: dict[str, np.ndarray], x: np.ndarray, c: Constants, y
     put("backward_s", full["backward_s"] * mix)
     put("fp8_fwd_s", full["fp8_fwd_s"] * fm)
     put("fp8_bwd_s", full["fp8_bwd_s"] * fm)
+    # the host's wait at these clocks: what the host's issue time exceeds the slower GPU work by
+    wait = np.maximum(0.0, full["host_s"] - (total_arrays(out) - full["host_wait_s"]))
+    put("overhead_s", full["overhead_s"] - full["host_wait_s"] + wait)
+    put("host_wait_s", wait)
     for term, comp, mem in (("moe_router_s", "moe_router_compute_s", "moe_router_memory_s"),
                             ("moe_permute_s", None, "moe_permute_memory_s"),
                             ("moe_expert_gemm_s", "moe_expert_compute_s", "moe_expert_memory_s")):

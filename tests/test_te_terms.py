@@ -116,8 +116,9 @@ def test_nccl_fit_and_isolating_runs_bench(capsys):
 
 def test_refit_is_physical_and_holds_out_of_sample_on_our_runs():
     cal = resolve_calibration("te")
+    fitted = F.on_vm(cal).constants  # the host issue costs as fitted on our runs (shipped at 0)
     for name, (lo, hi) in F.TE_FIT.items():
-        assert lo <= getattr(cal.constants, name) <= hi, name
+        assert lo <= getattr(fitted, name) <= hi, name
     assert cal.trained_on["n_te_runs"] >= 60
     loao = cal.cv["leave_one_architecture_out"]
     for arch in ("llama3-8b", "llama3-70b"):
