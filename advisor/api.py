@@ -17,6 +17,7 @@ from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load
 from advisor.catalog.specs import check_precision
 from advisor.models.domain import domain_note
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
+from advisor.models.outside_memory import outside_allocator_gib
 from advisor.models.objectives import OBJECTIVE_CAPS, OBJECTIVES, rank_order, score_arrays, score_prediction
 from advisor.models.power import CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.models.ranking import CapTable, best_at_cap, cap_evaluator, predict_at
@@ -279,7 +280,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     ("LO:HI:STEP" watts, a list, or default the GPU's settable range in 25 W steps): energy takes
     each layout's cap with the least J/token, balanced the least J/token within 5% of its
     fastest step. Every recommendation with PP > 1 also gets per-stage caps (stage_caps)."""
-    from advisor.models.profiles import get_stack, stack_cross_entropy
+    from advisor.models.profiles import get_stack, stack_cross_entropy, stack_fp8_param_gather
 
     st = get_stack(stack)
     if options is None:
@@ -288,6 +289,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                     gradient_accumulation_fusion=bool(st.layout_defaults.get("gradient_accumulation_fusion")))
     if options.cross_entropy_impl is None:  # the stack's loss (te: TE's fused cross entropy, as the recipes)
         options = dataclasses.replace(options, cross_entropy_impl=stack_cross_entropy(st.name))
+    if options.fp8_param_gather is None:  # the stack's weights (te: FP8 primary weights, as the recipes)
+        options = dataclasses.replace(options, fp8_param_gather=stack_fp8_param_gather(st.name))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:
@@ -403,7 +406,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   score=score_prediction(p, objective, best_tps, best_e), power_cap_w=cap,
                                   power_caps=sweep.to_dict() if sweep else {},
                                   stage_caps=sc.to_dict() if sc else {},
-                                  memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib, band,
+                                  memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib,
+                                                                outside_allocator_gib(m, cfg, None, rank_constants), band,
                                                                 c.gpu.memory_gib, sc_margin)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,

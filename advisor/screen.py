@@ -12,6 +12,7 @@ import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError
 from advisor.models import memory_band as MB
+from advisor.models.memory import outside_peak_many
 from advisor.models.constants import Constants
 from advisor.search_spaces.runnable import left_out_line, refused
 
@@ -42,8 +43,9 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
                                f"the {stack} stack's runner: {left['line']}")
     L = L_all.take(runs)
     mems = vz.peak_memory_gib(m, L, constants, c)
+    outside = outside_peak_many(m, L, constants)
     band = MB.band(stack, m.is_moe)
-    fit = MB.fits(mems, band, c.gpu.memory_gib, margin).tolist()
+    fit = MB.fits(mems, outside, band, c.gpu.memory_gib, margin).tolist()
     # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
     but = np.stack([L.tp, L.pp, L.dp, L.cp, L.ep, L.etp, L.vp, L.mbs, L.dist_opt, L.split], 1)
     group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
@@ -63,10 +65,11 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
         keep.append(i)
     if not keep:
         i = int(np.argmin(mems))
-        need = band.interval(float(mems[i]))[1]
+        need = band.interval(float(mems[i]), float(outside[i]))[1]
         raise NoFeasibleLayout(
             f"{m.name} fits nowhere on {c.name}: the smallest layout needs up to {need:.1f} GiB per GPU "
-            f"({float(mems[i]):.1f} predicted, {L.config(i).key()}) but a {c.gpu.name} has "
+            f"({float(mems[i]):.1f} predicted in torch's allocator + {float(outside[i]):.1f} outside it, "
+            f"{L.config(i).key()}) but a {c.gpu.name} has "
             f"{MB.usable_gib(c.gpu.memory_gib, margin):.1f} GiB usable ({1 - margin:.0%} of {c.gpu.memory_gib:.1f}); "
             f"use more GPUs or a bigger GPU")
     return Screened(keep=runs[np.array(keep)], feasible=feasible, margin=margin, left_out=left)

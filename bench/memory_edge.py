@@ -4,25 +4,27 @@ memory, leave-one-architecture-out, dense and MoE apart.
 
     python bench/memory_edge.py [--margin 0.05] [--fit]      # --fit writes models/data/memory_band.json
     python bench/memory_edge.py --recipe 115                  # one published recipe, term by term per stage
+    python bench/memory_edge.py --outside                     # memory outside torch's allocator: solve and check
 
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
 previous trial's leftovers: 7.5 GiB on the h100x1-moe-a/b batches). Predicted: models.memory's
 fullest stage with the stack's profile constants (recommend's memory screen) and the record's own
 layout (its cross entropy included: TrainConfig.cross_entropy_impl, models.dataset.legacy_config for
-records without it); its allocator part is that less the profile's runtime-overhead term (memory
-outside torch's allocator, which the measured peak does not hold). A record's stack is its own
-`stack` key, else `te` when its env names Transformer Engine, else `local`.
+records without it): what torch's allocator holds (StageMemory.total_gib); the memory outside the
+allocator (models/outside_memory.py) is a term of its own, added once to the band's interval. A
+record's stack is its own `stack` key, else `te` when its env names Transformer Engine, else `local`.
 
-The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted-allocator
+The band (models/memory_band.py): lo / hi = the smallest / largest measured / predicted
 ratio of the stack's dense or MoE runs. Leave-one-architecture-out: for each architecture, the band of the
 other architectures of its class, and how many of the held-out runs fall under its upper end;
 MAPE "LOAO" divides each prediction by the median ratio of the other architectures (a scale fitted
 without the run's architecture), "as shipped" is the profile as it is (its memory constants were
 fitted on 3 of these architectures: docs/calibration.md).
-Memory outside torch's allocator: each OOM message's "this process has X GiB memory in use" minus
-what torch had reserved (allocated + reserved but unallocated); a stack without OOM messages keeps
-its profile's runtime-overhead term for it (counted once, not added on top).
+Memory outside torch's allocator (--outside): the constants of models/outside_memory.py solved from
+data/microbench/h100x4-outside-memory-mcore.jsonl (megatron-core's groups, per size class), then the
+term against each stage record's memory_phases outside_allocator_gib and each OOM message's "this
+process has X GiB memory in use" minus what torch had reserved (allocated + reserved but unallocated).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from advisor.models import memory_band as MB  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 from advisor.models.dataset import cluster_of, legacy_config, shape_key  # noqa: E402
 from advisor.models.memory import peak_memory_gib  # noqa: E402
+from advisor.models.outside_memory import megatron_groups, outside_allocator_gib  # noqa: E402
 
 COMMAND = "python bench/memory_edge.py --fit"
 GIB_UNITS = {"GiB": 1.0, "MiB": 1.0 / 1024}
@@ -54,7 +57,7 @@ def record_stack(rec: dict) -> str:
     return rec.get("stack") or ("te" if env.get("transformer_engine") else "local")
 
 
-def outside_allocator_gib(error: str) -> float | None:
+def oom_outside_gib(error: str) -> float | None:
     """Process memory in use minus torch's reserved memory, from an OOM message (None: not one)."""
     used = re.search(r"this process has ([\d.]+) (GiB|MiB) memory in use", error or "")
     alloc = re.search(r"([\d.]+) (GiB|MiB) is allocated by PyTorch", error or "")
@@ -100,8 +103,9 @@ def rows(paths: list[str]) -> list[dict]:
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": peak_memory_gib(model, cfg, c),
-                        "overhead": c.runtime_overhead_gib,
-                        "measured": meas, "start": start, "outside": outside_allocator_gib(rec.get("error") or "")})
+                        "outside_pred": outside_allocator_gib(model, cfg, None, c),
+                        "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
+                        "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or "")})
     return out
 
 
@@ -121,7 +125,7 @@ def loao(ok: list[dict]) -> dict:
         rs = [r for r in ok if bool(r["moe"]) == bool(k)]
         if not rs:
             continue
-        A = np.array([r["predicted"] - r["overhead"] for r in rs])
+        A = np.array([r["predicted"] for r in rs])
         M = np.array([r["measured"] for r in rs])
         ratio = M / A
         arch = np.array([r["arch"] for r in rs])
@@ -156,29 +160,22 @@ def fit(rs: list[dict]) -> dict:
     for stack in sorted({r["stack"] for r in rs}):
         mine = [r for r in rs if r["stack"] == stack]
         ok = [r for r in mine if r["status"] == "ok"]
-        outside = [r["outside"] for r in mine if r["outside"] is not None]
         s = loao(ok)
         if set(s) != set(MB.CLASSES):
             continue
-        overhead = {r["overhead"] for r in mine}
-        if len(overhead) != 1:
-            raise SystemExit(f"error: the {stack} records were predicted with several runtime overheads {overhead}")
-        stacks[stack] = {**s, "overhead_gib": overhead.pop(), "outside_gib": max(outside) if outside else None,
-                         "records": f"{len(ok)} ok runs, {len(outside)} OOM messages"}
+        stacks[stack] = {**s, "records": f"{len(ok)} ok runs"}
     if "te" not in stacks:
-        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0, "form": "ratio"} for k in MB.CLASSES}, "overhead_gib": 0.0,
-                        "outside_gib": 0.0,
+        stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0, "form": "ratio"} for k in MB.CLASSES},
                         "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
-                                      "no interval (width 0); the te profile counts memory outside torch's "
-                                      "allocator in its runtime_overhead_gib term"}
+                                      "no interval (width 0)"}
     return {"format": MB.FORMAT, "command": COMMAND,
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "data": sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "data/measurements/*.jsonl"))),
             "measured": "max over ranks of torch's peak reserved memory less the allocated memory at the trial's start",
-            "ratio": "measured / (predicted - overhead_gib): the allocator's part of the prediction A; the "
+            "ratio": "measured / A, A = the predicted allocator peak (StageMemory.total_gib); the "
                      "interval is [lo A + add_lo_gib, hi A + add_hi_gib] (form ratio: add_* = 0; affine: measured = "
-                     "b A + a fitted, lo = hi = b, add_* = a + the residuals' min / max) plus outside_gib (null: the "
-                     "stack's overhead_gib) once",
+                     "b A + a fitted, lo = hi = b, add_* = a + the residuals' min / max) plus the layout's memory "
+                     "outside the allocator (models/outside_memory.py) once",
             "default_stack": "local", "stacks": stacks}
 
 
@@ -200,10 +197,11 @@ def recipes(margin: float | None) -> list[dict]:
             continue
         cfg = apply_layout_defaults(r.cfg, "te")
         pred = peak_memory_gib(r.model, cfg, c)
+        outside = outside_allocator_gib(r.model, cfg, None, c)
         b = MB.band("te", r.model.is_moe)
-        out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred,
-                    "upper": float(b.interval(pred)[1]), "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
-                    "fits": bool(MB.fits(pred, b, r.cluster.gpu.memory_gib, m)),
+        out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
+                    "upper": float(b.interval(pred, outside)[1]), "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
+                    "fits": bool(MB.fits(pred, outside, b, r.cluster.gpu.memory_gib, m)),
                     "assumed": "; ".join(a for a in r.assumptions if "recompute" in a or "FSDP" in a)})
     return out
 
@@ -213,8 +211,8 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     (the recipe: id, model, layout, micro-batches, band, usable GiB; one dict per pipeline stage:
     layers, in-flight micro-batches per virtual chunk (Megatron's warm-up, layout.in_flight_chunks),
     and the memory terms in GiB: bf16 weights, the linear layers' quantized copies, gradients,
-    optimizer states, activations, logits, the optimizer step's transient, runtime overhead, total
-    and the band's upper bound of that total)."""
+    optimizer states, activations, logits, the optimizer step's transient, runtime buffers in the
+    allocator, the allocator's total, the memory outside the allocator, and the band's upper bound)."""
     from advisor.models import published as P
     from advisor.models.memory import linear_params, stage_memory
     from advisor.models.profiles import apply_layout_defaults
@@ -243,7 +241,7 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                     "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
                     "transient": sm.step_transient_gib, "overhead": sm.overhead_gib, "total": sm.total_gib,
-                    "upper": float(b.interval(sm.total_gib)[1])})
+                    "outside": sm.outside_gib, "upper": float(b.interval(sm.total_gib, sm.outside_gib)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
             "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b,
@@ -259,15 +257,85 @@ def print_recipe(row_id: str) -> None:
         print(f"assumed: {head['assumed']}")
     print("per pipeline stage, GiB (in flight: micro-batches each virtual chunk holds at the stage's peak):")
     cols = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead",
-            "total", "upper")
+            "total", "outside", "upper")
     print(f"{'stage':>5} {'layers':>6}  {'in flight':18} " + " ".join(f"{k[:11]:>11}" for k in cols))
     for s in stages:
         fl = ",".join(str(n) for n in s["in_flight"])
         print(f"{s['stage']:5d} {s['layers']:6d}  {fl[:18]:18} " + " ".join(f"{s[k]:11.2f}" for k in cols))
-    top = max(stages, key=lambda s: s["total"])
-    print(f"fullest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
-          f"(allocator part x {b.hi:.3f} + {b.add_hi_gib:.1f} + {b.outside_gib:.1f} outside the allocator), "
+    top = max(stages, key=lambda s: s["upper"])
+    print(f"tightest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
+          f"(allocator x {b.hi:.3f} + {b.add_hi_gib:.1f} + {top['outside']:.1f} outside the allocator), "
           f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
+
+
+MCORE_BENCH = ROOT / "data/microbench/h100x4-outside-memory-mcore.jsonl"
+
+
+def solve_communicators(path: Path = MCORE_BENCH) -> dict:
+    """Least squares of what megatron-core's groups add at creation (step "groups_created" less
+    "world", per rank) on the count of its one-rank and larger groups (models.outside_memory.
+    megatron_groups): {"single_gib", "comm_gib", "rows": [(layout, rank, n1, n_more, measured, fitted)]}."""
+    X, y, rows_ = [], [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        d = json.loads(line)
+        pts = {p["step"]: p["outside_gib"] for p in d["points"]}
+        if "groups_created" not in pts or "world" not in pts:
+            continue
+        lay, world = d["layout"], d["world"]
+        dp = world // (lay["tp"] * lay["pp"] * lay["cp"])
+        stage = d["rank"] // (world // lay["pp"])  # megatron's order tp-cp-ep-dp-pp: PP is the slowest
+        etp = lay.get("etp", lay["tp"])  # initialize_model_parallel's default expert TP: the TP size
+        sizes = np.array([int(v) for v in megatron_groups(lay["tp"], lay["pp"], lay["cp"], dp, lay["ep"], etp,
+                                                          stage).values()])
+        n1, more = int((sizes == 1).sum()), int((sizes > 1).sum())
+        X.append([n1, more])
+        y.append(pts["groups_created"] - pts["world"])
+        rows_.append((f"tp{lay['tp']}pp{lay['pp']}cp{lay['cp']}ep{lay['ep']}", d["rank"], n1, more, y[-1]))
+    sol = np.linalg.lstsq(np.array(X, float), np.array(y), rcond=None)[0]
+    return {"single_gib": float(sol[0]), "comm_gib": float(sol[1]),
+            "rows": [(*r, float(np.dot(x, sol))) for r, x in zip(rows_, X)]}
+
+
+def print_outside(rs: list[dict]) -> None:
+    from advisor.models.outside_memory import outside_allocator_arrays
+
+    s = solve_communicators()
+    print(f"megatron-core's communicators at creation ({MCORE_BENCH.relative_to(ROOT)}, least squares): "
+          f"one-rank {s['single_gib']:.3f} GiB, larger {s['comm_gib']:.3f} GiB")
+    print(f"{'layout':14} {'rank':>4} {'1-rank':>6} {'larger':>6} {'measured':>8} {'fitted':>7}")
+    for lay, rank, n1, more, meas, fitted in s["rows"]:
+        print(f"{lay:14} {rank:4d} {n1:6d} {more:6d} {meas:8.3f} {fitted:7.3f}")
+    print()
+    print("Stage records (memory_phases): outside the allocator after the step, measured vs models/outside_memory.py")
+    print(f"{'id':18} {'stack':5} {'layout':30} {'stage':>5} {'start':>5} {'meas':>6} {'pred':>6} {'diff':>6}")
+    diffs = []
+    cals: dict = {}
+    for r in rs:
+        for ph in r["phases"]:
+            if ph.get("outside_allocator_gib") is None:
+                continue
+            if r["stack"] not in cals:
+                cals[r["stack"]] = resolve_calibration("default", r["stack"]).screening_constants
+            k = r["cfg"]
+            pred = float(outside_allocator_arrays(k.tp, k.pp, k.cp, k.dp, k.ep, k.etp, ph["stage"], r["moe"],
+                                                  k.precision != "bf16", cals[r["stack"]]))
+            d = ph["outside_allocator_gib"] - pred
+            diffs.append(d)
+            start = ph.get("outside_start_gib")
+            lay = f"tp{k.tp}pp{k.pp}cp{k.cp}ep{k.ep}etp{k.etp}dp{k.dp}-{k.precision}"
+            print(f"{r['id'][:18]:18} {r['stack']:5} {lay:30} {ph['stage']:5d} "
+                  f"{start if start is not None else float('nan'):5.2f} {ph['outside_allocator_gib']:6.2f} "
+                  f"{pred:6.2f} {d:+6.2f}")
+    if diffs:
+        d = np.array(diffs)
+        print(f"{len(d)} stage records: measured - predicted {d.min():+.2f} to {d.max():+.2f} GiB, "
+              f"mean {d.mean():+.2f}, mean |.| {np.abs(d).mean():.2f}")
+    print()
+    oom = [r for r in rs if r["status"] == "oom" and r["outside"] is not None]
+    print("OOM messages: memory in use less torch's reserved memory vs the layout's term (its largest stage)")
+    for r in oom:
+        print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} message {r['outside']:5.2f} "
+              f"predicted {r['outside_pred']:5.2f} ({r['outside'] - r['outside_pred']:+.2f})")
 
 
 def main() -> None:
@@ -275,11 +343,16 @@ def main() -> None:
     ap.add_argument("paths", nargs="*")
     ap.add_argument("--margin", type=float, default=None, help="memory margin (default: the profile's)")
     ap.add_argument("--fit", action="store_true", help=f"write {MB.BAND_FILE.relative_to(ROOT)}")
+    ap.add_argument("--outside", action="store_true",
+                    help="solve and check the memory outside torch's allocator (models/outside_memory.py) and exit")
     ap.add_argument("--recipe", default=None, metavar="ROW",
                     help="print one published recipe's memory terms per pipeline stage (its row id) and exit")
     a = ap.parse_args()
     if a.recipe is not None:
         print_recipe(a.recipe)
+        return
+    if a.outside:
+        print_outside(rows(a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))))
         return
     paths = a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))
     rs = rows(paths)
@@ -292,17 +365,17 @@ def main() -> None:
         c = resolve_calibration("default", stack).screening_constants
         margins[stack] = MB.check_margin(a.margin) if a.margin is not None else MB.default_margin(c.memory_usable_fraction)
     print("OOM records: predicted peak, the band's upper bound and the usable memory (GiB)")
-    print(f"{'id':18} {'stack':5} {'model':28} {'pred':>6} {'upper':>6} {'usable':>6} {'had':>6}  predicted")
+    print(f"{'id':18} {'stack':5} {'model':28} {'pred':>6} {'out':>5} {'upper':>6} {'usable':>6} {'had':>6}  predicted")
     fit_oom = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
-        up = b.interval(r["predicted"])[1]
+        up = b.interval(r["predicted"], r["outside_pred"])[1]
         usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
-        ok = bool(MB.fits(r["predicted"], b, r["gpu_gib"], margins[r["stack"]]))
+        ok = bool(MB.fits(r["predicted"], r["outside_pred"], b, r["gpu_gib"], margins[r["stack"]]))
         fit_oom += ok
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
-        print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {up:6.1f} {usable:6.1f} "
-              f"{had}  {'FITS (wrong)' if ok else 'does not fit'}")
+        print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
+              f"{up:6.1f} {usable:6.1f} {had}  {'FITS (wrong)' if ok else 'does not fit'}")
     print(f"OOM records predicted to fit: {fit_oom} of {sum(r['status'] == 'oom' for r in rs)} "
           f"('had': the GPU's memory less the memory outside torch's allocator and the trial's start allocation)")
     print()
@@ -314,16 +387,19 @@ def main() -> None:
         for kind, s in loao(ok).items():
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
-            rejected = sum(not MB.fits(r["predicted"], b, r["gpu_gib"], margins[stack]) for r in mine)
+            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], b, r["gpu_gib"], margins[stack])
+                           for r in mine)
             print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
                   f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} {s['loao_covered']:6d} of {s['n']:<4d} "
                   f"{s['mape_as_shipped_pct']:11.1f}% {s['mape_loao_pct']:8.1f}% {s['mape_loao_ratio_pct']:5.1f}% "
                   f"{s['mape_loao_affine_pct']:5.1f}% {rejected:8d}")
     print()
     rec = recipes(a.margin)
-    print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted peak, upper bound, usable (GiB)")
+    print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "
+          "upper bound, usable (GiB)")
     for r in rec:
-        print(f"{r['id']:>4} {r['model'][:16]:16} {r['layout'][:58]:58} {r['predicted']:6.1f} {r['upper']:6.1f} "
+        print(f"{r['id']:>4} {r['model'][:16]:16} {r['layout'][:58]:58} {r['predicted']:6.1f} {r['outside']:5.1f} "
+              f"{r['upper']:6.1f} "
               f"{r['usable']:6.1f}  {'fits' if r['fits'] else 'DOES NOT FIT'}  {r['assumed']}")
     print(f"published recipes predicted not to fit: {sum(not r['fits'] for r in rec)} of {len(rec)}")
     print("(form: the one with the smaller LOAO MAPE, both shown; +lo / +hi: the affine form's GiB; "

@@ -26,6 +26,8 @@ BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")  # formats only Blackwell's t
 # What the linear layers' GEMMs run in, one name per (precision, fp8 recipe): the code of a layout
 # is its index (models.vectorized carries it as a column; 0 = bf16)
 QUANTS: tuple[str, ...] = ("bf16", "fp8", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4")
+# the QUANTS codes whose weights can be kept in FP8 (TrainConfig.fp8_param_gather)
+FP8_PARAM_QUANTS: tuple[int, ...] = (1, 2, 3, 4)
 
 
 def quant_name(precision: str, fp8_recipe: str = "delayed") -> str:
@@ -468,6 +470,13 @@ class TrainConfig:
     moe_permute_fusion: bool = False
     # The loss's cross entropy (CROSS_ENTROPY_IMPLS; the te stack's layout default is "te").
     cross_entropy_impl: str = "unfused"
+    # FP8 primary weights (Megatron-LM --fp8-param-gather; megatron-core DistributedDataParallelConfig.
+    # fp8_param_gather with TransformerConfig.fp8_param; NeMo / Megatron-Bridge bf16_with_fp8_mixed():
+    # fp8_param_gather = True): TE's linear-layer weights are kept in FP8 only (data + the transpose
+    # Hopper's FP8 GEMMs need), no BF16 copy, and the distributed optimizer all-gathers them in FP8.
+    # Needs an FP8-family precision and the distributed optimizer (Megatron-LM's validate_args);
+    # the te stack's layout default is on where those hold.
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -475,13 +484,16 @@ class TrainConfig:
                                or cf != cf or cf == float("inf")):
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
         for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
-                  "moe_permute_fusion", "gradient_accumulation_fusion"):
+                  "moe_permute_fusion", "gradient_accumulation_fusion", "fp8_param_gather"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:
             raise SpecError("moe_pad_to_capacity needs moe_capacity_factor (megatron-core raises otherwise)")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise SpecError(f"moe_dispatcher must be one of {', '.join(MOE_DISPATCHERS)}, got {self.moe_dispatcher!r}")
+        if self.fp8_param_gather and not (self.precision in ("fp8", "mxfp8") and self.distributed_optimizer):
+            raise SpecError("fp8_param_gather needs precision fp8 or mxfp8 and the distributed optimizer "
+                            f"(got precision {self.precision}, distributed optimizer {self.distributed_optimizer})")
         if self.cross_entropy_impl not in CROSS_ENTROPY_IMPLS:
             raise SpecError(f"cross_entropy_impl must be one of {', '.join(CROSS_ENTROPY_IMPLS)}, "
                             f"got {self.cross_entropy_impl!r}")

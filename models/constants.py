@@ -39,9 +39,38 @@ class Constants:
     # calculate_logits_max: vocab_parallel_logits.float()), one microbatch at a time; how many
     # such tensors each implementation holds: models.memory.CROSS_ENTROPY_FP32_COPIES.
     bytes_logits_fp32: float = 4.0
-    # CUDA context, cuBLAS/NCCL workspaces and buffers per GPU, GiB (fitted; start: the CUDA
-    # context of torch 2.x on Hopper is ~0.5 GiB, NCCL ~0.5-1 GiB per communicator size class).
-    runtime_overhead_gib: float = 2.0
+    # Runtime buffers inside torch's caching allocator that no named term holds, GiB: the cuBLAS
+    # workspace and Transformer Engine's workspaces (measured: 0.16 GiB allocated after a cuBLAS
+    # GEMM and a TE Linear BF16 / FP8 forward + backward, step "te" of
+    # data/microbench/h100x4-outside-memory.jsonl, `torchrun --nproc_per_node 4
+    # bench/outside_memory_gpu.py OUT`) (fitted; the profiles' own). Memory outside the allocator
+    # (CUDA context, NCCL) is not this: models/outside_memory.py, the constants below.
+    runtime_overhead_gib: float = 0.16
+    # ---- memory outside torch's allocator (models/outside_memory.py) -------------------------------
+    # Measured on 4 x H100 SXM (one node, NVLink), torch 2.11, NCCL 2.28.9 (24 channels), TE 2.20.2,
+    # device used - torch reserved (cudaMemGetInfo): data/microbench/h100x4-outside-memory.jsonl
+    # (`torchrun --nproc_per_node 4 bench/outside_memory_gpu.py OUT`) and
+    # data/microbench/h100x4-outside-memory-mcore.jsonl (`torchrun --nproc_per_node 4
+    # bench/outside_memory_megatron_gpu.py OUT TP PP CP EP`); `python bench/memory_edge.py --outside`
+    # solves and checks them. The per-communicator memory is per-channel NCCL state and buffers
+    # (NCCL_MAX_NCHANNELS=4 cuts a communicator to ~0.1 GiB): at 8 GPUs per node (more NVLink
+    # channels) and across nodes (network proxy buffers) it was NOT measured; these values are the
+    # 4-GPU single-node ones.
+    # The CUDA context (0.61) and the cuBLAS handle (+0.06): steps "ctx", "cublas".
+    cuda_context_gib: float = 0.67
+    # The world communicator, init + its first all-reduce: step "world" (+0.83).
+    nccl_world_gib: float = 0.83
+    # A communicator megatron-core opens with eager init, before its first collective: one of more
+    # than one rank 0.19, one of a single rank 0.38 (least squares over megatron-core's 20 groups of
+    # the TP1 / TP2 / PP2 / EP4 layouts: 5.2-6.5 GiB for "groups_created", residual < 0.02 GiB).
+    nccl_comm_gib: float = 0.19
+    nccl_comm_single_gib: float = 0.38
+    # The connection buffers a group of more than one rank sets up at its first use: a collective
+    # (+0.28 per megatron group's first all-reduce; +0.00 for all-gather / reduce-scatter on a
+    # connected one), p2p send / recv (+0.44, step "p2p"), all-to-all (+0.75, step "a2a").
+    nccl_connect_gib: float = 0.28
+    nccl_p2p_connect_gib: float = 0.44
+    nccl_a2a_connect_gib: float = 0.75
     # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted).
     fragmentation: float = 0.08
     # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:

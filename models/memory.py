@@ -17,6 +17,7 @@ from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainC
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
+from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
 from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
 from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, extra_codes, unique_rows
@@ -34,18 +35,28 @@ class StageMemory:
     optimizer_gib: float
     activations_gib: float
     logits_gib: float
-    overhead_gib: float
+    overhead_gib: float  # runtime buffers inside torch's allocator (Constants.runtime_overhead_gib)
     step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations (peak = the larger)
+    # memory outside torch's allocator (CUDA context, NCCL communicators: models/outside_memory.py);
+    # not in total_gib, which is what torch's allocator reserves (what the runs measure)
+    outside_gib: float = 0.0
 
     @property
     def total_gib(self) -> float:
+        """What torch's caching allocator holds at the stage's peak."""
         return (self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
                 + self.logits_gib + self.overhead_gib + self.step_transient_gib)
+
+    @property
+    def device_gib(self) -> float:
+        """The GPU's memory in use at the stage's peak: the allocator's and what lies outside it."""
+        return self.total_gib + self.outside_gib
 
     def to_dict(self) -> dict:
         """dataclasses.asdict plus total_gib (the fields are numbers: no copies)."""
         d = {f: getattr(self, f) for f in _MEMORY_FIELDS}
         d["total_gib"] = self.total_gib
+        d["device_gib"] = self.device_gib
         return d
 
 
@@ -324,7 +335,14 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     per_logit = np.array([logits_bytes_per_logit(model, c, impl) for impl in CROSS_ENTROPY_IMPLS])
     ce = per_logit[L.ce[r]] if L.ce is not None else per_logit[0]
     logits = np.where(last, T * model.vocab_size / L.tp[r] * ce, 0.0)
-    weights = total * c.bytes_weight + linear * fp8_copy
+    # FP8 primary weights (TrainConfig.fp8_param_gather; megatron-core fp8_param with the distributed
+    # optimizer's fp8_param_gather, TE Float8Tensor parameters): the linear layers' weights exist
+    # only as TE's FP8 data + transpose (the copy above), no BF16 weight; the fp32 master copy stays
+    # in the optimizer's shard.
+    bf16_linear = linear * c.bytes_weight
+    if L.fpg is not None:
+        bf16_linear = np.where(L.fpg[r], 0.0, bf16_linear)
+    weights = (total - linear) * c.bytes_weight + bf16_linear + linear * fp8_copy
     grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation
     stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
@@ -332,7 +350,9 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     # StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
     parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
-             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB}
+             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB,
+             "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
+                                                     model.is_moe, L.fp8[r] != 0, c)}
     total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
                  + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"])
     S.cache["memory"] = (parts, total, counts.sum(axis=1))
@@ -346,8 +366,14 @@ def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
     if mat is None:
         mat = S.cache["memory_matrix"] = np.stack(
             [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                                                   "logits_gib", "step_transient_gib")], 1)
+                                                   "logits_gib", "step_transient_gib", "outside_gib")], 1)
     over = c.runtime_overhead_gib
     return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
-                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t)
-            for k, (n, p, w, g, o, a, lg, t) in enumerate(S.rows(mat, i).tolist())]
+                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t, outside_gib=out)
+            for k, (n, p, w, g, o, a, lg, t, out) in enumerate(S.rows(mat, i).tolist())]
+
+
+def outside_peak_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np.ndarray:
+    """Memory outside torch's allocator of every row of L on its first pipeline stage, the stage
+    with the most of it (it holds both embedding groups and every group the others hold)."""
+    return outside_allocator_arrays(L.tp, L.pp, L.cp, L.dp, L.ep, L.etp, 0, model.is_moe, L.fp8 != 0, c)

@@ -1,24 +1,21 @@
 """The stated uncertainty of a memory prediction and the rule that says a layout fits (issue #27).
 
-A memory prediction is the fullest pipeline stage's peak per GPU (models.memory / models.vectorized):
-what torch's caching allocator reserves, A, plus the profile's runtime-overhead term O (memory
-outside torch's allocator: CUDA context, NCCL / library buffers). The runs measure A only (torch's
-peak reserved memory), so the band is fitted on A = predicted - O: lo / hi are the smallest and
-largest measured / A over the measured runs of the stack (separately dense and MoE: the records of
-data/measurements/, `python bench/memory_edge.py --fit`, written to models/data/memory_band.json
-with the command, with the O it subtracted). Where the residual is additive rather than
-proportional (the fit keeps the form with the smaller leave-one-architecture-out error), the band
-is affine: measured = b * A + a, fitted by least squares, lo = hi = b and add_lo / add_hi = a plus the
-smallest / largest residual in GiB (a few GiB of reserved-but-unallocated memory and loss buffers
-do not grow with a 70 GiB prediction). The interval of a prediction is
+A memory prediction is the fullest pipeline stage's peak per GPU as torch's caching allocator holds
+it, A (models.memory: StageMemory.total_gib), and, beside it, the memory outside the allocator, U
+(CUDA context, NCCL communicators: models/outside_memory.py, StageMemory.outside_gib, a physical
+term measured on its own). The runs measure A only (torch's peak reserved memory), so the band is
+fitted on A: lo / hi are the smallest and largest measured / A over the measured runs of the stack
+(separately dense and MoE: the records of data/measurements/, `python bench/memory_edge.py --fit`,
+written to models/data/memory_band.json with the command). Where the residual is additive rather
+than proportional (the fit keeps the form with the smaller leave-one-architecture-out error), the
+band is affine: measured = b * A + a, fitted by least squares, lo = hi = b and add_lo / add_hi = a
+plus the smallest / largest residual in GiB. The interval of a prediction is
 
-    [lo * A + add_lo + outside, hi * A + add_hi + outside]
+    [lo * A + add_lo + U, hi * A + add_hi + U]
 
-with `outside` the memory outside the allocator counted once: what the stack's OOM records say the
-runner's process held outside torch's allocator (what the process had in use minus what torch had
-reserved), or, for a stack without OOM records, the profile's own O. (Adding the OOM messages'
-outside memory on top of a prediction that already holds O would count it twice.) A stack with no
-measured run has the band [1, 1] and says so.
+with U counted once: the layout's own outside-allocator term (its first stage's, the stage with the
+most communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
+bench/memory_edge.py --outside`). A stack with no measured run has the band [1, 1] and says so.
 
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
 (`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
@@ -37,7 +34,7 @@ import numpy as np
 from advisor.catalog.specs import SpecError
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
-FORMAT = "advisor.memory_band/3"  # 3: the affine form (add_lo_gib / add_hi_gib, form)
+FORMAT = "advisor.memory_band/4"  # 4: the memory outside the allocator is the layout's physical term
 CLASSES = ("dense", "moe")
 
 
@@ -45,22 +42,19 @@ CLASSES = ("dense", "moe")
 class Band:
     lo: float  # smallest measured / predicted
     hi: float  # largest measured / predicted
-    outside_gib: float  # memory outside torch's allocator, counted once in the interval
     stack: str
     kind: str  # dense / moe
     source: str  # where the numbers come from (the stack's own records, or another stack's)
-    overhead_gib: float = 0.0  # the profile's runtime-overhead term inside a prediction (O)
     add_lo_gib: float = 0.0  # the affine form's additive part of the lower / upper end (GiB)
     add_hi_gib: float = 0.0
     form: str = "ratio"  # "ratio" (add_* = 0) or "affine"
 
-    def interval(self, predicted_gib):
-        """(lower, upper) GiB of a predicted peak (a float or an array): the allocator's part
-        (predicted - O) scaled by lo / hi plus add_lo / add_hi, plus the memory outside the
-        allocator once."""
-        allocator = predicted_gib - self.overhead_gib
-        return (allocator * self.lo + self.add_lo_gib + self.outside_gib,
-                allocator * self.hi + self.add_hi_gib + self.outside_gib)
+    def interval(self, predicted_gib, outside_gib):
+        """(lower, upper) GiB on the device of a predicted allocator peak (a float or an array):
+        scaled by lo / hi plus add_lo / add_hi, plus the memory outside the allocator
+        (models/outside_memory.py) once."""
+        return (predicted_gib * self.lo + self.add_lo_gib + outside_gib,
+                predicted_gib * self.hi + self.add_hi_gib + outside_gib)
 
 
 @lru_cache(maxsize=4)
@@ -85,9 +79,7 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     src = f"measured runs of the {name} stack ({s['records']})" if "unmeasured" not in s else s["unmeasured"]
     k = CLASSES[bool(is_moe)]
     b = s[k]
-    overhead = s.get("overhead_gib", 0.0)
-    outside = s["outside_gib"] if s.get("outside_gib") is not None else overhead
-    return Band(lo=b["lo"], hi=b["hi"], outside_gib=outside, stack=name, kind=k, source=src, overhead_gib=overhead,
+    return Band(lo=b["lo"], hi=b["hi"], stack=name, kind=k, source=src,
                 add_lo_gib=b.get("add_lo_gib", 0.0), add_hi_gib=b.get("add_hi_gib", 0.0), form=b.get("form", "ratio"))
 
 
@@ -106,27 +98,27 @@ def usable_gib(gpu_memory_gib: float, margin: float) -> float:
     return gpu_memory_gib * (1.0 - margin)
 
 
-def fits(predicted_gib, b: Band, gpu_memory_gib: float, margin: float):
+def fits(predicted_gib, outside_gib, b: Band, gpu_memory_gib: float, margin: float):
     """True (or a boolean array) where the upper bound of the prediction is under usable memory."""
-    return b.interval(predicted_gib)[1] <= usable_gib(gpu_memory_gib, margin)
+    return b.interval(predicted_gib, outside_gib)[1] <= usable_gib(gpu_memory_gib, margin)
 
 
-def memory_fit(predicted_gib: float, per_stage_gib, b: Band, gpu_memory_gib: float, margin: float) -> dict:
+def memory_fit(predicted_gib: float, per_stage_gib, outside_gib: float, b: Band, gpu_memory_gib: float,
+               margin: float) -> dict:
     """What recommend / predict say about one layout's memory: the interval, the usable memory, the
     headroom (usable - upper bound; negative: does not fit), the tightest stage."""
-    lo, hi = b.interval(predicted_gib)
+    lo, hi = b.interval(predicted_gib, outside_gib)
     usable = usable_gib(gpu_memory_gib, margin)
     stages = list(per_stage_gib) or [predicted_gib]
-    return {"predicted_gib": float(predicted_gib), "interval_gib": [float(lo), float(hi)],
+    return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_gib), "interval_gib": [float(lo), float(hi)],
             "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
             "fits": bool(hi <= usable), "tightest_stage": int(np.argmax(stages)),
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
-                     "form": b.form, "outside_gib": b.outside_gib, "overhead_gib": b.overhead_gib,
-                     "kind": b.kind, "source": b.source}}
+                     "form": b.form, "kind": b.kind, "source": b.source}}
 
 
 def fit_line(mf: dict) -> str:
     """One line for the terminal."""
     lo, hi = mf["interval_gib"]
-    return (f"{mf['predicted_gib']:.1f} GiB ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
+    return (f"{mf['predicted_gib']:.1f} GiB + {mf['outside_gib']:.1f} outside the allocator ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
             f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from advisor.catalog.specs import SpecError, TrainConfig
+from advisor.catalog.specs import FP8_PARAM_QUANTS, SpecError, TrainConfig
 
 DATA = Path(__file__).parent / "data"
 
@@ -63,8 +63,10 @@ STACKS: dict[str, Stack] = {
         # cross_entropy_loss_fusion = True, cross_entropy_fusion_impl = "te"); and
         # gradient_accumulation_fusion (Megatron-LM's default, on wherever TE or apex is installed:
         # the wgrad GEMM accumulates into the main grad)
+        # FP8 primary weights (Megatron-Bridge / NeMo bf16_with_fp8_mixed(): fp8_param_gather = True,
+        # fp8_params = True), where a layout runs FP8 with the distributed optimizer.
         {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True,
-         "cross_entropy_impl": "te", "gradient_accumulation_fusion": True},
+         "cross_entropy_impl": "te", "gradient_accumulation_fusion": True, "fp8_param_gather": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(
@@ -94,4 +96,12 @@ def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping
     `moe`: the model is a MoE (its moe_* defaults apply)."""
     s = get_stack(stack)
     d = {k: v for k, v in s.defaults_for(cfg.tp, cfg.sequence_parallel, moe).items() if k not in explicit}
+    if "fp8_param_gather" in d:  # FP8 weights exist only for an FP8 layout with the distributed optimizer
+        d["fp8_param_gather"] = bool(d["fp8_param_gather"]) and cfg.quant_code in FP8_PARAM_QUANTS \
+            and cfg.distributed_optimizer
     return cfg.replace(**d) if d else cfg
+
+
+def stack_fp8_param_gather(stack: str | None) -> bool:
+    """Whether a stack keeps FP8 primary weights where a layout can (TrainConfig.fp8_param_gather)."""
+    return bool(get_stack(stack).layout_defaults.get("fp8_param_gather", False))

@@ -678,8 +678,8 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     dist = L.dist_opt[r]
     grad = np.where(dist, collective_time("reduce_scatter", dense * gb, d, dbw, dlat) + collective_time("reduce_scatter", experts * gb, edp, ebw, elat),
                     collective_time("all_reduce", dense * gb, d, dbw, dlat) + collective_time("all_reduce", experts * gb, edp, ebw, elat))
-    gather = np.where(dist, collective_time("all_gather", dense * 2, d, dbw, dlat) + collective_time("all_gather", experts * 2, edp, ebw, elat),
-                      0.0)
+    fpg = L.fpg[r] if L.fpg is not None else 0.0  # FP8 primary weights gather at 1 B each (TrainConfig.fp8_param_gather)
+    gather = np.where(dist, collective_time("all_gather", dense * 2 - (params[:, 2] - experts) * fpg, d, dbw, dlat) + collective_time("all_gather", experts * (2 - fpg), edp, ebw, elat), 0.0)
     shard = np.where(dist, dense / d + experts / edp, dense + experts)
     opt_base = shard * c.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency)
     return DPTerms(grad, gather, opt_base)

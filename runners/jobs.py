@@ -79,12 +79,12 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         if world_size % mp:
             lay["dp"] = 1
             cfg = TrainConfig.from_dict(_with_gbs(lay))
-            return Entry(name, spec, layers, MA.effective_config(cfg), steps, warmup, min_seconds,
+            return Entry(name, spec, layers, MA.runner_config(cfg), steps, warmup, min_seconds,
                          max_steps, save_trace, id or uuidlib.uuid4().hex[:12],
                          refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}",
                          stack=stack, fp8_recipe=fp8_recipe)
         lay["dp"] = world_size // mp
-    cfg = MA.effective_config(TrainConfig.from_dict(_with_gbs(lay)))
+    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)))
     return Entry(name, spec, layers, cfg, steps, warmup, min_seconds, max_steps, save_trace,
                  id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size, stack),
                  stack=stack, fp8_recipe=fp8_recipe)

@@ -101,6 +101,19 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def runner_config(cfg: TrainConfig) -> TrainConfig:
+    """The layout as this project's runner runs it: effective_config with BF16 weights (the worker
+    does not build FP8 primary weights: fp8_param_gather off, and its records say so)."""
+    cfg = effective_config(cfg)
+    return cfg.replace(fp8_param_gather=False) if cfg.fp8_param_gather else cfg
+
+
+def fp8_param_args(cfg: TrainConfig) -> list[str]:
+    """FP8 primary weights (TrainConfig.fp8_param_gather): Megatron-LM's --fp8-param-gather
+    (megatron/training/arguments.py; validate_args wants the distributed optimizer with it)."""
+    return ["--fp8-param-gather"] if cfg.fp8_param_gather else []
+
+
 _ACTIVATION = {"swiglu": ("silu", True), "gelu": ("gelu", False), "relu2": ("squared_relu", False)}
 
 
@@ -443,7 +456,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "transformer_engine",
-    ] + _parallel_size_args(cfg) + ["--bf16"] + precision_args(cfg)
+    ] + _parallel_size_args(cfg) + ["--bf16"] + precision_args(cfg) + fp8_param_args(cfg)
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
@@ -630,7 +643,7 @@ def layout_args(cfg: TrainConfig) -> list[str]:
         if cfg.overlap_param_gather:  # Megatron-LM asserts it comes with --overlap-grad-reduce
             a.append("--overlap-param-gather")
     a.append("--bf16")
-    return a + precision_args(cfg)
+    return a + precision_args(cfg) + fp8_param_args(cfg)
 
 
 def precision_args(cfg: TrainConfig) -> list[str]:

@@ -51,7 +51,7 @@ def prepare(runner: str, model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfi
     if stack == "te":
         # TE runs sequence parallelism; TP communication overlap (userbuffers) it does not run here
         # nor gradient_accumulation_fusion (apex's output-layer kernel is missing on its machines)
-        cfg = MA.effective_config(cfg.replace(tp_comm_overlap=False, gradient_accumulation_fusion=False))
+        cfg = MA.runner_config(cfg.replace(tp_comm_overlap=False, gradient_accumulation_fusion=False))
     else:  # without Transformer Engine sequence parallelism is off in every measured layout
         cfg = MA.effective_config(cfg.replace(sequence_parallel=False))
     if cluster.num_nodes > 1:

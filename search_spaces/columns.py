@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS, ClusterSpec,
+from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, FP8_PARAM_QUANTS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS, ClusterSpec,
                                    ModelSpec, TrainConfig, moe_knobs_key, quant_name, quant_parts)
 from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, model_parallel_choices,
                                          split_choices)
@@ -79,6 +79,9 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
                 plan=inv.reshape(-1).astype(np.int64), plans=plans, configs=[None] * n,
                 extras=[_moe_defaults(model, options)] * n, same_extras=True,
                 ce=np.full(n, CROSS_ENTROPY_IMPLS.index(options.cross_entropy_impl or "unfused"), np.int8))
+    q = QUANTS.index(quant_name(workload.precision, workload.fp8_recipe))
+    if options.fp8_param_gather and q in FP8_PARAM_QUANTS:  # with the distributed optimizer only
+        L.fpg = col["dist"].astype(bool)
     L.split = col["split"]
     L.splits = splits
     L.precision = workload.precision
@@ -133,6 +136,7 @@ class Layouts:
     precision: str = "bf16"
     same_extras: bool = False  # every row has the same extras (search_spaces.columns)
     ce: np.ndarray | None = None   # catalog.specs.CROSS_ENTROPY_IMPLS code of the loss (None: all "unfused")
+    fpg: np.ndarray | None = None  # TrainConfig.fp8_param_gather (None: all off)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -173,7 +177,8 @@ class Layouts:
                    tp_overlap=col("tp_comm_overlap", bool), grad_fusion=col("gradient_accumulation_fusion", bool),
                    fp8=np.array([c.quant_code for c in cfgs], np.int8), plan=plan, plans=plans,
                    configs=cfgs, extras=[c.moe_knobs() for c in cfgs],
-                   ce=np.array([CROSS_ENTROPY_IMPLS.index(c.cross_entropy_impl) for c in cfgs], np.int8))
+                   ce=np.array([CROSS_ENTROPY_IMPLS.index(c.cross_entropy_impl) for c in cfgs], np.int8),
+                   fpg=col("fp8_param_gather", bool) if any(c.fp8_param_gather for c in cfgs) else None)
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -190,7 +195,8 @@ class Layouts:
                 overlap_param_gather=bool(self.overlap_param[i]), tp_comm_overlap=bool(self.tp_overlap[i]),
                 gradient_accumulation_fusion=bool(self.grad_fusion[i]),
                 **dict(zip(MOE_KNOBS, self.extras[i])), **self.splits[int(self.split[i])],
-                cross_entropy_impl=CROSS_ENTROPY_IMPLS[int(self.ce[i]) if self.ce is not None else 0])
+                cross_entropy_impl=CROSS_ENTROPY_IMPLS[int(self.ce[i]) if self.ce is not None else 0],
+                fp8_param_gather=bool(self.fpg[i]) if self.fpg is not None else False)
         return c
 
     def key(self, i: int) -> str:

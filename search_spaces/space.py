@@ -61,6 +61,9 @@ class SpaceOptions:
     # the loss's cross entropy (catalog.specs.CROSS_ENTROPY_IMPLS); None: the stack's layout default
     # where a stack is known (advisor.api.recommend, advisor.study.make_plan), else "unfused"
     cross_entropy_impl: str | None = None
+    # FP8 primary weights where the layout runs FP8 with the distributed optimizer
+    # (TrainConfig.fp8_param_gather); None: the stack's layout default
+    fp8_param_gather: bool | None = None
     moe_fusion: bool = False  # TE's fused router and permutation on a MoE model (the te stack's recipes)
     extra: dict = field(default_factory=dict)
 
@@ -245,6 +248,8 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 overlap_param_gather=dist and dp * cp > 1,
                                 tp_comm_overlap=options.tp_comm_overlap and tp > 1,
                                 cross_entropy_impl=options.cross_entropy_impl or "unfused",
+                                fp8_param_gather=bool(options.fp8_param_gather) and dist and dp * cp > 1
+                                and workload.precision in ("fp8", "mxfp8"),
                                 moe_router_fusion=options.moe_fusion and model.is_moe,
                                 moe_permute_fusion=options.moe_fusion and model.is_moe,
                                 gradient_accumulation_fusion=options.gradient_accumulation_fusion,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 
 from advisor.models.calibrate import resolve_calibration
@@ -30,19 +32,24 @@ def test_memory_terms_split_the_models_activations_and_logits():
 
 def test_memory_terms_predict_te_runs_with_the_te_runners_physics():
     """te records: the te profile's bf16 gradient buffers in the static part, and the cross entropy
-    the te runner ran (native fused, said by models.dataset.legacy_config for records without the
-    key): bf16 logits + 2 fp32 tensors = 10 B per logit in the logits term."""
+    each record ran: native fused for records without the key (models.dataset.legacy_config: the
+    session-22 runner), the record's own setting otherwise (the session-23 campaign ran unfused):
+    bf16 logits + 2 fp32 tensors = 10 B per logit (native), + 1 = 6 B (unfused), in the logits term."""
     te_file = str(ROOT / "data" / "measurements" / "h100x4-te.jsonl")
     rows = load_bench("memory_terms").stage_rows([te_file], stack="te")
     recs = {r.id: r for r in load([te_file]).records}
+    raw = {json.loads(x)["id"]: json.loads(x) for x in open(te_file, encoding="utf-8") if x.strip()}
     assert len(rows) >= 60 and {r["stack"] for r in rows} == {"te"}
-    assert {recs[r["id"]].cfg.cross_entropy_impl for r in rows} == {"native"}
+    for r in rows:
+        said = raw[r["id"]]["config"].get("cross_entropy_impl")
+        assert recs[r["id"]].cfg.cross_entropy_impl == (said or "native")
     with_logits = [r for r in rows if r["logits"] > 0]
-    assert with_logits
+    assert {recs[r["id"]].cfg.cross_entropy_impl for r in with_logits} == {"native", "unfused"}
     for r in with_logits:
         cfg, m = recs[r["id"]].cfg, recs[r["id"]].model
         logits = cfg.seq / cfg.cp * cfg.mbs * m.vocab_size / cfg.tp
-        assert r["logits"] * 2**30 == pytest.approx(logits * (2 + 2 * 4))
+        per_logit = {"native": 2 + 2 * 4, "unfused": 2 + 4}[cfg.cross_entropy_impl]
+        assert r["logits"] * 2**30 == pytest.approx(logits * per_logit)
     assert {r["moe"] for r in rows} == {True, False}
 
 

@@ -1,0 +1,74 @@
+"""FP8 primary weights (TrainConfig.fp8_param_gather, Megatron-LM --fp8-param-gather): no BF16 copy
+of the TE linear layers' weights, the parameter all-gather in FP8; the te stack's layout default
+where a layout runs FP8 with the distributed optimizer; this project's runner runs it off."""
+from __future__ import annotations
+
+import pytest
+
+from advisor.catalog import SpecError, TrainConfig, load_cluster, load_model
+from advisor.models.constants import DEFAULT, GIB
+from advisor.models.memory import layouts_of, linear_params, stage_memory
+from advisor.models.profiles import apply_layout_defaults
+from advisor.models.stages import Stages, memo_for
+from advisor.models.step_time import dp_terms
+from advisor.runners import megatron_args as MA
+from advisor.search_spaces.columns import Layouts, enumerate_columns
+from advisor.search_spaces.layout import stage_layers
+from advisor.search_spaces.space import SpaceOptions, Workload
+
+FP8 = TrainConfig(tp=4, pp=8, vp=5, dp=2, mbs=1, gbs=256, seq=8192, precision="fp8")
+
+
+def test_the_te_default_turns_it_on_only_where_it_can_run():
+    assert apply_layout_defaults(FP8, "te").fp8_param_gather
+    assert not apply_layout_defaults(FP8, "local").fp8_param_gather
+    assert not apply_layout_defaults(FP8.replace(precision="bf16"), "te").fp8_param_gather
+    assert not apply_layout_defaults(FP8.replace(distributed_optimizer=False), "te").fp8_param_gather
+    with pytest.raises(SpecError, match="fp8_param_gather needs"):
+        TrainConfig(precision="bf16", dp=2, fp8_param_gather=True)
+    with pytest.raises(SpecError, match="fp8_param_gather needs"):
+        FP8.replace(distributed_optimizer=False, fp8_param_gather=True)
+
+
+def test_no_bf16_copy_of_the_linear_weights():
+    m = load_model("llama3-70b")
+    on = FP8.replace(fp8_param_gather=True)
+    layers = stage_layers(m, FP8)
+    for a, b in zip(stage_memory(m, FP8), stage_memory(m, on)):
+        saved = linear_params(m, FP8, layers[a.stage]) * DEFAULT.bytes_weight / GIB
+        assert saved > 3.0
+        assert a.weights_gib - b.weights_gib == pytest.approx(saved)
+        assert a.total_gib - b.total_gib == pytest.approx(saved)
+        assert (a.grads_gib, a.optimizer_gib, a.activations_gib) == (b.grads_gib, b.optimizer_gib, b.activations_gib)
+
+
+def test_the_parameter_all_gather_moves_fp8_bytes():
+    m, c = load_model("llama3-70b"), load_cluster("h100x64")
+    t = {}
+    for on in (False, True):
+        L = layouts_of(m, FP8.replace(fp8_param_gather=on))
+        S = Stages(L)
+        t[on] = dp_terms(m, c, L, DEFAULT, memo_for(m, c, DEFAULT), S)
+    assert (t[True].grad == t[False].grad).all()
+    assert (t[True].gather < t[False].gather).all()
+
+
+def test_columns_and_configs_carry_it():
+    m, c = load_model("llama3-8b"), load_cluster("h100x8")
+    wl = Workload(gbs=64, seq=4096, precision="fp8")
+    L = enumerate_columns(m, c, wl, SpaceOptions(fp8_param_gather=True))
+    assert L.fpg is not None and (L.fpg == L.dist_opt).all() and L.fpg.any()
+    for i in range(0, len(L), max(1, len(L) // 50)):
+        cfg = L.config(i)
+        assert cfg.fp8_param_gather == bool(L.fpg[i])
+        assert Layouts.of(m, [cfg]).config(0).fp8_param_gather == cfg.fp8_param_gather
+    assert enumerate_columns(m, c, Workload(gbs=64, seq=4096, precision="bf16"),
+                             SpaceOptions(fp8_param_gather=True)).fpg is None
+
+
+def test_megatron_argument_and_the_runner_runs_it_off():
+    on = FP8.replace(fp8_param_gather=True)
+    assert "--fp8-param-gather" in MA.layout_args(on) and "--use-distributed-optimizer" in MA.layout_args(on)
+    assert "--fp8-param-gather" not in MA.layout_args(FP8)
+    assert not MA.runner_config(on).fp8_param_gather
+    assert MA.runner_config(on).replace(fp8_param_gather=True) == MA.effective_config(on)
