@@ -280,7 +280,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     ("LO:HI:STEP" watts, a list, or default the GPU's settable range in 25 W steps): energy takes
     each layout's cap with the least J/token, balanced the least J/token within 5% of its
     fastest step. Every recommendation with PP > 1 also gets per-stage caps (stage_caps)."""
-    from advisor.models.profiles import get_stack, stack_cross_entropy, stack_fp8_param_gather
+    from advisor.models.profiles import (get_stack, stack_cross_entropy, stack_expandable_segments,
+                                         stack_fp8_param_gather)
 
     st = get_stack(stack)
     if options is None:
@@ -291,6 +292,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         options = dataclasses.replace(options, cross_entropy_impl=stack_cross_entropy(st.name))
     if options.fp8_param_gather is None:  # the stack's weights (te: FP8 primary weights, as the recipes)
         options = dataclasses.replace(options, fp8_param_gather=stack_fp8_param_gather(st.name))
+    if options.expandable_segments is None:  # the stack's allocator (te: expandable segments, as the recipes)
+        options = dataclasses.replace(options, expandable_segments=stack_expandable_segments(st.name))
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:
@@ -407,7 +410,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   power_caps=sweep.to_dict() if sweep else {},
                                   stage_caps=sc.to_dict() if sc else {},
                                   memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib,
-                                                                outside_allocator_gib(m, cfg, None, rank_constants), band,
+                                                                [outside_allocator_gib(m, cfg, k, rank_constants)
+                                                                 for k in range(cfg.pp)], band,
                                                                 c.gpu.memory_gib, sc_margin)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,

@@ -177,6 +177,12 @@ def print_recommendations(res, console: Console | None = None) -> None:
     console.print(f"[bold]#1 why:[/] {best.reason}")
     console.print("[bold]#1 Megatron args:[/]")
     print_command(console, best.megatron_args)
+    from advisor.runners.megatron_args import launch_env
+
+    env = launch_env(best.config)
+    if env:  # torch's allocator settings the layout's memory prediction assumes (TrainConfig.expandable_segments)
+        console.print("[bold]#1 environment:[/] " + " ".join(f"{k}={v}" for k, v in env.items()),
+                      soft_wrap=True, highlight=False)
     for note in best.megatron_notes:
         console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError
 from advisor.models import memory_band as MB
-from advisor.models.memory import outside_peak_many
+from advisor.models.memory import band_upper_many
 from advisor.models.constants import Constants
 from advisor.search_spaces.runnable import left_out_line, refused
 
@@ -32,8 +32,6 @@ class Screened:
 
 
 def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str, margin: float | None) -> Screened:
-    from advisor.models import vectorized as vz
-
     margin = MB.default_margin(constants.memory_usable_fraction) if margin is None else MB.check_margin(margin)
     bad, by_rule = refused(m, L_all, stack)
     left = {"count": int(bad.sum()), "by_rule": by_rule, "line": left_out_line(stack, by_rule)}
@@ -42,10 +40,9 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
         raise NoFeasibleLayout(f"none of the {len(L_all):,} legal layouts of {m.name} on {c.name} can be run by "
                                f"the {stack} stack's runner: {left['line']}")
     L = L_all.take(runs)
-    mems = vz.peak_memory_gib(m, L, constants, c)
-    outside = outside_peak_many(m, L, constants)
     band = MB.band(stack, m.is_moe)
-    fit = MB.fits(mems, outside, band, c.gpu.memory_gib, margin).tolist()
+    mems, upper, tight, outside = band_upper_many(m, L, band, constants)  # each stage with its own outside term
+    fit = (upper <= MB.usable_gib(c.gpu.memory_gib, margin)).tolist()
     # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
     but = np.stack([L.tp, L.pp, L.dp, L.cp, L.ep, L.etp, L.vp, L.mbs, L.dist_opt, L.split], 1)
     group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
@@ -64,11 +61,11 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
         fits_with = (key, cost)
         keep.append(i)
     if not keep:
-        i = int(np.argmin(mems))
-        need = band.interval(float(mems[i]), float(outside[i]))[1]
+        i = int(np.argmin(upper))
+        need = float(upper[i])
         raise NoFeasibleLayout(
             f"{m.name} fits nowhere on {c.name}: the smallest layout needs up to {need:.1f} GiB per GPU "
-            f"({float(mems[i]):.1f} predicted in torch's allocator + {float(outside[i]):.1f} outside it, "
+            f"({float(tight[i]):.1f} predicted in torch's allocator + {float(outside[i]):.1f} outside it, "
             f"{L.config(i).key()}) but a {c.gpu.name} has "
             f"{MB.usable_gib(c.gpu.memory_gib, margin):.1f} GiB usable ({1 - margin:.0%} of {c.gpu.memory_gib:.1f}); "
             f"use more GPUs or a bigger GPU")

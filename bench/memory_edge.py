@@ -5,6 +5,7 @@ memory, leave-one-architecture-out, dense and MoE apart.
     python bench/memory_edge.py [--margin 0.05] [--fit]      # --fit writes models/data/memory_band.json
     python bench/memory_edge.py --recipe 115                  # one published recipe, term by term per stage
     python bench/memory_edge.py --outside                     # memory outside torch's allocator: solve and check
+    python bench/memory_edge.py --allocator                   # reserved but unallocated: fit, LOAO, per stage
 
 Measured peak of a run: max over ranks of torch's peak reserved memory less what was already
 allocated when the trial started (a trial batched after another in one process starts with the
@@ -105,7 +106,8 @@ def rows(paths: list[str]) -> list[dict]:
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": peak_memory_gib(model, cfg, c),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
-                        "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or "")})
+                        "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or ""),
+                        "memory": mem})
     return out
 
 
@@ -184,6 +186,7 @@ def recipes(margin: float | None) -> list[dict]:
     each with the te stack's layout defaults (TE's cross entropy, as the recipes set it): the
     fullest stage's predicted peak, the band's upper bound and the usable memory."""
     from advisor.models import published as P
+    from advisor.models.memory import stage_memory
     from advisor.models.profiles import apply_layout_defaults
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -195,14 +198,23 @@ def recipes(margin: float | None) -> list[dict]:
     for r in P.load():
         if not (r.usable and in_fit(r)):
             continue
-        cfg = apply_layout_defaults(r.cfg, "te")
+        cfg = apply_layout_defaults(r.cfg, "te", r.explicit)
         pred = peak_memory_gib(r.model, cfg, c)
         outside = outside_allocator_gib(r.model, cfg, None, c)
         b = MB.band("te", r.model.is_moe)
+        # each stage's own allocator total with its own outside term: recommend's rule
+        # (models.memory.band_upper_many); "upper" pairs the fullest stage with the largest outside term
+        per_stage = max(float(b.interval(sm.total_gib, sm.outside_gib)[1]) for sm in stage_memory(r.model, cfg, c))
+        notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]
+        if r.explicit:
+            notes.append(f"recipe: {len(r.explicit)} settings")
+        if r.unmodelled:
+            notes.append(f"{len(r.unmodelled)} not modelled")
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
-                    "upper": float(b.interval(pred, outside)[1]), "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
-                    "fits": bool(MB.fits(pred, outside, b, r.cluster.gpu.memory_gib, m)),
-                    "assumed": "; ".join(a for a in r.assumptions if "recompute" in a or "FSDP" in a)})
+                    "upper": float(b.interval(pred, outside)[1]), "stage_upper": per_stage,
+                    "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
+                    "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
+                    "assumed": "; ".join(notes), "unmodelled": r.unmodelled})
     return out
 
 
@@ -230,7 +242,7 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
         raise SystemExit(2)
     r = hit[0]
     c = resolve_calibration("default", "te").screening_constants
-    cfg = apply_layout_defaults(r.cfg, "te")
+    cfg = apply_layout_defaults(r.cfg, "te", r.explicit)
     b = MB.band("te", r.model.is_moe)
     copy = weight_copy_bytes(cfg.quant_code, c)
     layers = stage_layers(r.model, cfg)
@@ -240,7 +252,8 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
         out.append({"stage": sm.stage, "layers": sm.layers, "in_flight": in_flight_chunks(cfg, sm.stage),
                     "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
-                    "transient": sm.step_transient_gib, "overhead": sm.overhead_gib, "total": sm.total_gib,
+                    "transient": sm.step_transient_gib, "overhead": sm.overhead_gib,
+                    "reserved_free": sm.reserved_free_gib, "total": sm.total_gib,
                     "outside": sm.outside_gib, "upper": float(b.interval(sm.total_gib, sm.outside_gib)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
@@ -256,7 +269,7 @@ def print_recipe(row_id: str) -> None:
     if head["assumed"]:
         print(f"assumed: {head['assumed']}")
     print("per pipeline stage, GiB (in flight: micro-batches each virtual chunk holds at the stage's peak):")
-    cols = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead",
+    cols = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead", "reserved_free",
             "total", "outside", "upper")
     print(f"{'stage':>5} {'layers':>6}  {'in flight':18} " + " ".join(f"{k[:11]:>11}" for k in cols))
     for s in stages:
@@ -338,6 +351,89 @@ def print_outside(rs: list[dict]) -> None:
               f"predicted {r['outside_pred']:5.2f} ({r['outside'] - r['outside_pred']:+.2f})")
 
 
+ALLOC_KEYS = ("alloc_reserved_base_gib", "alloc_reserved_block", "alloc_reserved_moe")
+
+
+def allocator_stages(rs: list[dict]) -> list[dict]:
+    """Every pipeline stage of the ok runs with per-rank peak reserved and allocated: measured
+    reserved but unallocated (max over the stage's ranks of reserved - allocated) and the three
+    features of models/allocator_memory.py (the term with one coefficient at 1, the others 0,
+    through models.memory.stage_memory: the model's own code)."""
+    import dataclasses
+
+    from advisor.models.memory import stage_memory
+
+    out = []
+    for r in rs:
+        mem = r.get("memory") or {}
+        res, al = mem.get("peak_reserved_gib_per_rank"), mem.get("peak_allocated_gib_per_rank")
+        if r["status"] != "ok" or not res or not al or len(res) != len(al):
+            continue
+        cfg = r["cfg"]
+        per = len(res) // cfg.pp
+        if per < 1:
+            continue
+        feats = []
+        for k in ALLOC_KEYS:
+            basis = dataclasses.replace(resolve_calibration("default", r["stack"]).screening_constants,
+                                        **{x: float(x == k) for x in ALLOC_KEYS})
+            feats.append([s.reserved_free_gib for s in stage_memory(r["model_spec"], cfg, basis)])
+        for st in range(cfg.pp):
+            meas = max(res[i] - al[i] for i in range(st * per, (st + 1) * per))
+            out.append({"id": r["id"], "stack": r["stack"], "arch": r["arch"], "moe": r["moe"], "stage": st,
+                        "model": r["model"], "measured": meas, "x": [f[st] for f in feats]})
+    return out
+
+
+def fit_allocator(stages: list[dict]) -> dict:
+    """Non-negative least squares of the measured reserved-but-unallocated memory on the term's
+    three features; leave-one-architecture-out mean |error| (GiB) per stack and class."""
+    from scipy.optimize import nnls
+
+    from advisor.models.allocator_memory import RANGES
+
+    X = np.array([s["x"] for s in stages])
+    y = np.array([s["measured"] for s in stages])
+    coef = nnls(X, y)[0]
+    arch = np.array([s["arch"] for s in stages])
+    held = np.zeros(len(y))
+    for a in sorted(set(arch)):
+        h = arch == a
+        held[h] = X[h] @ nnls(X[~h], y[~h])[0]
+    fitted = dict(zip(ALLOC_KEYS, (float(v) for v in coef)))
+    inside = {k: RANGES[k][0] <= v <= RANGES[k][1] for k, v in fitted.items()}
+    return {"coef": fitted, "inside_ranges": inside, "fitted": X @ coef, "held_out": held, "y": y}
+
+
+def print_allocator(rs: list[dict]) -> None:
+    from advisor.models.constants import DEFAULT
+
+    stages = allocator_stages(rs)
+    f = fit_allocator(stages)
+    print(f"torch's caching allocator, reserved but unallocated per stage: {len(stages)} stages "
+          f"(peak reserved - peak allocated, max over the stage's ranks)")
+    for k, v in f["coef"].items():
+        print(f"  {k:24} fitted {v:6.3f}  shipped {getattr(DEFAULT, k):6.3f}  "
+              f"{'inside' if f['inside_ranges'][k] else 'OUTSIDE'} its physical range")
+    shipped = np.array([s["x"] for s in stages]) @ np.array([getattr(DEFAULT, k) for k in ALLOC_KEYS])
+    print(f"{'stack':5} {'class':5} {'stages':>6} {'measured':>9} {'shipped':>8} {'MAE':>5} {'LOAO MAE':>8} "
+          f"{'LOAO max under':>14}  (GiB; mean measured / predicted, mean |error|)")
+    for stack in sorted({s["stack"] for s in stages}):
+        for kind in (False, True):
+            sel = np.array([s["stack"] == stack and bool(s["moe"]) == kind for s in stages])
+            if not sel.any():
+                continue
+            y, p, h = f["y"][sel], shipped[sel], f["held_out"][sel]
+            print(f"{stack:5} {'moe' if kind else 'dense':5} {int(sel.sum()):6d} {y.mean():9.2f} {p.mean():8.2f} "
+                  f"{np.abs(y - p).mean():5.2f} {np.abs(y - h).mean():8.2f} {(y - h).max():14.2f}")
+    worst = np.argsort(f["y"] - shipped)[-5:][::-1]
+    print("largest under-predictions (shipped coefficients):")
+    for i in worst:
+        s = stages[i]
+        print(f"  {s['id'][:22]:22} {s['stack']:5} {s['model'][:26]:26} stage {s['stage']}: measured {s['measured']:5.2f}"
+              f" predicted {shipped[i]:5.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*")
@@ -347,7 +443,12 @@ def main() -> None:
                     help="solve and check the memory outside torch's allocator (models/outside_memory.py) and exit")
     ap.add_argument("--recipe", default=None, metavar="ROW",
                     help="print one published recipe's memory terms per pipeline stage (its row id) and exit")
+    ap.add_argument("--allocator", action="store_true",
+                    help="fit and check torch's reserved-but-unallocated memory (models/allocator_memory.py) and exit")
     a = ap.parse_args()
+    if a.allocator:
+        print_allocator(rows(a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))))
+        return
     if a.recipe is not None:
         print_recipe(a.recipe)
         return
@@ -396,12 +497,20 @@ def main() -> None:
     print()
     rec = recipes(a.margin)
     print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "
-          "upper bound, usable (GiB)")
+          "upper bound (fullest stage + largest outside term), the largest upper bound of one stage with its own "
+          "outside term (the verdict), usable (GiB)")
     for r in rec:
         print(f"{r['id']:>4} {r['model'][:16]:16} {r['layout'][:58]:58} {r['predicted']:6.1f} {r['outside']:5.1f} "
-              f"{r['upper']:6.1f} "
+              f"{r['upper']:6.1f} {r['stage_upper']:6.1f} "
               f"{r['usable']:6.1f}  {'fits' if r['fits'] else 'DOES NOT FIT'}  {r['assumed']}")
-    print(f"published recipes predicted not to fit: {sum(not r['fits'] for r in rec)} of {len(rec)}")
+    print(f"published recipes predicted not to fit: {sum(not r['fits'] for r in rec)} of {len(rec)} "
+          f"(each stage with its own outside term, as recommend screens; pairing the fullest stage with "
+          f"the largest outside term: {sum(r['upper'] > r['usable'] for r in rec)})")
+    unmodelled = sorted({u for r in rec for u in r["unmodelled"]})
+    if unmodelled:
+        print("recipe settings of these rows the advisor has no field for (models/published.py RECIPES):")
+        for u in unmodelled:
+            print(f"  - {', '.join(r['id'] for r in rec if u in r['unmodelled'])}: {u}")
     print("(form: the one with the smaller LOAO MAPE, both shown; +lo / +hi: the affine form's GiB; "
           "rejected: runs that ran but whose upper bound is over the usable memory)")
 

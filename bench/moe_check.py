@@ -344,6 +344,23 @@ def published_check(quick: bool) -> None:
     own_mape = statistics.mean(abs(math.exp(v) - 1) for k in models for v in own_err(fitted[k]))
     print(f"   our {len(own)} TE MoE runs (in every fit): {100 * statistics.mean(abs(math.exp(v) - 1) for v in own_err(te)):.1f}% "
           f"with the shipped settings, {100 * own_mape:.1f}% mean over the leave-one-model-out fits")
+    # our TE runs out of sample: each proxy shape predicted by a fit on the published rows and the
+    # other shape's runs
+    for shape in sorted({shape_of(x["rec"].model) for x in own}):
+        held = [x for x in own if shape_of(x["rec"].model) == shape]
+        keep = [x for x in own if shape_of(x["rec"].model) != shape]
+
+        def res_shape(rs, c, keep=keep):
+            pub = [x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu) for x in rs]
+            return np.concatenate([pub, [math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, c,
+                                                          check_legal=False).tokens_per_s_per_gpu
+                                                  / x["rec"].y["tokens_per_s_per_gpu"]) for x in keep]])
+        c_s = fit(rows, te, MOE.MOE_TE_FIT, 10 if quick else 25, res_fn=res_shape)
+        errs = [predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, c_s, check_legal=False).tokens_per_s_per_gpu
+                / x["rec"].y["tokens_per_s_per_gpu"] - 1 for x in held]
+        print(f"   our TE runs, {shape} left out of the fit ({len(held)} runs): MAPE "
+              f"{100 * statistics.mean(abs(v) for v in errs):.1f}%, bias {100 * statistics.mean(errs):+.1f}%, "
+              f"worst {100 * max(errs, key=abs):+.1f}%")
     c_all = fit(rows, te, MOE.MOE_TE_FIT, 10 if quick else 25, res_fn=res_fn)
     e = statistics.mean(abs(pred(x, c_all).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu - 1) for x in rows)
     e_own = statistics.mean(abs(math.exp(v) - 1) for v in own_err(c_all))

@@ -477,6 +477,14 @@ class TrainConfig:
     # Needs an FP8-family precision and the distributed optimizer (Megatron-LM's validate_args);
     # the te stack's layout default is on where those hold.
     fp8_param_gather: bool = False
+    # torch's caching allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=
+    # expandable_segments:True, an environment variable of the launch, not a Megatron argument):
+    # one segment per stream that grows by mapping pages instead of a new cudaMalloc for each
+    # request no cached block can serve, which removes most of the reserved-but-unallocated memory
+    # (models/allocator_memory.py). NeMo's performance scripts set it (scripts/performance/
+    # executors.py, every GPU but B200); the te stack's layout default is on; this project's runner
+    # runs it off (runners/megatron_args.runner_config, so its records say so).
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -484,7 +492,8 @@ class TrainConfig:
                                or cf != cf or cf == float("inf")):
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
         for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
-                  "moe_permute_fusion", "gradient_accumulation_fusion", "fp8_param_gather"):
+                  "moe_permute_fusion", "gradient_accumulation_fusion", "fp8_param_gather",
+                  "expandable_segments"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:

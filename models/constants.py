@@ -71,8 +71,38 @@ class Constants:
     nccl_connect_gib: float = 0.28
     nccl_p2p_connect_gib: float = 0.44
     nccl_a2a_connect_gib: float = 0.75
-    # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted).
+    # What a transformer layer keeps for the backward beyond the tensors models/memory.py counts
+    # for every stack (those of Transformer Engine's fused layers), in tensors of the named width
+    # per token (models/memory.STACK_LAYER_KEEPS: the defaults are the local stack's column,
+    # TE_SETTINGS sets the te column). Not fitted: counted from the source of the layers.
+    # megatron-core's local MLP computes a gated unit unfused (transformer/mlp.py, glu():
+    # activation_func(x_glu) * (x_linear + glu_linear_offset)): silu keeps its input (a view of
+    # the FC1 output, kept anyway) and the product keeps the silu output and the new tensor
+    # x_linear + 0.0, two FFN-wide tensors that TE's fused SwiGLU (which keeps only its input)
+    # does not allocate.
+    glu_kept_copies: float = 2.0
+    # The local attention splits the QKV GEMM output into q, k, v views (torch.split without TE's
+    # SplitAlongDim); RoPE writes new q and k, and the value view SDPA keeps holds the whole QKV
+    # output alive: q and k once more (1: kept, 0: TE's fused attention, whose inputs are the
+    # tensors it keeps).
+    qkv_output_kept: float = 1.0
+    # Caching-allocator fragmentation, as a fraction of the peak allocated bytes (fitted). The te
+    # profile sets 0: its reserved-but-unallocated memory is the physical term below.
     fragmentation: float = 0.08
+    # ---- torch's caching allocator: reserved but unallocated at the peak (models/allocator_memory.py)
+    # Fitted on peak reserved - peak allocated of every pipeline stage of the measured runs (te and
+    # local, 334 stages), non-negative least squares: `python bench/memory_edge.py --allocator`
+    # (fit and leave-one-architecture-out). Ranges in models/allocator_memory.py (RANGES).
+    # What stays reserved whatever the layout: 20 MiB segments of the 1-10 MiB requests, 2 MiB
+    # rounding of the large pool, blocks of other streams (GiB).
+    alloc_reserved_base_gib: float = 1.33
+    # Fraction of the stage's largest transient block (fp32 logits of the cross entropy, FC1 output)
+    # that stays cached but unusable: a freed block cannot serve a larger request, so a new segment
+    # is cudaMalloc'ed and the old one stays reserved.
+    alloc_reserved_block: float = 0.54
+    # Fraction of one dropless MoE layer's token buffers (variable size every micro-batch), per MoE
+    # layer of the stage, that stays reserved.
+    alloc_reserved_moe: float = 0.45
     # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
     # headroom for allocation spikes and buffers the model does not see (our memory predictions
     # are within 7-12% MAPE of the measured peaks, docs/measurement.md).
@@ -366,6 +396,10 @@ class Constants:
     # (fitted; 16-4096; 0.3-1).
     moe_gemm_half_tokens: float = 159.0
     moe_gemm_efficiency: float = 1.0
+    # ... and by the expert's FFN width f (per ETP rank): f / (f + moe_gemm_half_ffn); 0 = no such
+    # loss (one grouped kernel: this runner's torch._grouped_mm); the te profile's value: models/moe.py
+    # MOE_TE_SETTINGS (TE's GroupedLinear: one cuBLAS GEMM per expert; moe.expert_width_fraction).
+    moe_gemm_half_ffn: float = 0.0
     moe_gemm_reference_tokens: float = 4096.0  # the token count the dense GEMM model is asked at (convention)
     # Expert activation and probability weighting, forward + backward, in HBM passes over the
     # routed T·k·f elements: SwiGLU reads 2f writes f, the fp32 probability product writes f in
@@ -385,6 +419,15 @@ class Constants:
     # per expert, each with its own descriptors and heuristic query, for fc1 and fc2 forward and
     # their dgrad and wgrad: 6 calls per expert (the te profile's value: models/moe.py MOE_TE_SETTINGS).
     moe_grouped_expert_host_s: float = 0.0
+    # ... and what a quantized format (FP8 through TE) adds to it per local expert per
+    # layer-microbatch: TE's GroupedLinear (transformer_engine/pytorch/module/grouped_linear.py,
+    # TE 2.x) quantizes each expert's input apart (tex.fused_multi_quantize: one kernel, but one
+    # quantized tensor with its own scale / amax / transpose built on the host per expert, for fc1
+    # and fc2 forward and their gradient outputs backward), fetches each expert's FP8 weight
+    # workspace in a Python loop (get_weight_workspace) and hands each expert's scale-inverse to
+    # its cuBLASLt GEMM: ~10 host objects and calls per expert (0 where no GroupedLinear issues
+    # the experts one by one; the te profile's value: models/moe.py MOE_TE_SETTINGS).
+    moe_fp8_expert_host_s: float = 0.0
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)

@@ -17,6 +17,8 @@ from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainC
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
+from advisor.models.allocator_memory import (LOGIT_BLOCK_BYTES, dense_block_bytes, logits_block_bytes,
+                                             moe_buffer_bytes, reserved_free_gib)
 from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
 from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
@@ -40,12 +42,15 @@ class StageMemory:
     # memory outside torch's allocator (CUDA context, NCCL communicators: models/outside_memory.py);
     # not in total_gib, which is what torch's allocator reserves (what the runs measure)
     outside_gib: float = 0.0
+    # torch's caching allocator: reserved but unallocated at the peak (models/allocator_memory.py);
+    # in total_gib (the runs measure peak reserved)
+    reserved_free_gib: float = 0.0
 
     @property
     def total_gib(self) -> float:
         """What torch's caching allocator holds at the stage's peak."""
         return (self.weights_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
-                + self.logits_gib + self.overhead_gib + self.step_transient_gib)
+                + self.logits_gib + self.overhead_gib + self.step_transient_gib + self.reserved_free_gib)
 
     @property
     def device_gib(self) -> float:
@@ -131,6 +136,52 @@ def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT, impl: str =
             + (c.bytes_activation if model.final_logit_softcap else 0.0))
 
 
+# What one transformer layer keeps for the backward beyond the tensors layer_activation_bytes
+# counts for every stack (those of Transformer Engine's fused layers, the te stack), per stack:
+# Constants fields, the local column their defaults, the te column in profile_fit.TE_SETTINGS.
+# - glu_kept_copies, FFN-wide tensors: megatron-core's local MLP runs a gated unit unfused
+#   (transformer/mlp.py glu(): activation_func(x_glu) * (x_linear + glu_linear_offset)): F.silu
+#   keeps its input (a view of the FC1 output, already counted), the product keeps the silu
+#   output and the new tensor x_linear + 0.0: 2. TE's fused SwiGLU keeps only its input: 0.
+# - qkv_output_kept: the local SelfAttention splits the QKV GEMM output with torch.split (views;
+#   TE's SplitAlongDim only exists with TE), RoPE (unfused: apply_rope_fusion off) writes new q
+#   and k, and the value view that SDPA keeps (runners/megatron_worker.SDPAttention; native GQA,
+#   the runner's default since env.attention; ADVISOR_SDPA_GQA=repeat keeps 2 (a - kv) heads
+#   more instead, not modelled) holds the whole QKV output alive: q and k once more, 1. Without
+#   RoPE or q / k norms only the query is a new tensor, and only where query.reshape cannot view
+#   the grouped split (more than one query group and head per group on the GPU). MLA: not
+#   counted (its local path is not measured). TE's fused attention keeps its own inputs: 0.
+# Checked on the local records' stages without recompute: python bench/memory_terms.py
+# data/measurements/*.jsonl --stack local --dense.
+STACK_LAYER_KEEPS: dict[str, dict[str, float]] = {
+    "local": {"glu_kept_copies": 2.0, "qkv_output_kept": 1.0},
+    "te": {"glu_kept_copies": 0.0, "qkv_output_kept": 0.0},
+}
+
+
+def stack_layer_elements(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
+    """Elements (bf16) one layer keeps per microbatch on one GPU beyond the te stack's tensors
+    (STACK_LAYER_KEEPS), without recompute."""
+    s, b, t = cfg.seq / cfg.cp, cfg.mbs, cfg.tp
+    out = 0.0
+    if c.qkv_output_kept and model.mla is None:
+        a, kv, hd = model.num_attention_heads, model.kv_heads, model.head_dim
+        if model.position_embedding == "rope" or qk_norm_width(model):
+            heads = a + kv  # new q and k besides the QKV output the value view keeps
+        else:
+            heads = a if kv // t > 1 and a != kv else 0  # the query's reshape copy
+        out += c.qkv_output_kept * s * b * heads * hd / t
+    if model.activation == "swiglu" and c.glu_kept_copies:
+        if model.is_moe_layer(layer):
+            ffn = model.moe.shared_ffn_hidden_size  # routed experts: moe.py's fitted counts
+        elif model.moe is not None and model.moe.dense_ffn_hidden_size and layer < model.moe.first_dense_layers:
+            ffn = model.moe.dense_ffn_hidden_size
+        else:
+            ffn = model.ffn_hidden_size
+        out += c.glu_kept_copies * s * b * (ffn or 0) / t
+    return out
+
+
 def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants = DEFAULT,
                            recompute: str | None = None) -> float:
     """Bytes of activations one transformer layer stores for one microbatch on one GPU (with
@@ -190,6 +241,7 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
             ffn = model.moe.dense_ffn_hidden_size
         elems += (2 if gated else 1) * s * b * ffn / t  # FC1 output
         gemm_in += s * b * ffn / t  # activation output (FC2 input)
+    elems += stack_layer_elements(model, layer, cfg, c)
     gemm_bytes = saved_input_bytes(cfg.quant_code, c) if quantized else e
     return e * elems + gemm_bytes * gemm_in
 
@@ -250,15 +302,18 @@ def peak_memory_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np
 
 
 def activation_table(memo: Memo, key) -> np.ndarray:
-    """[K, 2]: one layer's activation bytes per kind with full recompute and without
-    (layer_activation_bytes; selective recompute stores what no recompute does), for a layer
+    """[K, 3]: one layer's activation bytes per kind with full recompute and without
+    (layer_activation_bytes; selective recompute stores what no recompute does), and its dropless
+    MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer), for a layer
     shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (router, capacity factor, padding))."""
     def make():
         tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
                           **quant_fields(fp8), moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
+        moe = moe_buffer_bytes(memo.model, cfg, memo.c)
         return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
-                          layer_activation_bytes(memo.model, i, cfg, memo.c, "none")] for i in memo.kinds])
+                          layer_activation_bytes(memo.model, i, cfg, memo.c, "none"),
+                          moe if memo.model.is_moe_layer(i) else 0.0] for i in memo.kinds])
     return memo.get("activations", key, make)
 
 
@@ -345,16 +400,33 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     weights = (total - linear) * c.bytes_weight + bf16_linear + linear * fp8_copy
     grads = total * c.bytes_grad
     f = 1.0 + c.fragmentation
-    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f
+    # torch's caching allocator: reserved but unallocated (models/allocator_memory.py): the stage's
+    # largest transient block (the loss stage's logits tensor, a dense layer's FC1 output) and its
+    # dropless MoE layers' token buffers
+    tp_r, cp_r, mbs_r, seq_r = L.tp[r], L.cp[r], L.mbs[r], L.seq[r]
+    ce_bytes = np.array([LOGIT_BLOCK_BYTES[impl] for impl in CROSS_ENTROPY_IMPLS])
+    ce_b = ce_bytes[L.ce[r]] if L.ce is not None else ce_bytes[0]
+    block = np.where(counts.sum(axis=1) > 0, dense_block_bytes(model, tp_r, cp_r, mbs_r, seq_r), 0.0)
+    block = np.where(last, np.maximum(block, logits_block_bytes(model, tp_r, cp_r, mbs_r, seq_r, ce_b)), block)
+    moe_layers = np.zeros(len(r))
+    moe_bytes = np.zeros(len(r))
+    for j in range(K):
+        moe_layers = moe_layers + np.where(per_key[:, j, 2][key] > 0, counts[:, j], 0.0)
+        moe_bytes = np.maximum(moe_bytes, per_key[:, j, 2][key])
+    xseg = L.xseg[r] if L.xseg is not None else False
+    reserved = reserved_free_gib(block, moe_layers, moe_bytes, xseg, c)
+    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f + reserved * GIB
     peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
     # StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
     parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
              "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB,
+             "reserved_free_gib": reserved,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
     total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
-                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"])
+                 + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"]
+                 + parts["reserved_free_gib"])
     S.cache["memory"] = (parts, total, counts.sum(axis=1))
     return peak, total_gib
 
@@ -366,14 +438,25 @@ def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
     if mat is None:
         mat = S.cache["memory_matrix"] = np.stack(
             [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                                                   "logits_gib", "step_transient_gib", "outside_gib")], 1)
+                                                   "logits_gib", "step_transient_gib", "outside_gib",
+                                                   "reserved_free_gib")], 1)
     over = c.runtime_overhead_gib
     return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
-                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t, outside_gib=out)
-            for k, (n, p, w, g, o, a, lg, t, out) in enumerate(S.rows(mat, i).tolist())]
+                        activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t, outside_gib=out,
+                        reserved_free_gib=rf)
+            for k, (n, p, w, g, o, a, lg, t, out, rf) in enumerate(S.rows(mat, i).tolist())]
 
 
-def outside_peak_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np.ndarray:
-    """Memory outside torch's allocator of every row of L on its first pipeline stage, the stage
-    with the most of it (it holds both embedding groups and every group the others hold)."""
-    return outside_allocator_arrays(L.tp, L.pp, L.cp, L.dp, L.ep, L.etp, 0, model.is_moe, L.fp8 != 0, c)
+def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
+    stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
+    the band (models.memory_band.Band.interval) on its own allocator peak plus its own memory outside
+    the allocator (the first stage holds more communicators than a middle one), so a layout fits when
+    every stage does."""
+    S = Stages(L)
+    peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
+    outside = S.cache["memory"][0]["outside_gib"]
+    upper = band.interval(total, outside)[1]
+    top = S.start + S.argmax(upper)
+    return peak, upper[top], total[top], outside[top]

@@ -103,16 +103,25 @@ def fits(predicted_gib, outside_gib, b: Band, gpu_memory_gib: float, margin: flo
     return b.interval(predicted_gib, outside_gib)[1] <= usable_gib(gpu_memory_gib, margin)
 
 
-def memory_fit(predicted_gib: float, per_stage_gib, outside_gib: float, b: Band, gpu_memory_gib: float,
+def memory_fit(predicted_gib: float, per_stage_gib, outside_gib, b: Band, gpu_memory_gib: float,
                margin: float) -> dict:
     """What recommend / predict say about one layout's memory: the interval, the usable memory, the
-    headroom (usable - upper bound; negative: does not fit), the tightest stage."""
-    lo, hi = b.interval(predicted_gib, outside_gib)
-    usable = usable_gib(gpu_memory_gib, margin)
+    headroom (usable - upper bound; negative: does not fit), the tightest stage. `outside_gib`: one
+    number, or one per stage (with `per_stage_gib`): then each stage's bound takes its own, and the
+    interval is the one of the stage whose upper bound is largest."""
     stages = list(per_stage_gib) or [predicted_gib]
-    return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_gib), "interval_gib": [float(lo), float(hi)],
+    outs = list(outside_gib) if np.ndim(outside_gib) else [float(outside_gib)] * len(stages)
+    if len(outs) != len(stages):
+        outs = [max(outs)] * len(stages)
+    uppers = [b.interval(m, o)[1] for m, o in zip(stages, outs)]
+    k = int(np.argmax(uppers))
+    # the fullest stage's prediction may be scaled (a calibrated profile): keep its level for stage k
+    scale = float(predicted_gib) / max(stages) if max(stages) else 1.0
+    lo, hi = b.interval(stages[k] * scale, outs[k])
+    usable = usable_gib(gpu_memory_gib, margin)
+    return {"predicted_gib": float(predicted_gib), "outside_gib": float(outs[k]), "interval_gib": [float(lo), float(hi)],
             "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
-            "fits": bool(hi <= usable), "tightest_stage": int(np.argmax(stages)),
+            "fits": bool(hi <= usable), "tightest_stage": k,
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
                      "form": b.form, "kind": b.kind, "source": b.source}}
 

@@ -196,6 +196,26 @@ def grouped_gemm_fraction(n_tokens: float, c: Constants) -> float:
     return n_tokens / (n_tokens + c.moe_gemm_half_tokens) if n_tokens > 0 else 0.0
 
 
+def grouped_expert_host_s(cfg: TrainConfig, c: Constants) -> float:
+    """Host seconds per local expert per layer-microbatch (forward + backward) of a grouped-GEMM
+    experts phase that issues each expert's GEMMs itself (TE's GroupedLinear on Hopper): the
+    BF16 issue cost, plus under a quantized format (FP8 / MXFP8 / NVFP4 through TE) the per-expert
+    quantization bookkeeping (moe_fp8_expert_host_s)."""
+    fp8 = c.moe_fp8_expert_host_s if cfg.precision != "bf16" else 0.0
+    return c.moe_grouped_expert_host_s + fp8
+
+
+def expert_width_fraction(f: float, c: Constants) -> float:
+    """Fraction of the GEMM rate each expert's GEMMs keep at an FFN width of f (per ETP rank):
+    f / (f + moe_gemm_half_ffn), 1 where moe_gemm_half_ffn is 0. TE's GroupedLinear runs one cuBLAS
+    GEMM per expert (4 streams): fc1's N = 2f, fc2's K = f and their wgrads are short in f, so a
+    narrow expert's GEMMs spend more of their time in prologue, epilogue and tail waves than the
+    dense model's shape factor (gemm_half_dim, fitted on dense layers' widths of 4K-28K) says. Our
+    TE runs' expert forward rates, relative to f = 14336: 0.89 at 7168, 0.83 at 3584, 0.52 at 768
+    (h 2048) (data/measurements/h100x4-te.jsonl, moe_probe)."""
+    return f / (f + c.moe_gemm_half_ffn) if c.moe_gemm_half_ffn > 0 else 1.0
+
+
 def moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
                    gemm: Callable[..., tuple[float, float]],
                    ep_link, etp_link, collective_time: Callable) -> MoELayerTime:
@@ -294,7 +314,7 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
 
     # experts: fc1 (h -> 2f gated), activation x probs, fc2 (f -> h); fwd + 2x bwd; the busiest
     # rank has imb x the mean tokens
-    frac = grouped_gemm_fraction(n_g, c)
+    frac = grouped_gemm_fraction(n_g, c) * expert_width_fraction(f, c)
     mats = 2 if gated else 1
     x_gemm = x_stream = 0.0
     if n_e > 0 and frac > 0:
@@ -327,9 +347,11 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     # that is slower); TE's GroupedLinear one cuBLAS GEMM per local expert in each of its six GEMM
     # groups (moe_grouped_expert_host_s; 0 where one grouped kernel runs all experts)
     if cfg.moe_grouped_gemm:
-        # grouped: the host issues the per-expert GEMMs after the token counts reached it (a
-        # device-to-host sync that drains the GPU), so its issue time adds to the GPU's
-        out.expert = gpu + E_loc * c.moe_grouped_expert_host_s
+        # grouped: the host issues the per-expert work once the token counts reached it (a
+        # device-to-host sync, moe_expert_overhead_s); each expert's GEMMs run as soon as they are
+        # issued, so the phase takes the longer of the GPU's work and the host's issue time (the
+        # Qwen3 proxy's experts phase: flat from 4K to 8K tokens per GPU, then growing with them)
+        out.expert = max(x_gemm + x_mem, E_loc * grouped_expert_host_s(cfg, c)) + c.moe_expert_overhead_s
     else:
         out.expert = max(gpu, E_loc * c.moe_sequential_expert_s)
     out.gemm += x_gemm - x_stream
@@ -468,23 +490,33 @@ MOE_LOCAL_FIT: dict[str, tuple[float, float]] = {
 # megatron-core's unfused costs, which are the same code as the local stack's (measured there).
 # Grouped GEMM is TE's GroupedLinear: in BF16 and FP8 on Hopper one cuBLASLt GEMM per expert.
 MOE_TE_SETTINGS: dict[str, float] = {
-    # host issue time per local expert per layer-microbatch of TE's GroupedLinear (6 cuBLASLt GEMMs:
-    # fc1 / fc2 forward, their dgrad and wgrad, each with descriptor set-up and heuristic query),
-    # not fitted: 6 of the ~20 kernels each expert's MLP launches in SequentialMLP, whose measured
-    # host cost is moe_sequential_expert_s = 0.81 ms per expert (6 / 20 x 0.81 ms = 0.243 ms)
-    "moe_grouped_expert_host_s": 0.243e-3,
     # activations as megatron-core keeps them with TE's fused permutation and activation: per
     # routed token the permuted input and the expert output (h each), fc1 output and activation
     # (3f gated); fp32 router logits and probabilities (2 copies over E)
     "moe_act_hidden_per_token": 2.0,
     "moe_act_ffn_per_token": 2.0,
     "moe_act_router_fp32": 2.0,
-    # fitted on the 19 published H100 MoE rows by bench/moe_check.py (MOE_TE_FIT; leave-one-model-
-    # out MAPE 19.5%, in sample 12.0%), until the te profile's own fit folds them in
-    "moe_a2a_exposed": 0.99,
-    "moe_gemm_efficiency": 0.68,
-    "moe_gemm_half_tokens": 160.0,
-    "moe_expert_overhead_s": 2.5e-3,
+    # fitted within MOE_TE_FIT's ranges on the 19 published H100 MoE rows and our TE MoE runs
+    # (`python bench/moe_check.py --quick`, section 3's proposed values, rounded; its leave-one-
+    # model-out error on the published rows: 16.9%)
+    "moe_a2a_exposed": 0.47,
+    "moe_gemm_half_tokens": 517.0,
+    "moe_permute_fused_passes": 3.1,
+    "moe_expert_overhead_s": 1.17e-3,
+    "moe_grouped_expert_host_s": 0.41e-3,
+    "moe_fp8_expert_host_s": 0.134e-3,
+    "moe_gemm_half_ffn": 2313.0,
+    # GroupedLinear in BF16 on Hopper runs each expert's GEMMs as ordinary cuBLAS GEMMs (4 streams):
+    # the dense GEMM model's rate, not a grouped kernel's (our TE runs' Mixtral proxy experts, 9-66K
+    # tokens per GPU: 683 / 671 / 589 TFLOP/s per rank-0 probe, the dense model 740); what narrow
+    # experts lose is priced by their width (moe_gemm_half_ffn)
+    "moe_gemm_efficiency": 1.0,
+    # megatron-core's TEGroupedMLP with bias_activation_fusion (the TE stack's default, and the
+    # runner's): weighted_bias_swiglu_impl, one fused kernel reading 2f and writing f forward (the
+    # router probabilities applied in it), reading the f gradient and the 2f input and writing the
+    # 2f gradient backward: 8 passes of f per routed token (the local stack's unfused SwiGLU, probs
+    # product and casts: 21.2, fitted)
+    "moe_expert_elementwise_passes": 8.0,
 }
 # Proposed for the te profile's fit on the published H100 MoE rows (bench/moe_check.py prints the
 # fit and its leave-one-model-out error): the exposed all-to-all fraction (1F1B / shared-expert
@@ -504,12 +536,19 @@ def te_moe_constants(c: Constants) -> Constants:
 
 MOE_TE_FIT: dict[str, tuple[float, float]] = {
     "moe_a2a_exposed": (0.05, 1.0),
-    "moe_gemm_efficiency": (0.3, 1.0),
     "moe_gemm_half_tokens": (16.0, 4096.0),
     "moe_permute_fused_passes": (2.0, 16.0),
     # per layer-microbatch host sync of the experts phase: TE's GroupedLinear takes the tokens per
     # expert as a host list (a device-to-host copy and a launch gap every MoE layer)
     "moe_expert_overhead_s": (1e-5, 3e-3),
-    # TE GroupedLinear's host issue time per local expert: 6 cuBLASLt calls at 5-60 us each
-    "moe_grouped_expert_host_s": (3e-5, 3.6e-4),
+    # TE GroupedLinear's host issue time per local expert per layer-microbatch: 6 cuBLASLt calls at
+    # 5-60 us each, 2 weight-gradient allocations, 2 AccumulateGrad nodes and megatron DDP hooks
+    # (each a Python call; with the main-grad add kernel where gradient_accumulation_fusion is off)
+    "moe_grouped_expert_host_s": (5e-5, 8e-4),
+    # ... and FP8's share: ~10 quantized-tensor objects and weight-workspace calls per expert at
+    # 2-40 us each (moe_fp8_expert_host_s, models/constants.py)
+    "moe_fp8_expert_host_s": (1e-5, 4e-4),
+    # the FFN width at which an expert's cuBLAS GEMMs reach half their rate (expert_width_fraction):
+    # between the dense model's gemm_half_dim (96) and a few thousand
+    "moe_gemm_half_ffn": (50.0, 3000.0),
 }

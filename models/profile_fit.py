@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from advisor.models.constants import DEFAULT, Constants
+from advisor.models.memory import STACK_LAYER_KEEPS
 from advisor.models.moe import MOE_TE_SETTINGS
 from advisor.models.predict import Prediction, predict
 from advisor.models.profiles import apply_layout_defaults
@@ -39,6 +40,8 @@ TE_SETTINGS = {
     # project's runner runs it off), DDP's hook adds the bf16 weight gradient into the bf16 main
     # grad: read 2 + read 2 + write 2 bytes per parameter and microbatch
     "grad_accum_bytes_per_param": 6.0,
+    # what TE's fused layers keep for the backward (models/memory.py STACK_LAYER_KEEPS)
+    **STACK_LAYER_KEEPS["te"],
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
 }
@@ -146,7 +149,7 @@ def fit_rows(runs: Iterable[PublishedRun], stack: str = "te",
         if v:
             left[f"layout not enterable: {v[0].split(':')[0][:60]}"] += 1
             continue
-        rows.append(Row(r, apply_layout_defaults(r.cfg, stack, moe=r.model.is_moe), 1.0))
+        rows.append(Row(r, apply_layout_defaults(r.cfg, stack, r.explicit, moe=r.model.is_moe), 1.0))
     dup = Counter(_key(x) for x in rows)
     for x in rows:
         x.weight = 1.0 / dup[_key(x)]

@@ -66,7 +66,10 @@ STACKS: dict[str, Stack] = {
         # FP8 primary weights (Megatron-Bridge / NeMo bf16_with_fp8_mixed(): fp8_param_gather = True,
         # fp8_params = True), where a layout runs FP8 with the distributed optimizer.
         {"tp_comm_overlap": True, "moe_permute_fusion": True, "moe_router_fusion": True,
-         "cross_entropy_impl": "te", "gradient_accumulation_fusion": True, "fp8_param_gather": True},
+         "cross_entropy_impl": "te", "gradient_accumulation_fusion": True, "fp8_param_gather": True,
+         # torch's allocator with expandable segments (NeMo scripts/performance/executors.py:
+         # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every GPU but B200)
+         "expandable_segments": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(
@@ -100,6 +103,11 @@ def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping
         d["fp8_param_gather"] = bool(d["fp8_param_gather"]) and cfg.quant_code in FP8_PARAM_QUANTS \
             and cfg.distributed_optimizer
     return cfg.replace(**d) if d else cfg
+
+
+def stack_expandable_segments(stack: str | None) -> bool:
+    """Whether a stack launches torch's allocator with expandable segments (TrainConfig.expandable_segments)."""
+    return bool(get_stack(stack).layout_defaults.get("expandable_segments", False))
 
 
 def stack_fp8_param_gather(stack: str | None) -> bool:

@@ -103,9 +103,17 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
 
 def runner_config(cfg: TrainConfig) -> TrainConfig:
     """The layout as this project's runner runs it: effective_config with BF16 weights (the worker
-    does not build FP8 primary weights: fp8_param_gather off, and its records say so)."""
+    does not build FP8 primary weights: fp8_param_gather off) and torch's allocator as it comes
+    (expandable segments off: the worker does not set PYTORCH_CUDA_ALLOC_CONF); its records say so."""
     cfg = effective_config(cfg)
-    return cfg.replace(fp8_param_gather=False) if cfg.fp8_param_gather else cfg
+    off = {k: False for k in ("fp8_param_gather", "expandable_segments") if getattr(cfg, k)}
+    return cfg.replace(**off) if off else cfg
+
+
+def launch_env(cfg: TrainConfig) -> dict[str, str]:
+    """Environment variables the layout needs at launch besides Megatron's arguments: torch's
+    allocator with expandable segments (TrainConfig.expandable_segments)."""
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if cfg.expandable_segments else {}
 
 
 def fp8_param_args(cfg: TrainConfig) -> list[str]:

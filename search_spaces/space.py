@@ -64,6 +64,9 @@ class SpaceOptions:
     # FP8 primary weights where the layout runs FP8 with the distributed optimizer
     # (TrainConfig.fp8_param_gather); None: the stack's layout default
     fp8_param_gather: bool | None = None
+    # torch's allocator with expandable segments (TrainConfig.expandable_segments); None: the stack's
+    # layout default
+    expandable_segments: bool | None = None
     moe_fusion: bool = False  # TE's fused router and permutation on a MoE model (the te stack's recipes)
     extra: dict = field(default_factory=dict)
 
@@ -250,6 +253,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 cross_entropy_impl=options.cross_entropy_impl or "unfused",
                                 fp8_param_gather=bool(options.fp8_param_gather) and dist and dp * cp > 1
                                 and workload.precision in ("fp8", "mxfp8"),
+                                expandable_segments=bool(options.expandable_segments),
                                 moe_router_fusion=options.moe_fusion and model.is_moe,
                                 moe_permute_fusion=options.moe_fusion and model.is_moe,
                                 gradient_accumulation_fusion=options.gradient_accumulation_fusion,

@@ -204,3 +204,29 @@ def test_tune_megatron_never_samples_a_refused_layout(tmp_path):
     assert "MoE with TP > 1" in plan.left_out
     assert plan.layouts and all(refusal(plan.model, c, "local") is None for c in plan.layouts)
     assert plan.to_dict()["space"]["left_out"] == plan.left_out
+
+
+def test_each_stage_is_bounded_with_its_own_outside_term():
+    """recommend's screen (models.memory.band_upper_many) and memory_fit take, per pipeline stage, the
+    band on that stage's allocator peak plus that stage's own memory outside the allocator: a middle
+    stage holds fewer communicators than the first, so pairing the fullest stage with the first
+    stage's outside term over-states the bound when the fullest stage is not the first."""
+    from advisor.models.memory import band_upper_many
+    from advisor.models.vectorized import Layouts
+
+    m = load_model("llama3-70b")
+    cfgs = [TrainConfig(tp=4, pp=8, dp=2, vp=5, mbs=1, gbs=128, seq=8192, precision="fp8"),
+            TrainConfig(tp=8, pp=1, dp=16, mbs=1, gbs=128, seq=8192)]
+    b = MB.band("te", False)
+    peak, upper, tight, outside = band_upper_many(m, Layouts.of(m, cfgs), b, DEFAULT)
+    for i, cfg in enumerate(cfgs):
+        sms = stage_memory(m, cfg, DEFAULT)
+        per = [b.interval(sm.total_gib, sm.outside_gib)[1] for sm in sms]
+        assert upper[i] == pytest.approx(max(per)) and peak[i] == pytest.approx(max(sm.total_gib for sm in sms))
+        k = int(np.argmax(per))
+        assert (tight[i], outside[i]) == pytest.approx((sms[k].total_gib, sms[k].outside_gib))
+        mf = MB.memory_fit(peak[i], [sm.total_gib for sm in sms], [sm.outside_gib for sm in sms], b,
+                           80.0, 0.05)
+        assert mf["interval_gib"][1] == pytest.approx(max(per)) and mf["tightest_stage"] == k
+    outs = [sm.outside_gib for sm in stage_memory(m, cfgs[0], DEFAULT)]
+    assert outs[0] > min(outs)  # the first stage holds more communicators than a middle one

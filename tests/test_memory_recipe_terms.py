@@ -19,7 +19,8 @@ def test_recipe_terms_add_up_and_hold_megatrons_interleaved_warmup():
     assert head["model"] == "llama3-70b" and head["microbatches"] == 128 and len(stages) == 8
     pred = {r["id"]: r["predicted"] for r in edge.recipes(None)}
     assert max(s["total"] for s in stages) == pytest.approx(pred["115"])
-    parts = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead")
+    parts = ("weights", "fp8_copies", "grads", "optimizer", "activations", "logits", "transient", "overhead",
+             "reserved_free")
     for s in stages:
         assert sum(s[k] for k in parts) == pytest.approx(s["total"])
         # megatron-core's warm-up: (pp - rank - 1) * 2 + (vp - 1) * pp forwards, plus the first steady one,
@@ -31,6 +32,8 @@ def test_recipe_terms_add_up_and_hold_megatrons_interleaved_warmup():
         assert s["fp8_copies"] == pytest.approx(3.98, abs=0.01)
     assert stages[0]["in_flight"] == [15, 8, 8, 8, 8] and stages[7]["in_flight"] == [8, 8, 8, 8, 1]
     assert stages[7]["logits"] > 0 == stages[0]["logits"]
+    # the te stack launches with expandable segments (as the recipes): the allocator's base only
+    assert all(s["reserved_free"] == pytest.approx(1.33) for s in stages)
 
 
 def test_recipe_flag_prints_the_table_and_refuses_an_unknown_row():

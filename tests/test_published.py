@@ -117,3 +117,23 @@ def test_cli_compare_json_and_bad_layouts():
     for bad in ("tp=3", "tp=two", "zz=1", "tp"):
         p = subprocess.run(args + ["--compare", bad], capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and p.stderr.startswith("error:") and p.stderr.count("\n") == 1, (bad, p.stderr)
+
+
+def test_recipe_settings_are_carried_over_the_stack_defaults(runs):
+    """Each row's own recipe (models/published.py RECIPES) sets the layout knobs the stack's
+    defaults would otherwise choose, and names what the advisor cannot model."""
+    from advisor.models.profiles import apply_layout_defaults
+
+    by_id = {r.row_id: r for r in runs}
+    r405 = by_id["74"]  # Megatron-Bridge llama31_405b_pretrain_config: embedding and loss in the split
+    assert r405.cfg.account_for_embedding and r405.cfg.account_for_loss
+    assert not any(a.startswith("uneven pipeline split not given") or a.startswith("recompute not given")
+                   for a in r405.assumptions)
+    r8 = by_id["295"]  # the FSDP recipe turns gradient accumulation fusion off: the te default is on
+    assert "gradient_accumulation_fusion" in r8.explicit
+    assert not apply_layout_defaults(r8.cfg, "te", r8.explicit).gradient_accumulation_fusion
+    assert apply_layout_defaults(r8.cfg, "te").gradient_accumulation_fusion
+    assert any("FSDP" in u for u in r8.unmodelled)
+    r340 = by_id["10"]  # NeMo 24.07: megatron-core's fused cross entropy, not TE's
+    assert apply_layout_defaults(r340.cfg, "te", r340.explicit).cross_entropy_impl == "native"
+    assert by_id["1"].explicit == frozenset()  # rows without a recipe read keep the stack's defaults

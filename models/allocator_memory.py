@@ -1,0 +1,79 @@
+"""torch's caching allocator: memory it holds reserved but unallocated at a stage's peak (issue #27).
+
+What the runs measure as peak reserved less peak allocated (records: memory.peak_reserved_gib_per_rank
+vs peak_allocated_gib_per_rank; the OOM messages' "X GiB is reserved by PyTorch but unallocated").
+How it arises (PyTorch docs, "CUDA semantics / Memory management" and "Optimizing memory usage with
+PYTORCH_CUDA_ALLOC_CONF"; c10/cuda/CUDACachingAllocator.cpp): requests over 1 MiB (kSmallSize) come
+from the large pool, rounded up to 2 MiB (kRoundLarge); those under 10 MiB (kMinLargeAlloc) get a
+20 MiB segment (kLargeBuffer), larger ones a cudaMalloc of their own size. A freed block stays
+cached; a later request takes the smallest cached block that is large enough and splits it, so a
+cached block can serve smaller requests but never a larger one: a request larger than every cached
+free block makes a new segment, and the smaller free blocks stay reserved. The largest blocks a step
+allocates and frees again are what leave the most behind: the cross entropy's fp32 s x b x V / TP
+logits on the loss stage (llama3-8b mbs 8: 16 GiB blocks, 12 GiB reserved but unallocated), and in
+a dropless MoE the token buffers of every MoE layer, whose size follows the routing and changes
+every micro-batch (te-eqw3-rc-00: 41.6 GiB allocated, 66.2 reserved). With expandable segments
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, TrainConfig.expandable_segments) the allocator
+keeps one segment per stream and maps more pages at its end instead of making a new segment, so the
+larger request tiles into the segment and those two terms go; the base stays. That removal is the
+documented mechanism, NOT measured here: every run in data/ ran with expandable segments off.
+
+The term per stage, GiB (Constants.alloc_reserved_*):
+
+    base + block x the stage's largest transient block + moe x its MoE layers x one layer's buffers
+
+the last two x 0 with expandable segments. Fitted by non-negative least squares on every pipeline
+stage of the measured runs, leave-one-architecture-out: `python bench/memory_edge.py --allocator`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from advisor.catalog.specs import ModelSpec, TrainConfig
+from advisor.models.constants import DEFAULT, GIB, Constants
+from advisor.models.moe import moe_activation_elements
+
+# physical ranges of the fitted coefficients (the fit must land inside them)
+RANGES = {"alloc_reserved_base_gib": (0.0, 4.0),   # segments of small / mid requests, GiB
+          "alloc_reserved_block": (0.0, 2.0),      # at most one stranded copy per size class of the block
+          "alloc_reserved_moe": (0.0, 1.0)}        # at most one layer's buffers per MoE layer
+
+# bytes per logit of the largest fp32 / bf16 logits tensor each cross entropy allocates
+# (catalog.specs.CROSS_ENTROPY_IMPLS order: unfused, native, te): megatron-core's upcast copy (4 B);
+# Transformer Engine's kernel works in the bf16 logits (2 B)
+LOGIT_BLOCK_BYTES = {"unfused": 4.0, "native": 4.0, "te": 2.0}
+
+
+def dense_block_bytes(model: ModelSpec, tp, cp, mbs, seq) -> np.ndarray:
+    """A dense layer's FC1 output for one micro-batch (its largest activation), bytes: s b (2 f if
+    gated) / TP in BF16. 0 for a MoE model (its MLP buffers are the MoE term)."""
+    if model.is_moe:
+        return np.zeros(np.shape(np.asarray(tp) * mbs))
+    gated = 2 if model.activation == "swiglu" else 1
+    return np.asarray(seq / np.asarray(cp) * mbs * gated * model.ffn_hidden_size / np.asarray(tp) * 2.0, float)
+
+
+def logits_block_bytes(model: ModelSpec, tp, cp, mbs, seq, ce_bytes) -> np.ndarray:
+    """The loss stage's largest logits tensor, bytes: s b V / TP x its bytes per logit."""
+    return np.asarray(seq / np.asarray(cp) * mbs * model.vocab_size / np.asarray(tp) * ce_bytes, float)
+
+
+def moe_buffer_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
+    """One MoE layer's token buffers for one micro-batch on the busiest GPU, bytes (BF16: what
+    models.moe.moe_activation_elements counts: permuted tokens, expert FC1 / activation / FC2 and
+    the router's), the part whose size follows the routing. 0 with capacity padding (fixed size)
+    or a dense model."""
+    if not model.is_moe or cfg.moe_pad_to_capacity:
+        return 0.0
+    elems, gemm_in = moe_activation_elements(model, cfg, c)
+    return (elems + gemm_in) * c.bytes_activation
+
+
+def reserved_free_gib(block_bytes, moe_layers, moe_bytes, expandable, c: Constants = DEFAULT) -> np.ndarray:
+    """GiB reserved but unallocated at the stage's peak (arrays broadcast): base + block x the
+    largest transient block + moe x MoE layers x one layer's buffers, the last two off with
+    expandable segments."""
+    grow = np.where(np.asarray(expandable, bool), 0.0, 1.0)
+    return (c.alloc_reserved_base_gib
+            + grow * (c.alloc_reserved_block * np.asarray(block_bytes, float)
+                      + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)
