@@ -8,7 +8,7 @@ touched: `advisor` answers for a Blackwell GPU (catalog generation "blackwell") 
 Rows: the usable dense pretraining rows of data/published/published_fit.csv on B200, GB200, B300
 and GB300 (FP8 delayed / current scaling, MXFP8, NVFP4; no MoE, as the H100 profile). Start and
 priors: the H100 profile's fitted constants (same kernels, same TE), the NVFP4 GEMM fraction from
-the FP8 one. Reported out of sample: leave one GPU out, one model out, one family out, per GPU and
+the measured B200 FP4 GEMM (FP4_GEMM_PRIOR). Reported out of sample: leave one GPU out, one model out, one family out, per GPU and
 per format, and the profile's domain (what it was fitted on, with its error there).
 """
 from __future__ import annotations
@@ -33,11 +33,19 @@ NAMES = ("gemm_efficiency_max_fp8", "gemm_efficiency_max_fp4", "attention_effici
 BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85)}
 
 
+# The NVFP4 GEMM fraction before its shape factor, measured: cuBLASLt (what TE's NVFP4 GEMMs call)
+# runs an 8192^3 FP4 (MXF4) GEMM at 5,239 TFLOP/s on B200, DeepGEMM's kernel at 5,702 (deepseek-ai/
+# DeepGEMM PR 348, CUDA 12.9, cublasTest 13.3) of the 9,000 dense peak: 0.58 / 0.63, over the shape
+# factor (8192 / (8192 + gemm_half_dim_fp4))^3 = 0.87: 0.67 / 0.73. Centre cuBLAS's; the spread
+# covers DeepGEMM's and NVFP4's scale per 16 elements (MXF4: per 32)
+FP4_GEMM_PRIOR = (0.67, 0.06)
+
+
 def priors(h100) -> dict[str, tuple[float, float]]:
     """The H100 fit's values as centres (the TE stack's physics carries over), the H100 prior's
-    spreads; the NVFP4 GEMM fraction centred on the FP8 one with a wider spread (no measurement)."""
+    spreads; the NVFP4 GEMM fraction from the measured B200 FP4 GEMM (FP4_GEMM_PRIOR)."""
     out = {n: (getattr(h100, n), F.TE_PRIOR[n][1]) for n in NAMES if n in F.TE_PRIOR}
-    out["gemm_efficiency_max_fp4"] = (getattr(h100, "gemm_efficiency_max_fp8"), 0.10)
+    out["gemm_efficiency_max_fp4"] = FP4_GEMM_PRIOR
     return out
 
 

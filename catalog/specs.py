@@ -292,7 +292,19 @@ class GPUSpec:
     # exponentials per second of its special function units (MUFU.EX2), in 10^12/s: the softmax of
     # fused attention (models/step_time.softmax_stretch); 0 = not known (attention at the tensor rate)
     sfu_exp_tera_per_s: float = 0.0
+    # watts above idle that the DVFS model's power fractions are of (models/dvfs.py): what the
+    # silicon draws for a given work at its maximum clock, not the board's power limit. 0 = tdp_w -
+    # idle_w (the GPU at its own design point, as H100 is in the fitted sweep); a board that ships
+    # a chip another board ships, at the same clocks but a higher power limit (GB300 vs GB200,
+    # B300 vs B200: the same BF16 / FP8 tensor rates), takes that board's span, so the extra
+    # limit buys clock under load instead of scaling the demand with it
+    dynamic_power_w: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def power_span_w(self) -> float:
+        """Watts above idle the DVFS fractions are of (dynamic_power_w, else tdp_w - idle_w)."""
+        return self.dynamic_power_w if self.dynamic_power_w > 0 else self.tdp_w - self.idle_w
 
     @property
     def domain_gpus(self) -> int:

@@ -135,10 +135,23 @@ class Constants:
     fp8_gemm_overhead_s: float = 8e-6
     # NVFP4 GEMMs (Blackwell, E2M1 with an E4M3 scale per 16 elements), fraction of the dense FP4
     # peak: no measurement of ours (no Blackwell GPU); start: the FP8 fraction, fitted on the
-    # published NVFP4 rows (models/profile_fit.py TE_BLACKWELL_FIT)
+    # published NVFP4 rows (bench/fit_blackwell.py, whose prior is the measured B200 FP4 GEMM)
     gemm_efficiency_max_fp4: float = 0.65
     # at 4x the BF16 rate per byte read a tile needs ~4x the work to hide its loads (4 x gemm_half_dim)
     gemm_half_dim_fp4: float = 384.0
+    # NVFP4 casts (TE NVFP4BlockScaling, the recipe of Megatron-Bridge's NVFP4 performance runs):
+    # per GEMM input an amax pass (the tensor's amax and that of its 16-point random Hadamard
+    # transform, for the column-wise copy wgrad reads) and a cast writing the row-wise and the
+    # Hadamard-transformed column-wise E2M1 copies with their E4M3 scales; per output gradient the
+    # same with stochastic rounding. The rounding, the transform and the scale encoding make these
+    # kernels slower than their bytes: TE 2.19's NVFP4Quantizer on GB200 (7,928 GB/s peak) takes
+    # 18.61 us (round to nearest) / 31.33 us (stochastic) for a 2048 x 7168 BF16 tensor (pytorch/ao,
+    # benchmarks/prototype/nvfp4_training/README.md, "CuteDSL kernels - comparison vs
+    # TransformerEngine", linear full pipeline, standard math) = 10.05 / 16.92 bytes per element at
+    # peak bandwidth. Entered as those bytes (the time they take at the peak, whatever the step's
+    # hbm_efficiency); a lower bound at training sizes (that tensor, 29 MB, fits in L2).
+    nvfp4_quantize_input_bytes: float = 10.05
+    nvfp4_quantize_grad_bytes: float = 16.92
     # Flash-attention forward efficiency relative to dense peak (FlashAttention-2 paper reports
     # 50-73% of peak forward on A100/H100); backward does 2.5x the forward FLOPs.
     # Since the window fit: the efficiency of full causal attention at the reference shape (seq 8192,
@@ -276,7 +289,8 @@ class Constants:
     # GEMM duty cycles, memory-bound kernels and GEMM/copy mixes at the 700 W default cap, NVML at
     # 50 Hz and the energy counter per load); transformer-shaped GEMMs and one elementwise chain
     # of the same sweep are held out (docs/measurement.md, "DVFS"). Powers are fractions of
-    # (TDP - idle_w) of the GPU, so that they carry to other GPUs (an assumption for all but
+    # the GPU's power span (GPUSpec.power_span_w: TDP - idle_w, or the span of the board that runs the
+    # same chip at the same clocks), so that they carry to other GPUs (an assumption for all but
     # H100 / H200, which share the GH100 die). The ranges are those of bench/dvfs_fit.py's bounds.
     # Voltage relative to its value at the maximum clock falls by vf_slope per unit of clock ratio
     # (linear V-f curve; fitted, range 0.05-1.5; CMOS: V ~ 0.7-1.1 V over a GPU's clock range).

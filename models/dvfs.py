@@ -9,11 +9,15 @@ Model (CMOS dynamic power, P = C·V²·f per unit of activity), x = f / f_max of
   s_p(x)   = share_p / x + (1 - share_p)                 time of phase p at x over its time at
                                                           f_max: `share_p` of it runs at the SM
                                                           clock, the rest (memory, latency) does not
-  P_p(x)   = P_idle + (TDP - P_idle)·[clock·x + W_p / s_p(x)]·v(x)² + (TDP - P_idle)·hbm_p
+  P_p(x)   = P_idle + D·[clock·x + W_p / s_p(x)]·v(x)² + D·hbm_p
                                                           idle + clock tree + switching (energy per
                                                           operation ∝ V², operations per second
                                                           ∝ 1 / s_p) + HBM, which runs on its own
                                                           clock and voltage
+  D        = the GPU's dynamic power span (GPUSpec.power_span_w): TDP - P_idle of the board the
+             fractions are sized on; a board that runs the same chip at the same clocks under a
+             higher limit (GB300: GB200's span, B300: B200's) keeps the chip's span, and its extra
+             limit raises the clock the cap holds
   W_gemm   = gemm_power · u^gemm_power_exponent          u: GEMM utilisation (achieved / best rate
                                                           at f_max); small GEMMs move more bytes
                                                           per FLOP, so power falls slower than u
@@ -103,7 +107,7 @@ def phase_stretch(p: Phase, x, c: Constants = DEFAULT):
 
 
 def phase_dynamic(p: Phase, c: Constants = DEFAULT) -> tuple:
-    """(switching power at f_max and v = 1, HBM power), as fractions of TDP - idle."""
+    """(switching power at f_max and v = 1, HBM power), as fractions of the power span (GPUSpec.power_span_w)."""
     if p.kind == "gemm":
         w = c.gemm_power * positive(p.utilization) ** c.gemm_power_exponent
         return (w * where(p.fp8 != 0, c.fp8_gemm_power, 1.0), 0.0)
@@ -120,7 +124,7 @@ def phase_dynamic(p: Phase, c: Constants = DEFAULT) -> tuple:
 def phase_power(p: Phase, x, gpu: GPUSpec, c: Constants = DEFAULT, power_scale=1.0):
     """Watts of phase p at clock ratio x. `power_scale` multiplies the switching power (hotter or
     leakier silicon needs more power for the same work; placement uses it)."""
-    span = gpu.tdp_w - gpu.idle_w
+    span = gpu.power_span_w
     w, hbm = phase_dynamic(p, c)
     v2 = voltage(x, c) ** 2
     return gpu.idle_w + span * ((c.clock_power * x + w / phase_stretch(p, x, c)) * v2 * power_scale + hbm)
@@ -130,11 +134,11 @@ def phase_power(p: Phase, x, gpu: GPUSpec, c: Constants = DEFAULT, power_scale=1
 class Load:
     """What one GPU runs in one limiter average, reduced to the sums its power needs (seconds at
     the maximum clock): t1 scales with the SM clock, t0 does not; `switch` is the switching
-    energy at v = 1 (seconds x fractions of TDP - idle); waits and gaps in seconds."""
+    energy at v = 1 (seconds x fractions of the power span); waits and gaps in seconds."""
 
     t1: float = 0.0       # seconds that scale with 1 / x
     t0: float = 0.0       # seconds that do not
-    switch: float = 0.0   # sum of seconds x switching power (fractions of TDP - idle), at v = 1
+    switch: float = 0.0   # sum of seconds x switching power (fractions of the power span), at v = 1
     hbm1: float = 0.0     # sum of seconds x HBM power, the part that scales with 1 / x
     hbm0: float = 0.0
     wait_s: float = 0.0   # waiting on a peer inside a collective kernel (NCCL polls: wait_power)
@@ -163,7 +167,7 @@ class Load:
         """Average watts at clock ratio x (the phases' power, time-weighted, in closed form); with
         no time at all, the clock tree's."""
         t = self.seconds(x)
-        span = gpu.tdp_w - gpu.idle_w
+        span = gpu.power_span_w
         v2 = voltage(x, c) ** 2
         if not isinstance(t, np.ndarray) and t <= 0:
             return gpu.idle_w + span * c.clock_power * x * v2 * power_scale

@@ -8,7 +8,12 @@ per-tensor FP8, a second quantization along the other axis for the block formats
 backward the same for the output gradient; each copy carries its scales. The costs scale the fitted
 FP8 ones (`Constants.fp8_cast_*`, `bytes_fp8_*`: 1-byte elements, no scales) by the format's bytes
 per element (`constants.QUANT_FORMATS`), plus one read of the BF16 tensor where the scale needs
-the tensor's own amax (current scaling, NVFP4's global scale).
+the tensor's own amax (current scaling). NVFP4's casts are priced from TE's measured quantize
+kernels instead (`Constants.nvfp4_quantize_*`): the random Hadamard transform of the column-wise
+copies wgrad reads and the gradients' stochastic rounding make them slower than their bytes.
+Megatron-Bridge's performance runs keep no transformer layer in BF16 under any format
+(scripts/performance get_precision_config: FP8 current scaling with first_last_layers_bf16 off,
+NVFP4 as bf16_with_nvfp4_mixed, whose first / last BF16 layers are off), so neither does this.
 """
 from __future__ import annotations
 
@@ -49,6 +54,10 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
     amax = c.bytes_activation if QUANT_FORMATS[name][3] else 0.0
     fwd = c.fp8_cast_fwd_bytes * b + amax
     bwd = (c.fp8_cast_bwd_bytes - c.fp8_cast_fwd_bytes) + c.fp8_cast_fwd_bytes * b + amax
+    if name == "nvfp4":  # TE's measured quantize pipelines (Hadamard transform, stochastic rounding)
+        # at the peak bandwidth: the step divides cast bytes by hbm x hbm_efficiency
+        fwd = c.nvfp4_quantize_input_bytes * c.hbm_efficiency
+        bwd = c.nvfp4_quantize_grad_bytes * c.hbm_efficiency
     if name == "nvfp4":
         peak, eff, half = gpu.fp4_tflops, c.gemm_efficiency_max_fp4, c.gemm_half_dim_fp4
     else:

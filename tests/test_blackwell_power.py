@@ -1,0 +1,57 @@
+"""Blackwell Ultra's power headroom (GPUSpec.dynamic_power_w) and NVFP4's measured cast costs."""
+import dataclasses
+
+import pytest
+
+from advisor.catalog import TrainConfig, load_cluster, load_gpu, load_model
+from advisor.catalog.specs import QUANTS
+from advisor.models.constants import DEFAULT
+from advisor.models.predict import predict
+from advisor.models.quant import quant
+
+M = load_model("llama3-70b")
+FP8 = TrainConfig(tp=1, pp=1, dp=64, gbs=128, mbs=2, seq=8192, precision="fp8", fp8_recipe="delayed")
+
+
+def clock(cluster, cfg=FP8):
+    p = predict(M, cluster, cfg, DEFAULT, check_legal=False)
+    return min(s["clock_ratio"] for s in p.power["stages"]), p.tokens_per_s_per_gpu
+
+
+def test_same_chip_same_span():
+    """Blackwell Ultra boards carry the span of the Blackwell board with their BF16 / FP8 rates;
+    every other GPU its own TDP - idle."""
+    gb200, gb300, b200, b300 = (load_gpu(n) for n in ("gb200", "gb300", "b200", "b300"))
+    assert gb300.power_span_w == gb200.power_span_w == gb200.tdp_w - gb200.idle_w
+    assert b300.power_span_w == b200.power_span_w == b200.tdp_w - b200.idle_w
+    assert (gb300.bf16_tflops, gb300.fp8_tflops) == (gb200.bf16_tflops, gb200.fp8_tflops)
+    assert (b300.bf16_tflops, b300.fp8_tflops) == (b200.bf16_tflops, b200.fp8_tflops)
+    for n in ("h100", "h200", "a100-80g", "b200", "gb200", "mi300x"):
+        g = load_gpu(n)
+        assert g.dynamic_power_w == 0 and g.power_span_w == g.tdp_w - g.idle_w
+
+
+def test_extra_limit_buys_clock():
+    """GB300's 200 W over GB200 holds a higher clock on the same FP8 work; sized on its own TDP
+    (the old model) it held GB200's clock exactly, the headroom bought nothing."""
+    c200, c300 = load_cluster("gb200x64"), load_cluster("gb300x64")
+    x200, t200 = clock(c200)
+    x300, t300 = clock(c300)
+    assert x200 < 0.95 and x300 > x200 + 0.05 and t300 > t200 * 1.03
+    own = dataclasses.replace(c300.gpu, dynamic_power_w=0.0)
+    x_own, _ = clock(dataclasses.replace(c300, gpu=own))
+    assert x_own == pytest.approx(x200, abs=0.01)
+
+
+def test_nvfp4_casts_priced_from_te_kernels():
+    """NVFP4's cast time per element is TE's measured pipeline at the peak bandwidth, well above
+    MXFP8's bytes; the gradients' (stochastic rounding) above the inputs'."""
+    g, c = load_gpu("gb200"), DEFAULT
+    nv, mx = quant(g, QUANTS.index("nvfp4"), c), quant(g, QUANTS.index("mxfp8"), c)
+    per_s = g.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency  # what step_time divides cast bytes by
+    assert nv.cast_fwd_bytes / per_s == pytest.approx(c.nvfp4_quantize_input_bytes / (g.hbm_bandwidth_gbs * 1e9))
+    assert nv.cast_bwd_bytes > nv.cast_fwd_bytes > 2 * mx.cast_fwd_bytes
+    cl = load_cluster("gb200x64")
+    cfg = TrainConfig(tp=2, pp=4, dp=8, vp=5, gbs=256, seq=8192, sequence_parallel=True)
+    b = {p: predict(M, cl, cfg.replace(precision=p), c, check_legal=False).breakdown for p in ("mxfp8", "nvfp4")}
+    assert b["nvfp4"]["fp8_cast_s"] > 2 * b["mxfp8"]["fp8_cast_s"] > 0
