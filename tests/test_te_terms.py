@@ -127,7 +127,8 @@ def test_refit_is_physical_and_holds_out_of_sample_on_our_runs():
     fitp = load_bench("fit_profiles")
     rows = fitp.te_run_rows()
     assert math.isclose(sum(x.weight for x in rows), len({(x.run.model_key, x.cfg.key()) for x in rows}))
-    assert {F.architecture(x) for x in rows} == {"llama3-8b", "llama3-70b", "gpt3"}
+    # nemotron4-15b's runs (session 23) are in the data; the shipped profile was fitted before them
+    assert {F.architecture(x) for x in rows} == {"llama3-8b", "llama3-70b", "gpt3", "nemotron"}
 
 
 def test_recommend_check_prints_each_measured_group(capsys):

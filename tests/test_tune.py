@@ -68,7 +68,8 @@ def test_simulated_oom_near_capacity_and_injected_failures(small):
     m, c, wl, layouts = small
     from advisor.models.predict import predict
 
-    near = next(x for x in layouts if 0.95 * 80 < predict(m, c, x, check_legal=False).memory_gib_per_gpu <= 80)
+    cap = c.gpu.memory_gib  # the simulated GPU's real capacity
+    near = next(x for x in layouts if 0.95 * cap < predict(m, c, x, check_legal=False).memory_gib_per_gpu <= cap)
     assert run_trial(m, c, near)["status"] == "oom"
     assert run_trial(m, c, near, options={"oom_margin": None})["status"] == "ok"
     with pytest.raises(RuntimeError, match="injected crash"):
