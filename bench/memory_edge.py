@@ -186,7 +186,7 @@ def recipes(margin: float | None) -> list[dict]:
     each with the te stack's layout defaults (TE's cross entropy, as the recipes set it): the
     fullest stage's predicted peak, the band's upper bound and the usable memory."""
     from advisor.models import published as P
-    from advisor.models.memory import stage_memory
+    from advisor.models.memory import band_upper_gib
     from advisor.models.profiles import apply_layout_defaults
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -204,7 +204,7 @@ def recipes(margin: float | None) -> list[dict]:
         b = MB.band("te", r.model.is_moe)
         # each stage's own allocator total with its own outside term: recommend's rule
         # (models.memory.band_upper_many); "upper" pairs the fullest stage with the largest outside term
-        per_stage = max(float(b.interval(sm.total_gib, sm.outside_gib)[1]) for sm in stage_memory(r.model, cfg, c))
+        per_stage = band_upper_gib(r.model, cfg, b, c)
         notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]
         if r.explicit:
             notes.append(f"recipe: {len(r.explicit)} settings")

@@ -460,3 +460,8 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
     upper = band.interval(total, outside)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
+
+
+def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT) -> float:
+    """One layout's largest band upper bound over its stages (band_upper_many of one row)."""
+    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c)[1][0])

@@ -13,9 +13,10 @@ plus the smallest / largest residual in GiB. The interval of a prediction is
 
     [lo * A + add_lo + U, hi * A + add_hi + U]
 
-with U counted once: the layout's own outside-allocator term (its first stage's, the stage with the
-most communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
-bench/memory_edge.py --outside`). A stack with no measured run has the band [1, 1] and says so.
+with U counted once: the stage's own outside-allocator term (the first stage holds the most
+communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
+bench/memory_edge.py --outside`). recommend bounds every stage so (models.memory.band_upper_many)
+and a layout fits when every stage does. A stack with no measured run has the band [1, 1] and says so.
 
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
 (`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
@@ -103,23 +104,18 @@ def fits(predicted_gib, outside_gib, b: Band, gpu_memory_gib: float, margin: flo
     return b.interval(predicted_gib, outside_gib)[1] <= usable_gib(gpu_memory_gib, margin)
 
 
-def memory_fit(predicted_gib: float, per_stage_gib, outside_gib, b: Band, gpu_memory_gib: float,
+def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, b: Band, gpu_memory_gib: float,
                margin: float) -> dict:
-    """What recommend / predict say about one layout's memory: the interval, the usable memory, the
-    headroom (usable - upper bound; negative: does not fit), the tightest stage. `outside_gib`: one
-    number, or one per stage (with `per_stage_gib`): then each stage's bound takes its own, and the
-    interval is the one of the stage whose upper bound is largest."""
-    stages = list(per_stage_gib) or [predicted_gib]
-    outs = list(outside_gib) if np.ndim(outside_gib) else [float(outside_gib)] * len(stages)
-    if len(outs) != len(stages):
-        outs = [max(outs)] * len(stages)
-    uppers = [b.interval(m, o)[1] for m, o in zip(stages, outs)]
+    """What recommend / predict say about one layout's memory: each stage's interval (the band on
+    its allocator peak plus its own memory outside the allocator), the usable memory, and for the
+    stage whose upper bound is largest (the tightest stage) its interval and the headroom (usable -
+    upper bound; negative: does not fit)."""
+    uppers = [b.interval(m, o)[1] for m, o in zip(per_stage_gib, outside_per_stage_gib)]
     k = int(np.argmax(uppers))
-    # the fullest stage's prediction may be scaled (a calibrated profile): keep its level for stage k
-    scale = float(predicted_gib) / max(stages) if max(stages) else 1.0
-    lo, hi = b.interval(stages[k] * scale, outs[k])
+    lo, hi = b.interval(per_stage_gib[k], outside_per_stage_gib[k])
     usable = usable_gib(gpu_memory_gib, margin)
-    return {"predicted_gib": float(predicted_gib), "outside_gib": float(outs[k]), "interval_gib": [float(lo), float(hi)],
+    return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_per_stage_gib[k]),
+            "interval_gib": [float(lo), float(hi)],
             "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
             "fits": bool(hi <= usable), "tightest_stage": k,
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
