@@ -280,20 +280,18 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     ("LO:HI:STEP" watts, a list, or default the GPU's settable range in 25 W steps): energy takes
     each layout's cap with the least J/token, balanced the least J/token within 5% of its
     fastest step. Every recommendation with PP > 1 also gets per-stage caps (stage_caps)."""
-    from advisor.models.profiles import (get_stack, stack_cross_entropy, stack_expandable_segments,
-                                         stack_fp8_param_gather)
+    from advisor.models.profiles import get_stack, stack_option_defaults
 
     st = get_stack(stack)
     if options is None:
         options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")),
                                     moe_fusion=bool(st.layout_defaults.get("moe_permute_fusion")),
                                     gradient_accumulation_fusion=bool(st.layout_defaults.get("gradient_accumulation_fusion")))
-    if options.cross_entropy_impl is None:  # the stack's loss (te: TE's fused cross entropy, as the recipes)
-        options = dataclasses.replace(options, cross_entropy_impl=stack_cross_entropy(st.name))
-    if options.fp8_param_gather is None:  # the stack's weights (te: FP8 primary weights, as the recipes)
-        options = dataclasses.replace(options, fp8_param_gather=stack_fp8_param_gather(st.name))
-    if options.expandable_segments is None:  # the stack's allocator (te: expandable segments, as the recipes)
-        options = dataclasses.replace(options, expandable_segments=stack_expandable_segments(st.name))
+    # what the user left to the stack (te: TE's fused cross entropy, FP8 primary weights and
+    # expandable segments, as NVIDIA's recipes)
+    unset = {k: v for k, v in stack_option_defaults(st.name).items() if getattr(options, k) is None}
+    if unset:
+        options = dataclasses.replace(options, **unset)
     if objective not in OBJECTIVES:
         raise SpecError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if top < 1:

@@ -87,10 +87,22 @@ def get_stack(name: str | None) -> Stack:
     return STACKS[key]
 
 
+# SpaceOptions fields a stack sets when the user leaves them None, with the value for a stack
+# that does not say (Megatron's defaults)
+STACK_OPTION_FALLBACKS = {"cross_entropy_impl": "unfused", "fp8_param_gather": False, "expandable_segments": False}
+
+
+def stack_option_defaults(stack: str | None) -> dict[str, Any]:
+    """The stack's values of STACK_OPTION_FALLBACKS' fields: its loss's cross entropy
+    (catalog.specs.CROSS_ENTROPY_IMPLS), FP8 primary weights where a layout can (TrainConfig.
+    fp8_param_gather), torch's allocator with expandable segments (TrainConfig.expandable_segments)."""
+    d = get_stack(stack).layout_defaults
+    return {k: d.get(k, fallback) for k, fallback in STACK_OPTION_FALLBACKS.items()}
+
+
 def stack_cross_entropy(stack: str | None) -> str:
-    """The loss's cross entropy a stack's layouts take when the user does not say
-    (catalog.specs.CROSS_ENTROPY_IMPLS; Megatron's default, "unfused", for a stack without one)."""
-    return get_stack(stack).layout_defaults.get("cross_entropy_impl", "unfused")
+    """The loss's cross entropy a stack's layouts take when the user does not say."""
+    return stack_option_defaults(stack)["cross_entropy_impl"]
 
 
 def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping[str, Any] = (),
@@ -104,12 +116,3 @@ def apply_layout_defaults(cfg: TrainConfig, stack: str | None, explicit: Mapping
             and cfg.distributed_optimizer
     return cfg.replace(**d) if d else cfg
 
-
-def stack_expandable_segments(stack: str | None) -> bool:
-    """Whether a stack launches torch's allocator with expandable segments (TrainConfig.expandable_segments)."""
-    return bool(get_stack(stack).layout_defaults.get("expandable_segments", False))
-
-
-def stack_fp8_param_gather(stack: str | None) -> bool:
-    """Whether a stack keeps FP8 primary weights where a layout can (TrainConfig.fp8_param_gather)."""
-    return bool(get_stack(stack).layout_defaults.get("fp8_param_gather", False))
