@@ -46,7 +46,7 @@ class Entry:
     stack: str = "local"
     fp8_recipe: str = "delayed"
     # train steps run under torch.profiler after the measured ones, summarized in the record's
-    # kernel_profile (runners/kernel_profile.py); 0: none
+    # kernel_profile (runners/kernel_probe.py); 0: none
     kernel_profile_steps: int = 0
 
 
@@ -252,7 +252,7 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
     if probe:  # MoE sub-step times of rank 0 (runners/moe_probe.py), from steps after the measured ones
         rec["moe_probe"] = probe
     kprof = ((ranks.get(0) or {}).get("done") or {}).get("kernel_profile")
-    if kprof:  # rank 0's kernel profile (runners/kernel_profile.py), from steps after the measured ones
+    if kprof:  # rank 0's kernel profile (runners/kernel_probe.py), from steps after the measured ones
         rec["kernel_profile"] = kprof
     alloc = ((ranks.get(0) or {}).get("start") or {}).get("alloc_conf")
     if alloc:  # torch's allocator setting the worker ran this job with (megatron_worker.set_allocator)

@@ -44,7 +44,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
-from kernel_profile import profile_summary, thread_cpu_snapshot  # beside this file
+from kernel_probe import profile_summary, thread_cpu_snapshot  # beside this file
 from mem_probe import point as mem_point, summarize as summarize_memory  # beside this file
 from moe_probe import (MoEPhaseTimer, patch_grouped_experts, probe_grouped_mm,  # beside this file
                        summarize as summarize_moe)
@@ -299,7 +299,8 @@ def set_allocator(job):
     global EXPANDABLE
     want = bool(job.get("expandable_segments"))
     if want != EXPANDABLE:
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{want}")
+        setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+        (setting or torch.cuda.memory._set_allocator_settings)(f"expandable_segments:{want}")
         EXPANDABLE = want
     return f"expandable_segments:{EXPANDABLE}"
 
@@ -382,7 +383,7 @@ def run_job(job, ev, rank, state):
 
 def profile_kernels(job, config, model, optimizer, iters, bounds, measured_cpu):
     """After the measured steps (which ran without it): kernel_profile_steps more train steps
-    under torch.profiler, summarized (runners/kernel_profile.py; no trace file)."""
+    under torch.profiler, summarized (runners/kernel_probe.py; no trace file)."""
     measured = [b - a for a, b in zip(bounds, bounds[1:])][job["warmup"]:]
     return profile_summary(lambda: train_step(job, config, model, optimizer, iters),
                            job["kernel_profile_steps"], torch.cuda.synchronize,

@@ -1,4 +1,4 @@
-"""The kernel profile summary (runners/kernel_profile.py) on made-up profiler events, its kernel
+"""The kernel profile summary (runners/kernel_probe.py) on made-up profiler events, its kernel
 categories on kernel names as cuBLAS, cuDNN, TE, torch and NCCL name them, and the job keys that
 ask for it (kernel_profile_steps) and for torch's expandable segments, from a batch line to the
 record (through the fake worker)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from advisor.catalog.specs import ModelSpec, SpecError
-from advisor.runners import kernel_profile as K
+from advisor.runners import kernel_probe as K
 from advisor.runners import measure as M
 
 DATA = Path(__file__).parent / "data" / "measure"
@@ -199,3 +199,55 @@ def test_record_keeps_the_kernel_profile_and_the_allocator(tmp_path, monkeypatch
     plain = by_id["ok-plain"]
     assert "kernel_profile" not in plain and plain["env"]["alloc_conf"] == "expandable_segments:False"
     assert not plain["config"]["expandable_segments"]
+
+
+# ------------------------------------------------------------------ the reader and the batch
+def _record(i, prec, mbs=2, kp=None):
+    return {"id": f"te-x-{i}", "status": "ok", "model_name": "llama3-8b", "layers": 8,
+            "config": {"seq": 4096, "gbs": 32, "tp": 1, "pp": 1, "vp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 4,
+                       "mbs": mbs, "recompute": "none", "sequence_parallel": False, "precision": prec},
+            "steps": {"median_s": 0.01},
+            "kernel_profile": kp or K.summarize(_two_steps(), 2, [0.010, 0.010], 0.009)}
+
+
+def test_reader_puts_each_bf16_fp8_pair_side_by_side(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import kernel_profile as reader
+
+    fp8 = _record(1, "fp8")
+    fp8["kernel_profile"]["categories"]["fp8 cast/transpose"] = {"ms": 2.5, "count": 3.0}
+    p = tmp_path / "d.jsonl"
+    recs = [_record(0, "bf16"), fp8, _record(2, "bf16", mbs=4, kp={"error": "RuntimeError: boom"}),
+            {"id": "no-profile", "status": "ok"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert reader.main([str(p), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== llama3-8b[8L]") == 2 and "bf16 (te-x-0)" in out and "fp8 (te-x-1)" in out
+    cast = next(ln for ln in out.splitlines() if ln.strip().startswith("fp8 cast/transpose"))
+    assert "1.00 ms x1" in cast and "2.50 ms x3" in cast and cast.rstrip().endswith("+1.50")
+    assert "te-x-2: kernel profile failed: RuntimeError: boom" in out
+    assert reader.main([str(tmp_path / "missing.jsonl")]) == 2
+    q = tmp_path / "none.jsonl"
+    q.write_text(json.dumps({"id": "a"}) + "\n")
+    assert reader.main([str(q)]) == 2
+    assert capsys.readouterr().err.startswith("error:")
+
+
+def test_s24_batches_profile_the_pairs_first_with_new_ids():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+    import te_campaign as T
+
+    root = Path(__file__).parent.parent
+    measured = {json.loads(x)["id"] for p in (root / "data/measurements").glob("h100x4-te*.jsonl")
+                for x in p.read_text().splitlines() if x.strip()}
+    a, b = T.BATCHES["x4-te-s24a"](), T.BATCHES["x4-te-s24b"]()
+    assert len(a) == 8 and all(j["kernel_profile_steps"] == 2 for j in a)
+    assert not any(j.get("kernel_profile_steps") for j in b)
+    assert not {j["id"] for j in a + b} & measured
+    prec = [(j["model"], j.get("cp", 1), j["mbs"], j.get("precision", "bf16")) for j in a]
+    assert prec[:2] == [("llama3-8b", 1, 2, "bf16"), ("llama3-8b", 1, 2, "fp8")]
+    assert [j.get("expandable_segments") for j in b[-2:]] == [False, True]  # the allocator pair last
+    for j in a + b:
+        assert not M.entry_from_line(j, 4).refused, j["id"]
+    for name in ("x4-te-s24a", "x4-te-s24b"):  # the written batch files are these
+        assert [json.loads(x) for x in (T.CONFIGS / f"{name}.jsonl").read_text().splitlines()] == T.BATCHES[name]()

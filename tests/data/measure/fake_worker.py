@@ -12,7 +12,7 @@ from one process. The job's id says what happens:
 - segv-*: dies without an event, 0.5 s after building the model.
 
 A job with "kernel_profile_steps" gets a kernel_profile in its done events, summarized by the real
-summarizer (runners/kernel_profile.py) from a few made-up kernels; a job with
+summarizer (runners/kernel_probe.py) from a few made-up kernels; a job with
 "expandable_segments" reports the allocator setting in its start events, as the worker does.
 
 Like torchrun, SIGTERM makes it print "SignalException: Process <pid> got signal: 15" and exit 1.
@@ -99,7 +99,7 @@ for job in jobs:
         continue
     extra = {}
     if job.get("kernel_profile_steps"):
-        from advisor.runners.kernel_profile import Ev, summarize
+        from advisor.runners.kernel_probe import Ev, summarize
         n = job["kernel_profile_steps"]
         evs = [Ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", True, 1000.0 * s, 1000.0 * s + 600, 7, None)
                for s in range(n)]
