@@ -205,6 +205,26 @@ def s24() -> list[dict]:
             + _jobs("llama3-8b", "l8b", alloc, layers=8, seq=4096, gbs=32, first=32))
 
 
+
+def s24c() -> list[dict]:
+    """Session 24's second call, every job with the kernel profile: the dense FP8 / BF16 pairs
+    again, both precisions on one machine (session 22 measured most pairs' BF16 and FP8 runs on
+    two machines, and its one same-machine DP4 mbs2 pair read 1.182 where s24a's read 1.254): DP4
+    mbs2, CP2 DP2 mbs4, PP2 DP2 mbs2, TP2 and TP4 with SP at mbs4; GPT-3 2.7B (host-bound: its
+    launches per step) at DP4 and TP2 SP; the FP8 twins of the Mixtral and Qwen3 (12 layers) #1s
+    of s24b."""
+    kp = {"kernel_profile_steps": 2}
+    pair = lambda **kw: [("kp", dict(kw, **kp)), ("kp", dict(kw, precision="fp8", **kp))]  # noqa: E731
+    l8 = (pair(dp=4, mbs=2) + pair(cp=2, dp=2, mbs=4) + pair(pp=2, dp=2, mbs=2)
+          + pair(tp=2, dp=2, mbs=4, sequence_parallel=True) + pair(tp=4, dp=1, mbs=4, sequence_parallel=True))
+    gpt = [("kp", dict(dp=4, mbs=4, **kp)), ("kp", dict(tp=2, dp=2, mbs=4, sequence_parallel=True, **kp))]
+    mix = [("kp", dict(dp=4, ep=2, etp=1, mbs=4, precision="fp8", **kp))]
+    qw = [("kp", dict(dp=4, ep=4, mbs=4, precision="fp8", **kp))]
+    return (_jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=34)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=11)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=13)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=13))
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -315,7 +335,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # s24 in two calls (`python bench/te_campaign.py estimate x4-te-s24a x4-te-s24b`: one
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
-           "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")]}
+           "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
+           "x4-te-s24c": s24c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

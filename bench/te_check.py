@@ -112,19 +112,26 @@ def main(argv=None) -> int:
 
     # FP8 / BF16 on the layouts measured in both precisions
     print("\nFP8 / BF16 speed-up, same layout")
-    key = lambda r: (r["group"], r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-"))  # noqa: E731
-    pairs = defaultdict(dict)
+    # a pair is the same model (layers included) and layout in both precisions; where a shape was
+    # measured on the same four GPUs in both precisions only those pairs count (two machines'
+    # clocks differ by a few per cent: a cross-machine pair measures the machines as well)
+    key = lambda r: (r["group"], recs[r["id"]].model.num_layers,  # noqa: E731
+                     r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-"))
+    pairs = defaultdict(lambda: {"fp8": [], "bf16": []})
     for r in first:
-        pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"] = r
+        pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"].append(r)
     worst = 0.0
     tel = telemetry(a.paths)
-    for (g, lay), d in sorted(pairs.items()):
-        if len(d) == 2:
-            m = d["fp8"]["tps_meas"] / d["bf16"]["tps_meas"]
-            p = d["fp8"]["tps_pred"] / d["bf16"]["tps_pred"]
+    for (g, n_layers, lay), d in sorted(pairs.items()):
+        both = [(b, f) for b in d["bf16"] for f in d["fp8"]]
+        same = [(b, f) for b, f in both if tel.get(b["id"], {}).get("gpus") is not None
+                and tel.get(b["id"], {}).get("gpus") == tel.get(f["id"], {}).get("gpus")]
+        for b, f in same or both:
+            m = f["tps_meas"] / b["tps_meas"]
+            p = f["tps_pred"] / b["tps_pred"]
             worst = max(worst, abs(p / m - 1))
-            print(f"  {g:<28} {lay.replace('-X-', '-'):<62} measured {m:.3f}  predicted {p:.3f}  ({(p / m - 1) * 100:+.1f}%)"
-                  f"  {pair_detail(d['bf16'], d['fp8'], tel)}")
+            print(f"  {g:<28} {n_layers:>2}L {lay.replace('-X-', '-'):<62} measured {m:.3f}  predicted {p:.3f}"
+                  f"  ({(p / m - 1) * 100:+.1f}%)  {pair_detail(b, f, tel)}")
     print(f"  worst: {worst * 100:.1f}% (target: within 5% on every shape)")
 
     # run-to-run spread of the repeated jobs
