@@ -38,7 +38,7 @@ class StageMemory:
     activations_gib: float
     logits_gib: float
     overhead_gib: float  # runtime buffers inside torch's allocator (Constants.runtime_overhead_gib)
-    step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations (peak = the larger)
+    step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations and logits (peak = the larger phase)
     # memory outside torch's allocator (CUDA context, NCCL communicators: models/outside_memory.py);
     # not in total_gib, which is what torch's allocator reserves (what the runs measure)
     outside_gib: float = 0.0
@@ -351,7 +351,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     distributed optimizer); activations = sum over kinds of in-flight layer-microbatches x one
     layer's bytes, plus the largest layer without recompute under full recompute (its working
     set), x (1 + fragmentation); logits on the loss stage; the optimizer step's transient copy of
-    its gradient shard counts where it exceeds the activations (peak = the larger)."""
+    its gradient shard counts where it exceeds the activations and logits together (the two phases
+    of the step: peak = the larger)."""
     m = L.num_microbatches
     r, k = S.row, S.k
     routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
@@ -415,12 +416,16 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         moe_bytes = np.maximum(moe_bytes, per_key[:, j, 2][key])
     xseg = L.xseg[r] if L.xseg is not None else False
     reserved = reserved_free_gib(block, moe_layers, moe_bytes, xseg, c)
-    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f + reserved * GIB
+    # the stage's peak is the larger of its two phases, not a sum of their maxima: the forward-backward
+    # schedule holds the activations and the loss stage's logits; the optimizer step runs after the
+    # last backward has freed both and holds its transient instead
+    held = (acts + logits) * f
+    stage_bytes = weights + grads + opt + np.maximum(held, transient) + reserved * GIB
     peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
     # StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
     parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
-             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB,
+             "step_transient_gib": np.maximum(0.0, transient - held) / GIB,
              "reserved_free_gib": reserved,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
