@@ -58,12 +58,31 @@ def logits_block_bytes(model: ModelSpec, tp, cp, mbs, seq, ce_bytes) -> np.ndarr
     return np.asarray(seq / np.asarray(cp) * mbs * model.vocab_size / np.asarray(tp) * ce_bytes, float)
 
 
+def routing_sized_buffers(cfg: TrainConfig) -> bool:
+    """Whether a dropless MoE layer allocates token buffers whose size follows the routing, so that
+    their sizes change from layer to layer and micro-batch to micro-batch (megatron-core 0.19
+    token_dispatcher.py; TE 2.x GroupedLinear):
+    - EP > 1: each rank receives the tokens routed to its experts (the all-to-all's output_splits,
+      or the allgather dispatcher's masked gather of them), so the received tokens, their sorted
+      copy, the experts' FC1 / activation / FC2 outputs and the combine's inputs are all of a
+      routing-dependent size;
+    - experts run one at a time (moe_grouped_gemm off: megatron-core's SequentialMLP): each
+      expert's FC1 / activation / FC2 outputs are tensors of its own token count;
+    - quantized (FP8 / FP4): TE's GroupedLinear quantizes each expert's slice of the input into a
+      tensor of its own token count.
+    With EP = 1, BF16 and grouped experts every such buffer has the same size in every layer and
+    micro-batch (dropless: num_out_tokens = tokens x top-k; GroupedLinear writes one output of
+    sum(m_splits) rows), so a freed block serves the next layer's request exactly and none is
+    stranded."""
+    return cfg.ep > 1 or not cfg.moe_grouped_gemm or cfg.precision != "bf16"
+
+
 def moe_buffer_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
     """One MoE layer's token buffers for one micro-batch on the busiest GPU, bytes (BF16: what
     models.moe.moe_activation_elements counts: permuted tokens, expert FC1 / activation / FC2 and
-    the router's), the part whose size follows the routing. 0 with capacity padding (fixed size)
-    or a dense model."""
-    if not model.is_moe or cfg.moe_pad_to_capacity:
+    the router's), where their size follows the routing (routing_sized_buffers). 0 with capacity
+    padding (fixed size), with buffers of a fixed size, or for a dense model."""
+    if not model.is_moe or cfg.moe_pad_to_capacity or not routing_sized_buffers(cfg):
         return 0.0
     elems, gemm_in = moe_activation_elements(model, cfg, c)
     return (elems + gemm_in) * c.bytes_activation

@@ -305,11 +305,12 @@ def activation_table(memo: Memo, key) -> np.ndarray:
     """[K, 3]: one layer's activation bytes per kind with full recompute and without
     (layer_activation_bytes; selective recompute stores what no recompute does), and its dropless
     MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer), for a layer
-    shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (router, capacity factor, padding))."""
+    shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (grouped GEMM, router, capacity factor, padding))."""
     def make():
-        tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
+        tp, cp, mbs, seq, ep, etp, sp, fp8, (grouped, router, cf, pad) = key
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                          **quant_fields(fp8), moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
+                          **quant_fields(fp8), moe_grouped_gemm=grouped, moe_router=router,
+                          moe_capacity_factor=cf, moe_pad_to_capacity=pad)
         moe = moe_buffer_bytes(memo.model, cfg, memo.c)
         return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
                           layer_activation_bytes(memo.model, i, cfg, memo.c, "none"),
@@ -355,7 +356,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     of the step: peak = the larger)."""
     m = L.num_microbatches
     r, k = S.row, S.k
-    routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
+    routers = [(e[1], e[2], e[3], e[4]) for e in L.extras]  # grouped GEMM, router, capacity factor, padding
     first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
     per_key = np.stack([activation_table(memo, (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]),
                                                 int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i]))

@@ -50,6 +50,27 @@ def test_dropless_moe_layers_each_strand_token_buffers_and_padding_does_not():
     assert moe_buffer_bytes(m, padded) == 0.0
 
 
+def test_only_routing_sized_moe_buffers_strand():
+    """EP = 1, BF16, grouped experts: every token buffer has the same size in every layer (dropless:
+    tokens x top-k rows), so none is stranded; EP > 1 (the all-to-all's received tokens), experts one
+    at a time (SequentialMLP) or FP8 (TE's per-expert quantized slices): sizes follow the routing.
+    The array path (recommend's) keys its table on the grouped-GEMM knob as the per-layout one does."""
+    m = load_model("mixtral-8x7b")
+    fixed = TrainConfig(tp=2, pp=1, dp=2, ep=1, etp=2, mbs=1, gbs=16, seq=4096, sequence_parallel=True)
+    assert moe_buffer_bytes(m, fixed) == 0.0
+    for varied in (fixed.replace(tp=1, etp=1, sequence_parallel=False, ep=2, dp=4),
+                   fixed.replace(moe_grouped_gemm=False), fixed.replace(precision="fp8")):
+        assert moe_buffer_bytes(m, varied) > 0
+    seq = fixed.replace(moe_grouped_gemm=False)
+    L = Layouts.of(m, [fixed, seq])
+    S = Stages(L)
+    from advisor.models.memory import memory_arrays
+    peak, _ = memory_arrays(m, L, DEFAULT, memo_for(m, None, DEFAULT), S)
+    for i, cfg in enumerate((fixed, seq)):
+        assert peak[i] == pytest.approx(max(s.total_gib for s in stage_memory(m, cfg)))
+    assert peak[1] > peak[0] + 1.0
+
+
 def test_expandable_segments_leave_only_the_base():
     m = load_model("llama3-8b")
     on = DENSE.replace(expandable_segments=True)
