@@ -15,9 +15,12 @@ For every `status: ok` record with telemetry (default: every data/measurements/*
              calibration, J/token = its mean power x GPUs / its tokens/s)
   J/token*   the same from the 20 Hz sampled mean power (mean W / measured tokens/s/GPU): every run,
              also the MoE runs, none of which ran long enough for the counter
-Groups: the 47 held-out dense runs (HELD_OUT: no constant of the power model and no profile was
-fitted on them), the 40 MoE runs of h100x1-moe*.jsonl (no power constant was fitted on them; their
-MoE step constants were, on all four shapes), and the 43 dense runs the local profile is fitted on.
+Groups (counted when run): the held-out dense runs (HELD_OUT: no constant of the power model and no
+profile was fitted on them), every MoE run of every file (local and te stacks), the MoE runs no power
+constant was fitted on (all but those of FITTED), and the dense runs of FITTED (the campaigns
+comm_power, wait_power and peak_overshoot are fitted on); then the MoE runs per file. Their step
+constants: MOE_LOCAL_FIT on h100x1-moe*, the te profile's MoE settings on the te MoE runs.
+--calibration stack: each run with its own stack's shipped profile (what `advisor predict --stack` uses).
 --moe-loso: the MoE runs out of sample in their shape too: for each of the four MoE proxy shapes the
 MoE constants (bench/moe_check.py's fit, MOE_LOCAL_FIT) are fitted on the other three and the
 held-out shape is predicted with them (power model and end to end).
