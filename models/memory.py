@@ -479,13 +479,15 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
-    the band (models.memory_band.Band.interval) on its own allocator peak plus its own memory outside
-    the allocator (the first stage holds more communicators than a middle one), so a layout fits when
-    every stage does."""
+    the band (models.memory_band.Band.interval) on its own allocator peak and reserved-but-unallocated
+    term (with the spread of its allocator setting) plus its own memory outside the allocator (the
+    first stage holds more communicators than a middle one), so a layout fits when every stage does."""
     S = Stages(L)
     peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
-    outside = S.cache["memory"][0]["outside_gib"]
-    upper = band.interval(total, outside)[1]
+    parts = S.cache["memory"][0]
+    outside = parts["outside_gib"]
+    xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 
