@@ -231,8 +231,7 @@ def predict(names: list[str]) -> int:
     from advisor.catalog import load_gpu
     from advisor.models import memory_band as MB
     from advisor.models.calibrate import resolve_calibration
-    from advisor.models.memory import peak_memory_gib
-    from advisor.models.outside_memory import outside_allocator_gib
+    from advisor.models.memory import band_upper_gib, peak_memory_gib
     from advisor.runners import measure as M
 
     c = resolve_calibration("default", "te").screening_constants
@@ -247,7 +246,7 @@ def predict(names: list[str]) -> int:
                 print(f"{e.id:18} REFUSED {e.refused}")
                 continue
             k, g = e.config, peak_memory_gib(e.model, e.config, c)
-            up = MB.band("te", e.model.is_moe).interval(g, outside_allocator_gib(e.model, k, None, c))[1]
+            up = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c)  # each stage with its own terms
             lay = (f"L{e.model.num_layers} s{k.seq} TP{k.tp} PP{k.pp}v{k.vp} EP{k.ep} DP{k.dp} "
                    f"mbs{k.mbs} rc={k.recompute}")
             print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f}  {'fits' if up <= usable else 'OVER'}")

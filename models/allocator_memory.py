@@ -15,14 +15,17 @@ a dropless MoE the token buffers of every MoE layer, whose size follows the rout
 every micro-batch (te-eqw3-rc-00: 41.6 GiB allocated, 66.2 reserved). With expandable segments
 (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, TrainConfig.expandable_segments) the allocator
 keeps one segment per stream and maps more pages at its end instead of making a new segment, so the
-larger request tiles into the segment and those two terms go; the base stays. That removal is the
-documented mechanism, NOT measured here: every run in data/ ran with expandable segments off.
+larger request tiles into the segment and freed blocks do not strand. Measured on one pair, same
+machine and layout (llama3-8b[8L] DP4 mbs4 BF16, data/measurements/h100x4-te.jsonl te-l8b-alloc-32
+off / te-l8b-alloc-33 on): peak allocated 47.33 GiB both, peak reserved 51.19 vs 47.77 GiB, so the
+term with expandable segments is that run's residual, 0.44 GiB (Constants.alloc_reserved_expandable_gib),
+whatever the blocks.
 
 The term per stage, GiB (Constants.alloc_reserved_*):
 
     base + block x the stage's largest transient block + moe x its MoE layers x one layer's buffers
 
-the last two x 0 with expandable segments. Fitted by non-negative least squares on every pipeline
+and alloc_reserved_expandable_gib instead with expandable segments. Fitted by non-negative least squares on every pipeline
 stage of the measured runs, leave-one-architecture-out: `python bench/memory_edge.py --allocator`.
 """
 from __future__ import annotations
@@ -90,9 +93,9 @@ def moe_buffer_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT)
 
 def reserved_free_gib(block_bytes, moe_layers, moe_bytes, expandable, c: Constants = DEFAULT) -> np.ndarray:
     """GiB reserved but unallocated at the stage's peak (arrays broadcast): base + block x the
-    largest transient block + moe x MoE layers x one layer's buffers, the last two off with
-    expandable segments."""
-    grow = np.where(np.asarray(expandable, bool), 0.0, 1.0)
-    return (c.alloc_reserved_base_gib
-            + grow * (c.alloc_reserved_block * np.asarray(block_bytes, float)
-                      + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)
+    largest transient block + moe x MoE layers x one layer's buffers; with expandable segments the
+    measured residual alloc_reserved_expandable_gib."""
+    caching = (c.alloc_reserved_base_gib
+               + (c.alloc_reserved_block * np.asarray(block_bytes, float)
+                  + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)
+    return np.where(np.asarray(expandable, bool), c.alloc_reserved_expandable_gib, caching)

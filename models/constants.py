@@ -110,6 +110,12 @@ class Constants:
     # Fraction of one dropless MoE layer's token buffers (variable size every micro-batch), per MoE
     # layer of the stage, that stays reserved.
     alloc_reserved_moe: float = 0.45
+    # With expandable segments (TrainConfig.expandable_segments) the whole term (GiB): segments grow
+    # by mapped pages, so no freed block strands and the 20 MiB small-request segments are pages of
+    # the one segment too. Measured: te-l8b-alloc-33 (llama3-8b[8L] DP4 mbs4 BF16, expandable on,
+    # data/measurements/h100x4-te.jsonl): peak reserved - peak allocated 0.44 GiB (max over the 4
+    # ranks; 0.27-0.44), against 3.85 GiB for te-l8b-alloc-32, the same layout with them off.
+    alloc_reserved_expandable_gib: float = 0.44
     # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
     # headroom for allocation spikes and buffers the model does not see (our memory predictions
     # are within 7-12% MAPE of the measured peaks, docs/measurement.md).

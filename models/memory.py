@@ -331,6 +331,22 @@ def in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
     return memo.get("in_flight", (plan, m), make)
 
 
+def output_in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
+    """[pp] chunk-microbatches whose output tensor each rank keeps at its peak when the pipeline
+    does not free them once sent (TrainConfig.deallocate_pipeline_outputs off; megatron-core
+    pipeline_parallel/schedules.py: output_tensors of every chunk-microbatch stay until its
+    backward, deallocate_output_tensor only empties their .data when the option is on): the
+    chunk-microbatches in flight (layout.in_flight_chunks) but the last virtual chunk of the last
+    rank, whose output is the loss. 0 without a pipeline (forward_backward_no_pipelining)."""
+    def make():
+        if plan.pp == 1:
+            return np.zeros(1)
+        cfg = TrainConfig(pp=plan.pp, vp=plan.vp, gbs=m)
+        return np.array([float(sum(in_flight_chunks(cfg, r)[:-1] if r == plan.pp - 1 else in_flight_chunks(cfg, r)))
+                         for r in range(plan.pp)])
+    return memo.get("outputs_in_flight", (plan.pp, plan.vp, m), make)
+
+
 def stage_param_arrays(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
     """[S, 3] (dense, expert, linear) parameters one GPU of every stage holds (plan_params)."""
     hit = S.cache.get("params")
@@ -381,6 +397,12 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     acts = np.zeros(len(r))
     for j in range(K):
         acts = acts + flight[:, j] * lb0[j]
+    # the stage outputs the pipeline keeps (deallocate_pipeline_outputs off): s / CP x b x h BF16 each,
+    # / TP with sequence parallelism (the residual stream as it is sent)
+    if L.dpo is None or not L.dpo.all():
+        outs = gather_blocks([L.pp, L.vp, m], lambda i: output_in_flight_table(memo, plans[L.plan[i]], int(m[i])), S)
+        kept = outs * (L.seq / L.cp * L.mbs * model.hidden_size / np.where(L.sp, L.tp, 1))[r] * c.bytes_activation
+        acts = acts + (kept if L.dpo is None else np.where(L.dpo[r], 0.0, kept))
     if full.any():  # the recompute working set: the largest layer of the stage without recompute
         work = np.full(len(r), -np.inf)
         for j in range(K):
@@ -457,13 +479,15 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
-    the band (models.memory_band.Band.interval) on its own allocator peak plus its own memory outside
-    the allocator (the first stage holds more communicators than a middle one), so a layout fits when
-    every stage does."""
+    the band (models.memory_band.Band.interval) on its own allocator peak and reserved-but-unallocated
+    term (with the spread of its allocator setting) plus its own memory outside the allocator (the
+    first stage holds more communicators than a middle one), so a layout fits when every stage does."""
     S = Stages(L)
     peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
-    outside = S.cache["memory"][0]["outside_gib"]
-    upper = band.interval(total, outside)[1]
+    parts = S.cache["memory"][0]
+    outside = parts["outside_gib"]
+    xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 
