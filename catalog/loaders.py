@@ -120,6 +120,9 @@ def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
     dom = d.setdefault("nvlink_domain_gpus", gpn)
     if not isinstance(dom, int) or isinstance(dom, bool) or dom < gpn or dom % gpn:
         raise CatalogError(f"{what}: nvlink_domain_gpus must be a whole number of {gpn}-GPU nodes, got {dom!r}")
+    sms = d.setdefault("sm_count", 0)
+    if not isinstance(sms, int) or isinstance(sms, bool) or sms < 0:
+        raise CatalogError(f"{what}: sm_count must be a non-negative integer, got {sms!r}")
     d["generation"] = str(d.get("generation") or "")
     if not 0 < d["min_power_limit_w"] <= d["max_power_limit_w"] <= d["tdp_w"]:
         raise CatalogError(f"{what}: need 0 < min_power_limit_w <= max_power_limit_w <= tdp_w")

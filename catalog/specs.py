@@ -282,6 +282,11 @@ class GPUSpec:
     max_power_limit_w: float  # the highest
     max_operating_temp_c: float | None = None
     max_sm_clock_mhz: float | None = None  # boost clock; None where no source gives it
+    # streaming multiprocessors the board enables (0 = not known). Where it and max_sm_clock_mhz are
+    # known, the tensor peaks are SMs x dense FLOP per clock per SM x max_sm_clock_mhz: the rate at
+    # the clock the DVFS model's x = 1 means (models/dvfs.py), not a datasheet rate quoted at a
+    # lower clock (Blackwell datasheets quote each board at its own, lower one)
+    sm_count: int = 0
     # GPUs one NVLink domain joins (NVLink switch trays of an NVL72 rack: 72; an HGX board: its
     # node, 0 = gpus_per_node); a node (gpus_per_node) is what one host / compute tray holds
     nvlink_domain_gpus: int = 0

@@ -18,17 +18,39 @@ def clock(cluster, cfg=FP8):
     return min(s["clock_ratio"] for s in p.power["stages"]), p.tokens_per_s_per_gpu
 
 
-def test_same_chip_same_span():
-    """Blackwell Ultra boards carry the span of the Blackwell board with their BF16 / FP8 rates;
-    every other GPU its own TDP - idle."""
+def test_same_silicon_span_scales_with_sms_and_clock():
+    """GB300 carries GB200's span (its own design point) scaled by the switching that runs at the
+    maximum clock, SMs x clock (same 4NP silicon); B300 the B200's (no public B300 clock); every
+    other GPU its own TDP - idle."""
     gb200, gb300, b200, b300 = (load_gpu(n) for n in ("gb200", "gb300", "b200", "b300"))
-    assert gb300.power_span_w == gb200.power_span_w == gb200.tdp_w - gb200.idle_w
+    assert gb200.power_span_w == gb200.tdp_w - gb200.idle_w
+    ratio = gb300.sm_count * gb300.max_sm_clock_mhz / (gb200.sm_count * gb200.max_sm_clock_mhz)
+    assert 1.03 < ratio < 1.08
+    assert gb300.power_span_w == pytest.approx(gb200.power_span_w * ratio, abs=1.0)
     assert b300.power_span_w == b200.power_span_w == b200.tdp_w - b200.idle_w
-    assert (gb300.bf16_tflops, gb300.fp8_tflops) == (gb200.bf16_tflops, gb200.fp8_tflops)
-    assert (b300.bf16_tflops, b300.fp8_tflops) == (b200.bf16_tflops, b200.fp8_tflops)
     for n in ("h100", "h200", "a100-80g", "b200", "gb200", "mi300x"):
         g = load_gpu(n)
         assert g.dynamic_power_w == 0 and g.power_span_w == g.tdp_w - g.idle_w
+
+
+def test_blackwell_peaks_are_max_clock_rates():
+    """Where the catalog gives SMs and the maximum clock, every tensor peak is SMs x dense FLOP per
+    clock per SM x that clock (8192 BF16, 2x FP8, the datasheet's FP4 / BF16 ratio), and the SFU
+    rate SMs x MUFU.EX2 per clock x that clock: the rates at the clock the DVFS model's x = 1 means.
+    GB300 over GB200 at the same clock ratio is then 160 x 2070 / (152 x 2062), not the datasheets' 1."""
+    seen = 0
+    for n, fp4_ratio, ex2 in (("b200", 4, 16), ("gb200", 4, 16), ("gb300", 6, 32)):
+        g = load_gpu(n)
+        assert g.generation == "blackwell" and g.sm_count and g.max_sm_clock_mhz
+        bf16 = g.sm_count * 8192 * g.max_sm_clock_mhz * 1e6 / 1e12
+        assert g.bf16_tflops == pytest.approx(bf16, abs=1.0)
+        assert g.fp8_tflops == pytest.approx(2 * bf16, abs=1.0)
+        assert g.fp4_tflops == pytest.approx(fp4_ratio * bf16, abs=1.0)
+        assert g.sfu_exp_tera_per_s == pytest.approx(g.sm_count * ex2 * g.max_sm_clock_mhz * 1e6 / 1e12, abs=0.01)
+        seen += 1
+    assert seen == 3
+    gb200, gb300 = load_gpu("gb200"), load_gpu("gb300")
+    assert gb300.bf16_tflops / gb200.bf16_tflops == pytest.approx(1.057, abs=0.002)
 
 
 def test_extra_limit_buys_clock():

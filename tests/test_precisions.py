@@ -35,7 +35,9 @@ def test_block_formats_need_blackwell():
     with pytest.raises(SpecError, match="needs Blackwell"):
         check_precision(load_gpu("h100"), "nvfp4")
     check_precision(load_gpu("b200"), "mxfp8")
-    assert load_gpu("gb200").peak_tflops("nvfp4") == 10000 and load_gpu("gb200").peak_tflops("mxfp8") == 5000
+    g = load_gpu("gb200")  # NVFP4 at the FP4 rate, MXFP8 at the FP8 rate (rates at the maximum clock)
+    assert g.peak_tflops("nvfp4") == g.fp4_tflops == pytest.approx(4 * g.peak_tflops("bf16"), abs=3)
+    assert g.peak_tflops("mxfp8") == g.fp8_tflops == pytest.approx(2 * g.peak_tflops("bf16"), abs=2)
 
 
 def test_scale_bytes_per_element():
