@@ -225,6 +225,28 @@ def s24c() -> list[dict]:
             + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=13)
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=13))
 
+
+def s24d() -> list[dict]:
+    """Session 24's third call: expandable segments on (PYTORCH_CUDA_ALLOC_CONF, the te stack's
+    default; the runner's other jobs ran without), issue #27: the layouts `recommend --stack te`
+    ranks #1 with the stack's settings that ran out of memory under the runner's (llama3-70b[4L]
+    FP8 mbs4, nemotron4-15b mbs2, llama3-8b FP8 mbs8), and the runs whose reserved-but-unallocated
+    memory set the band's spread with expandable segments off (llama3-8b CP2 mbs8, GPT-3 PP2 VP16,
+    GPT-3 DP4 mbs8, the Mixtral and Qwen3 #1s, llama3-70b[4L] mbs2): their peaks with it on."""
+    es = {"expandable_segments": True}
+    l70 = [("alloc", dict(dp=4, mbs=4, precision="fp8", **es)), ("alloc", dict(dp=4, mbs=2, **es))]
+    nem = [("alloc", dict(dp=4, mbs=2, **es))]
+    l8 = [("alloc", dict(dp=4, mbs=8, precision="fp8", **es)), ("alloc", dict(cp=2, dp=2, mbs=8, **es))]
+    gpt = [("alloc", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **es)), ("alloc", dict(dp=4, mbs=8, **es))]
+    mix = [("alloc", dict(dp=4, ep=2, etp=1, mbs=4, **es))]
+    qw = [("alloc", dict(dp=4, ep=4, mbs=4, **es))]
+    return (_jobs("llama3-70b", "l70b", l70, layers=4, seq=4096, gbs=16, first=12)
+            + _jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=6)
+            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=44)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=13)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=14)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=14))
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -335,7 +357,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
-           "x4-te-s24c": s24c}
+           "x4-te-s24c": s24c, "x4-te-s24d": s24d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
