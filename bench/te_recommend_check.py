@@ -10,7 +10,8 @@ gradient_accumulation_fusion, FP8 primary weights, expandable segments, the pipe
 with the settings our runner ran (none of them; the fair comparison with the measurements). For each: its #1, whether that layout was measured and what it measured against
 the best measured layout, and the rank recommend gives the measured best; where #1 was not measured
 (no device time here), recommend's own predicted ratio of the measured best to its #1, and whether #1
-failed when measured (an OOM of h100x4-te-edge.jsonl). A layout is matched on tp, pp, dp, cp, ep, etp,
+failed when measured with the row's allocator setting (an OOM of h100x4-te-edge.jsonl; the stack's rows
+have expandable segments on, the runner's off). A layout is matched on tp, pp, dp, cp, ep, etp,
 vp, mbs, recompute and precision (the runner's fixed settings aside).
 """
 from __future__ import annotations
@@ -45,9 +46,17 @@ def short(cfg) -> str:
             + (f" vp{cfg.vp}" if cfg.vp > 1 else "") + f" mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute}"))
 
 
+def expandable(record: dict) -> bool:
+    """Whether the run had torch's allocator with expandable segments (its env.alloc_conf; records
+    before session 24 have no key: the runner left it off)."""
+    return "expandable_segments:True" in ((record.get("env") or {}).get("alloc_conf") or "")
+
+
 def failed_layouts(paths) -> dict:
-    """{(model name, layers, GPUs, seq, gbs, precision, match key): status} of the runs that did not
-    finish (OOM, crash), read from the raw records (models.dataset skips them)."""
+    """{(model name, layers, GPUs, seq, gbs, precision, match key, expandable segments): status} of
+    the runs that did not finish (OOM, crash), read from the raw records (models.dataset skips
+    them). The allocator setting is part of the key: a layout that ran out of memory with
+    expandable segments off may run with them on (the te stack's default)."""
     import json
 
     from advisor.catalog.specs import TrainConfig
@@ -59,7 +68,8 @@ def failed_layouts(paths) -> dict:
             if d.get("status", "ok") == "ok" or d.get("stack") != "te":
                 continue
             cfg = TrainConfig.from_dict(d["config"])
-            out[(d["model_name"], d.get("layers"), cfg.world_size, cfg.seq, cfg.gbs, cfg.precision, match_key(cfg))] = d["status"]
+            out[(d["model_name"], d.get("layers"), cfg.world_size, cfg.seq, cfg.gbs, cfg.precision, match_key(cfg),
+                 expandable(d))] = d["status"]
     return out
 
 
@@ -124,7 +134,8 @@ def main(argv=None) -> int:
             r = check(g, meas, cal, a.top, runner)
             first = short(r["first"].config) if r["first"] else "-"
             _, c0, m0, _ = next(iter(meas.values()))
-            fail = failed.get((m0.name.split("[")[0], m0.num_layers, *g[1:], r["k1"]))
+            # the stack's allocator default is expandable segments on, the runner's off
+            fail = failed.get((m0.name.split("[")[0], m0.num_layers, *g[1:], r["k1"], not runner))
             if fail:
                 verdict = f"{fail} when run FAIL"
                 fails += runner
