@@ -68,8 +68,13 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
 def nvfp4_gemm_tflops(gpu: GPUSpec, c: Constants) -> float:
     """The dense FP4 rate (TFLOP/s) the stack's NVFP4 GEMMs issue at: the GPU's FP4 peak, or
     `Constants.nvfp4_gemm_rate_bf16` x its BF16 peak where that is lower (Blackwell Ultra's 6x
-    needs the SM103-only K=96 MMA; cuBLASLt's NVFP4 GEMMs, which TE calls, run the K=64 one at 4x)."""
-    return min(gpu.fp4_tflops, c.nvfp4_gemm_rate_bf16 * gpu.bf16_tflops)
+    needs the SM103-only K=96 MMA; cuBLASLt's NVFP4 GEMMs, which TE calls, run the K=64 one at 4x).
+    Scaled on the FP4 peak by the ratio of the per-clock rates (an integer: 4 Blackwell, 6 Blackwell
+    Ultra), so the catalog's rounding of each peak does not move a Blackwell GPU's rate."""
+    if gpu.fp4_tflops <= 0 or gpu.bf16_tflops <= 0:
+        return gpu.fp4_tflops
+    ratio = round(gpu.fp4_tflops / gpu.bf16_tflops)
+    return gpu.fp4_tflops * min(1.0, c.nvfp4_gemm_rate_bf16 / ratio)
 
 
 def weight_copy_bytes(code: int, c: Constants) -> float:
