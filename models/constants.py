@@ -166,7 +166,7 @@ class Constants:
     # 4 x 2,713 (the K64 rate at the maximum clock) but 0.53 of the 6x 16,279. So on GB300 the
     # NVFP4 GEMMs of a TE run gain over FP8 what they gain on GB200 (the published llama3.1-405b
     # NVFP4 / FP8 step-time ratios: 1.38x GB200, 1.35x GB300). The GEMM rate is
-    # min(fp4_tflops, this x bf16_tflops); MFU stays against the GPU's FP4 peak (quant.mfu_peak_tflops).
+    # fp4_tflops x min(1, this / (its FP4 / BF16 ratio)) (quant.nvfp4_gemm_tflops); MFU stays against the GPU's FP4 peak (quant.mfu_peak_tflops).
     # A stack whose NVFP4 GEMMs issue the K96 form would set 6.
     nvfp4_gemm_rate_bf16: float = 4.0
     # NVFP4 casts (TE NVFP4BlockScaling, the recipe of Megatron-Bridge's NVFP4 performance runs):
