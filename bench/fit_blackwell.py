@@ -42,12 +42,16 @@ NAMES = ("gemm_efficiency_max_fp8", "gemm_efficiency_max_fp4", "attention_effici
 BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85), "gemm_clock_share": (0.1, 1.0)}
 
 
-# The NVFP4 GEMM fraction before its shape factor, measured: cuBLASLt (what TE's NVFP4 GEMMs call)
-# runs an 8192^3 FP4 (MXF4) GEMM at 5,239 TFLOP/s on B200, DeepGEMM's kernel at 5,702 (deepseek-ai/
-# DeepGEMM PR 348, CUDA 12.9, cublasTest 13.3) of the 9,000 dense peak: 0.58 / 0.63, over the shape
-# factor (8192 / (8192 + gemm_half_dim_fp4))^3 = 0.87: 0.67 / 0.73. Centre cuBLAS's; the spread
-# covers DeepGEMM's and NVFP4's scale per 16 elements (MXF4: per 32)
-FP4_GEMM_PRIOR = (0.67, 0.06)
+# The NVFP4 GEMM fraction before its shape factor, measured on B200 (the K=64 FP4 rate, 4 x BF16,
+# which is also the rate TE's NVFP4 GEMMs issue at on Blackwell Ultra: Constants.nvfp4_gemm_rate_bf16)
+# against its peak at the maximum clock, 9,530 TFLOP/s (catalog/data/gpus/b200.yaml): cuBLASLt (what
+# TE's NVFP4 GEMMs call) runs an 8192^3 NVFP4 GEMM (torch._scaled_mm) at 5,370 TFLOP/s (pytorch/ao
+# PR 2427, benchmarks/float8/bench_matmul.py --recipe nvfp4) and an MXF4 one at 5,239, DeepGEMM's
+# kernel at 5,702 (deepseek-ai/DeepGEMM PR 348, CUDA 12.9, cublasTest 13.3): 0.55-0.56 / 0.60, over
+# the shape factor (8192 / (8192 + gemm_half_dim_fp4))^3 = 0.87: 0.63-0.65 / 0.69. Centre cuBLAS's;
+# the spread covers DeepGEMM's and the clock the GEMM held (not reported). (Until blackwell6 the
+# centre was 0.67: the same GEMMs over the datasheet's 9,000, the peak before the max-clock rates.)
+FP4_GEMM_PRIOR = (0.64, 0.06)
 
 # The clock-scaled share of GEMM time: centred on the H100's (models/constants.py: 8192^3 BF16
 # throughput ~ clock^0.5, 0.415), wide: not measured on Blackwell. Public B300 cuBLAS 8192^3 runs

@@ -152,6 +152,23 @@ class Constants:
     gemm_efficiency_max_fp4: float = 0.65
     # at 4x the BF16 rate per byte read a tile needs ~4x the work to hide its loads (4 x gemm_half_dim)
     gemm_half_dim_fp4: float = 384.0
+    # The FP4 rate TE's NVFP4 GEMMs issue at, per BF16 rate of the same SMs at the same clock.
+    # TE runs them through cuBLASLt, whose block-scaled FP4 kernels use the K=64 MMA (tcgen05.mma
+    # kind::mxf4nvf4.block_scale.block16, the SM100 atom SM100_MMA_MXF4 with a K-extent of 64
+    # elements): 2x the FP8 rate, 4x BF16, on Blackwell (B200 / GB200) and Blackwell Ultra (B300 /
+    # GB300) alike. Blackwell Ultra's 6x (GB300 / B300 datasheets: 15 PF dense FP4) is issued only by
+    # the SM103-only K=96 form (CUTLASS example 89_sm103_fp4_ultra_gemm, schedules
+    # KernelTmaWarpSpecialized*SmBlockScaledMxNvf4UltraVs16Sm103 lowering to SM103_MXF4_ULTRA_SS_VS:
+    # NVIDIA/cutlass issue 3358; HazyResearch/ThunderKittens PR 201 adds that K96 form for B300).
+    # Measured: cuBLASLt NVFP4 (torch._scaled_mm, e2m1 x e2m1, E4M3 scales per 16) on a GB300 at
+    # 8192^3 runs 8,427-8,622 TFLOP/s, "the doubled (~8 PF-class) ceiling above FP8's ~3,859"
+    # (cfregly/ai-performance-engineering, docs/gb300-nvfp4-dual2sm.md): 2.2x its FP8 GEMM, 0.79 of
+    # 4 x 2,713 (the K64 rate at the maximum clock) but 0.53 of the 6x 16,279. So on GB300 the
+    # NVFP4 GEMMs of a TE run gain over FP8 what they gain on GB200 (the published llama3.1-405b
+    # NVFP4 / FP8 step-time ratios: 1.38x GB200, 1.35x GB300). The GEMM rate is
+    # fp4_tflops x min(1, this / (its FP4 / BF16 ratio)) (quant.nvfp4_gemm_tflops); MFU stays against the GPU's FP4 peak (quant.mfu_peak_tflops).
+    # A stack whose NVFP4 GEMMs issue the K96 form would set 6.
+    nvfp4_gemm_rate_bf16: float = 4.0
     # NVFP4 casts (TE NVFP4BlockScaling, the recipe of Megatron-Bridge's NVFP4 performance runs):
     # per GEMM input an amax pass (the tensor's amax and that of its 16-point random Hadamard
     # transform, for the column-wise copy wgrad reads) and a cast writing the row-wise and the

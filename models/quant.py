@@ -59,10 +59,22 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
         fwd = c.nvfp4_quantize_input_bytes * c.hbm_efficiency
         bwd = c.nvfp4_quantize_grad_bytes * c.hbm_efficiency
     if name == "nvfp4":
-        peak, eff, half = gpu.fp4_tflops, c.gemm_efficiency_max_fp4, c.gemm_half_dim_fp4
+        peak, eff, half = nvfp4_gemm_tflops(gpu, c), c.gemm_efficiency_max_fp4, c.gemm_half_dim_fp4
     else:
         peak, eff, half = gpu.fp8_tflops, c.gemm_efficiency_max_fp8, c.gemm_half_dim_fp8
     return Quant(name, peak * 1e12, eff, half, b, fwd, bwd, c.bytes_fp8_weight_copy * b, c.bytes_fp8_activation * b)
+
+
+def nvfp4_gemm_tflops(gpu: GPUSpec, c: Constants) -> float:
+    """The dense FP4 rate (TFLOP/s) the stack's NVFP4 GEMMs issue at: the GPU's FP4 peak, or
+    `Constants.nvfp4_gemm_rate_bf16` x its BF16 peak where that is lower (Blackwell Ultra's 6x
+    needs the SM103-only K=96 MMA; cuBLASLt's NVFP4 GEMMs, which TE calls, run the K=64 one at 4x).
+    Scaled on the FP4 peak by the ratio of the per-clock rates (an integer: 4 Blackwell, 6 Blackwell
+    Ultra), so the catalog's rounding of each peak does not move a Blackwell GPU's rate."""
+    if gpu.fp4_tflops <= 0 or gpu.bf16_tflops <= 0:
+        return gpu.fp4_tflops
+    ratio = round(gpu.fp4_tflops / gpu.bf16_tflops)
+    return gpu.fp4_tflops * min(1.0, c.nvfp4_gemm_rate_bf16 / ratio)
 
 
 def weight_copy_bytes(code: int, c: Constants) -> float:
@@ -91,7 +103,8 @@ def mfu_peak_tflops(model: ModelSpec, seq: int, gpu: GPUSpec, code: int) -> floa
     total = training_flops_per_token(model, seq)
     high = 3.0 * attention_flops_all_layers(model, seq) + 6.0 * model.vocab_size * model.hidden_size
     low = max(0.0, total - high)
-    peak = gpu.fp4_tflops if name == "nvfp4" else gpu.fp8_tflops  # as quant() runs them
+    # the GPU's peaks (not the lower rate the stack's NVFP4 GEMMs issue at: nvfp4_gemm_tflops)
+    peak = gpu.fp4_tflops if name == "nvfp4" else gpu.fp8_tflops
     if peak <= 0:  # a format this GPU has no tensor cores for (refused before a prediction)
         return bf16
     return total / (low / peak + high / bf16)

@@ -85,3 +85,39 @@ def test_cli_one_line_error_off_blackwell():
     r = subprocess.run([sys.executable, "-m", "advisor", "recommend", "-m", "llama3-8b", "-c", "h100x8",
                         "--precision", "nvfp4"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "needs Blackwell" in r.stderr
+
+
+def test_nvfp4_gemms_at_the_k64_rate():
+    """TE's NVFP4 GEMMs (cuBLASLt, K=64 block-scaled MMA) issue at 4x BF16 on Blackwell and
+    Blackwell Ultra alike: GB300's 6x datasheet FP4 rate is not what they run at; MFU keeps it."""
+    from advisor.models.quant import mfu_peak_tflops, nvfp4_gemm_tflops
+
+    code = QUANTS.index("nvfp4")
+    for name in ("b200", "gb200"):  # Blackwell: the FP4 peak is the K=64 rate
+        g = load_gpu(name)
+        assert nvfp4_gemm_tflops(g, DEFAULT) == g.fp4_tflops
+        assert quant(g, code, DEFAULT).peak_flops == g.fp4_tflops * 1e12
+    g = load_gpu("gb300")
+    assert g.fp4_tflops == pytest.approx(6 * g.bf16_tflops, abs=3)
+    assert quant(g, code, DEFAULT).peak_flops == pytest.approx(4 * g.bf16_tflops * 1e12, rel=1e-3)
+    assert nvfp4_gemm_tflops(g, DEFAULT.replace(nvfp4_gemm_rate_bf16=6.0)) == g.fp4_tflops
+    fp4_share = mfu_peak_tflops(M, 8192, g, code)  # against the GPU's own FP4 peak
+    assert fp4_share > mfu_peak_tflops(M, 8192, g, QUANTS.index("fp8"))
+
+
+def test_nvfp4_speedup_same_on_gb200_and_gb300():
+    """The published llama3.1-405b NVFP4 / FP8 speed-ups are 1.38x on GB200 and 1.35x on GB300:
+    at the K=64 rate the model gives the two GPUs the same speed-up within a few %, at GB300's
+    datasheet 6x it would give GB300 a much larger one."""
+    m = load_model("llama3.1-405b")
+    lay = dict(tp=4, pp=8, vp=4, dp=8, mbs=1, gbs=1536, seq=8192, sequence_parallel=True,
+               account_for_embedding=True, account_for_loss=True)  # 128 slots over 8 x 4 chunks
+
+    def speedup(cluster, c):
+        t = {p: predict(m, load_cluster(cluster), TrainConfig(precision=p, **lay), c).tokens_per_s_per_gpu
+             for p in ("fp8", "nvfp4")}
+        return t["nvfp4"] / t["fp8"]
+
+    gb200, gb300 = speedup("gb200x256", DEFAULT), speedup("gb300x256", DEFAULT)
+    assert gb200 > 1.2 and abs(gb300 / gb200 - 1) < 0.05
+    assert speedup("gb300x256", DEFAULT.replace(nvfp4_gemm_rate_bf16=6.0)) > 1.1 * gb300
