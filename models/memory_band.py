@@ -12,15 +12,22 @@ allocated and peak reserved memory), so the band has two parts, each fitted on i
   than proportional (the fit keeps the form with the smaller leave-one-architecture-out error),
   affine: measured = b * (A - R) + a by least squares, lo = hi = b and add_lo / add_hi = a plus
   the smallest / largest residual in GiB;
-- reserved but unallocated: R plus the smallest / largest measured - predicted (GiB) of the runs
-  with the same allocator setting: with expandable segments off (rf_lo / rf_hi, per stack and
-  class: fragmentation spreads with the blocks a step frees) or on (rf_lo_expandable /
-  rf_hi_expandable, every stack's runs with them on pooled: segments grow by pages and strand
-  nothing, so the term does not depend on the model's blocks). A layout with expandable segments
-  on is not charged the fragmentation spread of the runs that had them off.
+- reserved but unallocated, with expandable segments off (torch's default; per stack and class):
+  an envelope affine in the predicted R, [rf_lo_scale R + rf_lo, rf_hi_scale R + rf_hi]. Stranded
+  memory is made of freed blocks no later request can reuse, so what a layout can strand grows with
+  the sizes of the blocks it frees and allocates again (the loss stage's logits, a dense layer's FC1
+  output, a dropless MoE layer's token buffers: what R is made of, models/allocator_memory.py), not
+  by a fixed amount whatever the layout: the envelope is the tightest line (least total slack,
+  slope >= 0) over every run's measured reserved-but-unallocated memory against its predicted R;
+  with expandable segments on (rf_lo_expandable / rf_hi_expandable, every stack's runs with them
+  on pooled: segments grow by pages and strand nothing, so the term does not depend on the model's
+  blocks) R plus the measured - predicted range. A layout with expandable segments on is not
+  charged the fragmentation spread of the runs that had them off.
 The interval of a prediction is
 
-    [lo (A - R) + add_lo + R + rf_lo + U, hi (A - R) + add_hi + R + rf_hi + U]
+    [lo (A - R) + add_lo + rf_lo_scale R + rf_lo + U, hi (A - R) + add_hi + rf_hi_scale R + rf_hi + U]
+
+(expandable segments: R + rf_lo_expandable / R + rf_hi_expandable in place of the R terms)
 
 with U counted once: the stage's own outside-allocator term (the first stage holds the most
 communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
@@ -46,7 +53,7 @@ import numpy as np
 from advisor.catalog.specs import SpecError
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
-FORMAT = "advisor.memory_band/5"  # 5: allocated and reserved-but-unallocated apart, by allocator setting
+FORMAT = "advisor.memory_band/6"  # 6: the reserved-but-unallocated spread affine in R (5: a constant GiB range)
 CLASSES = ("dense", "moe")
 
 
@@ -60,26 +67,37 @@ class Band:
     add_lo_gib: float = 0.0  # the affine form's additive part of the lower / upper end (GiB)
     add_hi_gib: float = 0.0
     form: str = "ratio"  # "ratio" (add_* = 0) or "affine"
-    # measured - predicted reserved but unallocated (GiB), expandable segments off / on
+    # reserved but unallocated with expandable segments off: [rf_lo_scale R + rf_lo_gib, rf_hi_scale R + rf_hi_gib]
     rf_lo_gib: float = 0.0
     rf_hi_gib: float = 0.0
+    rf_lo_scale: float = 1.0
+    rf_hi_scale: float = 1.0
+    # measured - predicted reserved but unallocated (GiB) with expandable segments on
     rf_lo_expandable_gib: float = 0.0
     rf_hi_expandable_gib: float = 0.0
 
     def interval(self, predicted_gib, outside_gib, reserved_free_gib, expandable):
         """(lower, upper) GiB on the device of a predicted allocator peak (floats or arrays): its
         allocated part (predicted - reserved_free_gib) scaled by lo / hi plus add_lo / add_hi, the
-        reserved-but-unallocated term plus its measured spread for the allocator setting
-        (`expandable`: expandable segments on), plus the memory outside the allocator
-        (models/outside_memory.py) once."""
+        reserved-but-unallocated term's envelope for the allocator setting (`expandable`: expandable
+        segments on), plus the memory outside the allocator (models/outside_memory.py) once."""
         x = np.asarray(expandable, bool)
         alloc = predicted_gib - reserved_free_gib
-        rf_lo = np.where(x, self.rf_lo_expandable_gib, self.rf_lo_gib)
-        rf_hi = np.where(x, self.rf_hi_expandable_gib, self.rf_hi_gib)
-        lo = alloc * self.lo + self.add_lo_gib + reserved_free_gib + rf_lo + outside_gib
-        hi = alloc * self.hi + self.add_hi_gib + reserved_free_gib + rf_hi + outside_gib
+        rf_lo, rf_hi = self.reserved_free_interval(reserved_free_gib, x)
+        lo = alloc * self.lo + self.add_lo_gib + rf_lo + outside_gib
+        hi = alloc * self.hi + self.add_hi_gib + rf_hi + outside_gib
         if np.ndim(lo) == 0:
             return float(lo), float(hi)
+        return lo, hi
+
+    def reserved_free_interval(self, reserved_free_gib, expandable):
+        """(lower, upper) GiB of the reserved-but-unallocated memory of a predicted term R (floats
+        or arrays): expandable segments off, the affine envelope rf_*_scale R + rf_*_gib; on, R plus
+        the runs' measured - predicted range."""
+        x = np.asarray(expandable, bool)
+        r = np.asarray(reserved_free_gib, float)
+        lo = np.where(x, r + self.rf_lo_expandable_gib, self.rf_lo_scale * r + self.rf_lo_gib)
+        hi = np.where(x, r + self.rf_hi_expandable_gib, self.rf_hi_scale * r + self.rf_hi_gib)
         return lo, hi
 
 
@@ -109,6 +127,7 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     return Band(lo=b["lo"], hi=b["hi"], stack=name, kind=k, source=src,
                 add_lo_gib=b.get("add_lo_gib", 0.0), add_hi_gib=b.get("add_hi_gib", 0.0), form=b.get("form", "ratio"),
                 rf_lo_gib=b.get("rf_lo_gib", 0.0), rf_hi_gib=b.get("rf_hi_gib", 0.0),
+                rf_lo_scale=b.get("rf_lo_scale", 1.0), rf_hi_scale=b.get("rf_hi_scale", 1.0),
                 rf_lo_expandable_gib=x.get("rf_lo_gib", 0.0), rf_hi_expandable_gib=x.get("rf_hi_gib", 0.0))
 
 
@@ -151,7 +170,9 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
                      "form": b.form, "kind": b.kind, "source": b.source,
                      "reserved_free_gib": float(reserved_free_per_stage_gib[k]), "expandable_segments": bool(expandable),
                      "rf_lo_gib": b.rf_lo_expandable_gib if expandable else b.rf_lo_gib,
-                     "rf_hi_gib": b.rf_hi_expandable_gib if expandable else b.rf_hi_gib}}
+                     "rf_hi_gib": b.rf_hi_expandable_gib if expandable else b.rf_hi_gib,
+                     "rf_lo_scale": 1.0 if expandable else b.rf_lo_scale,
+                     "rf_hi_scale": 1.0 if expandable else b.rf_hi_scale}}
 
 
 def fit_line(mf: dict) -> str:
