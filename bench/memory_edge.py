@@ -355,8 +355,13 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     copy = weight_copy_bytes(cfg.quant_code, c)
     layers = stage_layers(r.model, cfg)
     out = []
+    # Megatron FSDP shards the quantized copies with the weights: their share of the stage's weights as
+    # without it (the same fraction of each weight byte is sharded and gathered, models.memory.fsdp_terms)
+    whole = stage_memory(r.model, cfg.replace(fsdp=False), c) if cfg.fsdp else None
     for sm in stage_memory(r.model, cfg, c):
         fp8 = linear_params(r.model, cfg, layers[sm.stage]) * copy / 2**30
+        if whole is not None:
+            fp8 *= sm.weights_gib / whole[sm.stage].weights_gib
         out.append({"stage": sm.stage, "layers": sm.layers, "in_flight": in_flight_chunks(cfg, sm.stage),
                     "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,

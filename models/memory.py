@@ -347,6 +347,36 @@ def output_in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
     return memo.get("outputs_in_flight", (plan.pp, plan.vp, m), make)
 
 
+def unit_param_table(memo: Memo, tp: int, ep_etp: int) -> np.ndarray:
+    """[K] parameters one GPU holds of one layer of each kind (dense / TP + experts / (EP x ETP)):
+    a Megatron FSDP unit (megatron-core's fsdp_unit_modules: TransformerLayer, MoETransformerLayer)."""
+    return memo.get("unit_params", (tp, ep_etp), lambda: np.array(
+        [sum(_stage_params(memo.model, {i: 1}, False, False, False, tp, ep_etp)[:2]) for i in memo.kinds]))
+
+
+def fsdp_terms(model: ModelSpec, L: Layouts, memo: Memo, S: Stages, c: Constants, counts, last,
+               weights, grads, total, shard):
+    """(weights, grads) bytes per stage with Megatron FSDP (TrainConfig.fsdp, optim_grads_params):
+    the stage's weights (BF16 and quantized copies) and gradients sharded as its optimizer states are
+    (shard / total: params / (DP x CP), experts / their expert-DP group), plus the units in flight
+    gathered whole (Constants.fsdp_units_in_flight x the largest unit's params x the stage's weight
+    and gradient bytes per param): a layer, or the embedding (first stage) / the output layer (loss
+    stage), which are gathered on their own when used. Rows without FSDP keep weights and grads."""
+    r = S.row
+    ee = L.ep * L.etp
+    first, inv = unique_rows([L.tp, ee])
+    tables = np.stack([unit_param_table(memo, int(L.tp[i]), int(ee[i])) for i in first])
+    unit = np.where(counts > 0, tables[inv[r]], 0.0).max(axis=1)
+    tp_r = L.tp[r]
+    unit = np.maximum(unit, np.where(S.k == 0, embedding_params(model) / tp_r, 0.0))
+    unit = np.maximum(unit, np.where(last, output_params(model) / tp_r, 0.0))
+    per = np.where(total > 0, 1.0 / np.maximum(total, 1.0), 0.0)
+    frac = shard * per
+    n = c.fsdp_units_in_flight * unit * per
+    on = L.fsdp[r]
+    return np.where(on, weights * (frac + n), weights), np.where(on, grads * (frac + n), grads)
+
+
 def stage_param_arrays(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
     """[S, 3] (dense, expert, linear) parameters one GPU of every stage holds (plan_params)."""
     hit = S.cache.get("params")
@@ -423,6 +453,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         bf16_linear = np.where(L.fpg[r], 0.0, bf16_linear)
     weights = (total - linear) * c.bytes_weight + bf16_linear + linear * fp8_copy
     grads = total * c.bytes_grad
+    if L.fsdp is not None and L.fsdp.any():  # Megatron FSDP: weights and gradients sharded too
+        weights, grads = fsdp_terms(model, L, memo, S, c, counts, last, weights, grads, total, shard)
     f = 1.0 + c.fragmentation
     # torch's caching allocator: reserved but unallocated (models/allocator_memory.py): the stage's
     # largest transient block (the loss stage's logits tensor, a dense layer's FC1 output) and its
