@@ -107,6 +107,7 @@ def rows(paths: list[str]) -> list[dict]:
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": top.total_gib,
                         "rf": top.reserved_free_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
+                        "periodic": bool(MB.periodic_schedule(cfg.pp, cfg.cp)),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
                         "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or ""),
@@ -187,6 +188,30 @@ def choose_reserved_form(lo: dict) -> str:
     return min(RF_FORMS, key=lambda f: (-lo[f]["covered"], lo[f]["slack_gib"]))
 
 
+def reserved_part(R: np.ndarray, M: np.ndarray, arch: np.ndarray) -> dict:
+    """The lines of the form choose_reserved_form picks over (R, M), with every form's held-out check
+    (rf_loao) and how many runs and architectures they stand on."""
+    lo = reserved_loao(R, M, arch)
+    form = choose_reserved_form(lo)
+    return {**reserved_envelope(R, M, form), "rf_form": form, "rf_loao": lo, "n": int(len(R)),
+            "architectures": len(set(arch.tolist()))}
+
+
+def rf_cells(s: dict) -> str:
+    """A reserved_part's form, lines and held-out check per form, as table cells."""
+    return (f"{s['rf_form']:8} {s['rf_lo_scale']:5.2f} R{s['rf_lo_gib']:+6.2f} {s['rf_hi_scale']:5.2f} R{s['rf_hi_gib']:+6.2f} "
+            + " ".join(f"{s['rf_loao'][f]['covered']:3d}/{s['rf_loao'][f]['held']:<3d}{s['rf_loao'][f]['slack_gib']:+5.1f}"
+                       for f in RF_FORMS))
+
+
+def rf_upper(env: dict, R, periodic, pooled: dict):
+    """The band's upper end of the reserved-but-unallocated memory (models.memory_band.Band.
+    reserved_free_interval) with the lines of reserved_part `pooled` and `env` (the periodic-schedule runs')."""
+    b = MB.Band(lo=1.0, hi=1.0, stack="", kind="", source="", rf_hi_scale=pooled["rf_hi_scale"],
+                rf_hi_gib=pooled["rf_hi_gib"], rf_periodic=(1.0, 0.0, env["rf_hi_scale"], env["rf_hi_gib"]))
+    return b.reserved_free_interval(R, False, periodic)[1]
+
+
 def expandable_spread(ok: list[dict]) -> dict:
     """measured - predicted reserved but unallocated over every run with expandable segments on
     (all stacks and classes pooled: the term does not depend on the model's blocks)."""
@@ -200,8 +225,10 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
     between lo and hi) or the affine one (measured = b (A - R) + a, the residuals' range added), and the
     reserved-but-unallocated term R with lines under and over the measured one against R (the runs
     with expandable segments off; reserved_envelope's form that holds the most runs leave-one-
-    architecture-out, then the least slack: choose_reserved_form; `xs`: the pooled spread of the
-    runs with them on). The allocated part's form kept is the
+    architecture-out, then the least slack: choose_reserved_form), fitted on every run (for layouts
+    whose schedule interleaves allocations: pipeline or CP) and on the runs with a periodic schedule
+    alone ("periodic": models.memory_band.periodic_schedule; `xs`: the pooled spread of the runs
+    with expandable segments on). The allocated part's form kept is the
     one with the smaller LOAO MAPE of the peak reserved (|measured / held-out prediction - 1|, the
     held-out architecture's runs predicted by the allocated form fitted on the others plus R and the
     others' median R residual)."""
@@ -222,17 +249,18 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
         arch = np.array([r["arch"] for r in rs])
         cov = {"ratio": 0, "affine": 0}
         err: dict[str, list] = {"ratio": [], "affine": []}
-        off_all = ~X
-        rf_lo = reserved_loao(R[off_all], (D + R)[off_all], arch[off_all])
-        rf_form = choose_reserved_form(rf_lo)
+        P = np.array([bool(r["periodic"]) for r in rs])
+        pooled = reserved_part(R[~X], (D + R)[~X], arch[~X])
+        periodic = reserved_part(R[~X & P], (D + R)[~X & P], arch[~X & P])
         for a in sorted(set(arch)):
             held, rest = arch == a, arch != a
             if not rest.any():
                 continue
             off = rest & ~X
-            env = reserved_envelope(R[off], (D + R)[off], rf_form)
+            env = reserved_envelope(R[off], (D + R)[off], pooled["rf_form"])
+            env_p = reserved_envelope(R[off & P], (D + R)[off & P], periodic["rf_form"])
             d_mid = np.where(X[held], 0.0, float(np.median(D[off])) if off.any() else 0.0)
-            rf_hi = np.where(X[held], R[held] + xs["rf_hi_gib"], env["rf_hi_scale"] * R[held] + env["rf_hi_gib"])
+            rf_hi = np.where(X[held], R[held] + xs["rf_hi_gib"], rf_upper(env_p, R[held], P[held], env))
             rf_mid = R[held] + d_mid
             cov["ratio"] += int((M[held] <= ratio[rest].max() * Aa[held] + rf_hi).sum())
             err["ratio"] += list(np.abs(M[held] / (float(np.median(ratio[rest])) * Aa[held] + rf_mid) - 1.0))
@@ -246,8 +274,8 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
         band = ({"lo": b, "hi": b, "add_lo_gib": c0 + float(res.min()), "add_hi_gib": c0 + float(res.max())}
                 if form == "affine" else {"lo": float(ratio.min()), "hi": float(ratio.max()),
                                           "add_lo_gib": 0.0, "add_hi_gib": 0.0})
-        out[kind] = {**band, **reserved_envelope(R[~X], (D + R)[~X], rf_form), "rf_form": rf_form,
-                     "rf_loao": rf_lo, "form": form, "n": len(rs), "architectures": len(set(arch)),
+        out[kind] = {**band, **{k: v for k, v in pooled.items() if k.startswith("rf_")}, "periodic": periodic,
+                     "form": form, "n": len(rs), "architectures": len(set(arch)),
                      "expandable_runs": int(X.sum()), "loao_covered": cov[form],
                      "mape_as_shipped_pct": float(np.mean(np.abs(A / M - 1.0)) * 100),
                      "mape_loao_pct": mape[form], "mape_loao_ratio_pct": mape["ratio"],
@@ -318,7 +346,8 @@ def recipes(margin: float | None) -> list[dict]:
         if r.unmodelled:
             notes.append(f"{len(r.unmodelled)} not modelled")
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
-                    "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments)[1]),
+                    "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments,
+                                              MB.periodic_schedule(cfg.pp, cfg.cp))[1]),
                     "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
@@ -354,6 +383,7 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     b = MB.band("te", r.model.is_moe)
     copy = weight_copy_bytes(cfg.quant_code, c)
     layers = stage_layers(r.model, cfg)
+    periodic = bool(MB.periodic_schedule(cfg.pp, cfg.cp))
     out = []
     # Megatron FSDP shards the quantized copies with the weights: their share of the stage's weights as
     # without it (the same fraction of each weight byte is sharded and gathered, models.memory.fsdp_terms)
@@ -369,10 +399,11 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                     "reserved_free": sm.reserved_free_gib, "total": sm.total_gib,
                     "outside": sm.outside_gib,
                     "upper": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
-                                              cfg.expandable_segments)[1])})
+                                              cfg.expandable_segments, periodic)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
             "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b, "expandable": cfg.expandable_segments,
+            "periodic": periodic,
             "assumed": "; ".join(r.assumptions)}
     return head, out
 
@@ -393,7 +424,7 @@ def print_recipe(row_id: str) -> None:
     top = max(stages, key=lambda s: s["upper"])
     print(f"tightest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
           f"(allocated x {b.hi:.3f} + {b.add_hi_gib:.1f}, reserved free {top['reserved_free']:.2f} "
-          f"-> {float(b.reserved_free_interval(top['reserved_free'], head['expandable'])[1]):.2f}, "
+          f"-> {float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'])[1]):.2f}, "
           f"+ {top['outside']:.1f} outside the allocator), "
           f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
 
@@ -587,9 +618,10 @@ def main() -> None:
     fit_oom = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
-        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"])[1]
+        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])[1]
         usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
-        ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]]))
+        ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]],
+                          r["periodic"]))
         fit_oom += ok
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
         print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
@@ -608,16 +640,15 @@ def main() -> None:
         for kind, s in loao(ok, xs).items():
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
-            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[stack])
-                           for r in mine)
+            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"],
+                                       margins[stack], r["periodic"]) for r in mine)
             print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
-                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} {s['rf_form']:8} {s['rf_lo_scale']:5.2f} R{s['rf_lo_gib']:+6.2f} "
-                  f"{s['rf_hi_scale']:5.2f} R{s['rf_hi_gib']:+6.2f} "
-                  + " ".join(f"{s['rf_loao'][f]['covered']:3d}/{s['rf_loao'][f]['held']:<3d}{s['rf_loao'][f]['slack_gib']:+5.1f}"
-                             for f in RF_FORMS) + " "
+                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} " + rf_cells(s) + " "
                   f"{s['loao_covered']:6d} of {s['n']:<4d} "
                   f"{s['mape_as_shipped_pct']:11.1f}% {s['mape_loao_pct']:8.1f}% {s['mape_loao_ratio_pct']:5.1f}% "
                   f"{s['mape_loao_affine_pct']:5.1f}% {rejected:8d}")
+            print(f"{'':5} {'':5} {'':6} {'':4} {'':5} {'':6} {'':6} {'':5} {'':5} " + rf_cells(s["periodic"])
+                  + f"   periodic schedule: {s['periodic']['n']} runs, {s['periodic']['architectures']} architectures")
     print()
     rec = recipes(a.margin)
     print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "

@@ -16,6 +16,7 @@ import numpy as np
 from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
+from advisor.models.memory_band import periodic_schedule
 from advisor.models.moe import moe_activation_elements
 from advisor.models.allocator_memory import (LOGIT_BLOCK_BYTES, dense_block_bytes, logits_block_bytes,
                                              moe_buffer_bytes, reserved_free_gib)
@@ -512,14 +513,16 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
     the band (models.memory_band.Band.interval) on its own allocator peak and reserved-but-unallocated
-    term (with the spread of its allocator setting) plus its own memory outside the allocator (the
-    first stage holds more communicators than a middle one), so a layout fits when every stage does."""
+    term (with the spread of its allocator setting and its schedule, memory_band.periodic_schedule)
+    plus its own memory outside the allocator (the first stage holds more communicators than a middle
+    one), so a layout fits when every stage does."""
+
     S = Stages(L)
     peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
     parts = S.cache["memory"][0]
     outside = parts["outside_gib"]
     xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
-    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg)[1]
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic_schedule(L.pp, L.cp)[S.row])[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 

@@ -82,10 +82,13 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
     p = res.recommendations[0].prediction
     rf = mf["band"]["reserved_free_gib"]
     assert not cfg.expandable_segments and not mf["band"]["expandable_segments"]  # the local stack's default
-    assert (lo, hi) == pytest.approx(b.interval(p.memory_per_stage_gib[k], mf["outside_gib"], rf, False))
+    periodic = bool(MB.periodic_schedule(cfg.pp, cfg.cp))
+    assert mf["band"]["periodic_schedule"] == periodic
+    assert (lo, hi) == pytest.approx(b.interval(p.memory_per_stage_gib[k], mf["outside_gib"], rf, False, periodic))
     # the band on the allocated part, the reserved-but-unallocated term with its own spread, outside once
-    assert lo == pytest.approx((p.memory_per_stage_gib[k] - rf) * b.lo + b.add_lo_gib + b.rf_lo_scale * rf
-                               + b.rf_lo_gib + mf["outside_gib"])
+    rlo, rhi = b.reserved_free_interval(rf, False, periodic)
+    assert mf["band"]["reserved_free_interval_gib"] == pytest.approx([rlo, rhi])
+    assert lo == pytest.approx((p.memory_per_stage_gib[k] - rf) * b.lo + b.add_lo_gib + rlo + mf["outside_gib"])
     assert mf["headroom_gib"] == pytest.approx(mf["usable_gib"] - hi)
     wider = recommend("llama3-8b", "h100x4", stack="local", top=3, memory_margin=0.15)
     assert wider.feasible < res.feasible
@@ -101,12 +104,16 @@ def test_te_band_is_fitted_on_te_runs_and_the_outside_term_matches_the_oom_messa
             b = MB.band(stack, moe)
             assert b.stack == stack and f"{stack} stack" in b.source
             assert json.loads(MB.BAND_FILE.read_text())["stacks"][stack][b.kind]["n"] >= 18
-            assert b.interval(50.0, 8.0, 2.0, False)[1] == pytest.approx(b.hi * 48.0 + b.add_hi_gib
-                                                                         + b.rf_hi_scale * 2.0 + b.rf_hi_gib + 8.0)
+            assert b.interval(50.0, 8.0, 2.0, False)[1] == pytest.approx(
+                b.hi * 48.0 + b.add_hi_gib + max(b.rf_hi_scale * 2.0 + b.rf_hi_gib, 2.0) + 8.0)
             # expandable segments: the spread of the runs that had them on, not the fragmentation's
             assert b.interval(50.0, 8.0, 0.44, True)[1] == pytest.approx(b.hi * 49.56 + b.add_hi_gib + 0.44
                                                                          + b.rf_hi_expandable_gib + 8.0)
             assert b.rf_hi_expandable_gib < 0.5 < b.rf_hi_scale * 0.44 + b.rf_hi_gib
+            # a periodic schedule is bounded by the narrower of its own lines and the pooled ones
+            R = np.linspace(0.5, 20.0, 40)
+            assert np.all(b.reserved_free_interval(R, False, True)[1] <= b.reserved_free_interval(R, False, False)[1])
+            assert np.all(b.reserved_free_interval(R, False, True)[1] >= R)
     # the physical term against what each OOM message says the process held outside torch's
     # allocator (in use less reserved): within 0.7 GiB of 7.7-9.5 GiB
     oom = [r for r in rs if r["outside"] is not None]
@@ -171,9 +178,12 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
                 assert k["add_lo_gib"] == k["add_hi_gib"] == 0.0
             forms.add(k["form"])
             # the reserved-but-unallocated part: the form that holds the most held-out runs
-            assert k["rf_form"] == mod.choose_reserved_form(k["rf_loao"])
-            assert all(k["rf_loao"][k["rf_form"]]["covered"] >= v["covered"] for v in k["rf_loao"].values())
-            rf_forms.add(k["rf_form"])
+            for part in (k, k["periodic"]):
+                assert part["rf_form"] == mod.choose_reserved_form(part["rf_loao"])
+                assert all(part["rf_loao"][part["rf_form"]]["covered"] >= v["covered"] for v in part["rf_loao"].values())
+                rf_forms.add(part["rf_form"])
+            assert k["periodic"]["n"] == sum(1 for r in rs if r["stack"] == stack and r["status"] == "ok" and not r["x"]
+                                             and r["periodic"] and bool(r["moe"]) == (kind == "moe"))
             b = MB.band(stack, kind == "moe")
             assert (b.rf_hi_scale, b.rf_hi_gib) == pytest.approx((k["rf_hi_scale"], k["rf_hi_gib"]))
             if k["rf_form"] == "ratio":  # a layout freeing small blocks is charged less than one freeing large
@@ -181,12 +191,13 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
                 assert b.rf_hi_gib == b.rf_lo_gib == 0.0 and large > small > 0.0
             for r in rs:
                 if r["stack"] == stack and r["status"] == "ok" and bool(r["moe"]) == (kind == "moe"):
-                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"])
+                    assert r["periodic"] == (r["cfg"].pp == 1 and r["cfg"].cp == 1)
+                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])
                     # the interval holds the allocator's measured peak plus the outside memory
                     assert lo - 1e-6 <= r["measured"] + r["outside_pred"] <= hi + 1e-6, r["id"]
-                    rlo, rhi = b.reserved_free_interval(r["rf"], r["x"])
+                    rlo, rhi = b.reserved_free_interval(r["rf"], r["x"], r["periodic"])
                     assert rlo - 1e-6 <= r["measured"] - r["measured_alloc"] <= rhi + 1e-6, r["id"]
-    assert forms == {"ratio", "affine"} and "ratio" in rf_forms
+    assert forms == {"ratio", "affine"} and {"ratio", "affine"} <= rf_forms
 
 
 def test_fits_on_arrays_is_fits_on_floats():
@@ -195,8 +206,11 @@ def test_fits_on_arrays_is_fits_on_floats():
     out = np.linspace(7, 10, 41)
     rf = np.linspace(0.5, 6, 41)
     xs = np.arange(41) % 2 == 0
-    assert MB.fits(x, out, rf, xs, b, 79.65, 0.05).tolist() == [
-        bool(MB.fits(float(v), float(o), float(f), bool(e), b, 79.65, 0.05)) for v, o, f, e in zip(x, out, rf, xs)]
+    per = np.arange(41) % 3 == 0
+    b = MB.band("te", False)  # its periodic lines differ from the pooled ones
+    assert MB.fits(x, out, rf, xs, b, 79.65, 0.05, per).tolist() == [
+        bool(MB.fits(float(v), float(o), float(f), bool(e), b, 79.65, 0.05, bool(p)))
+        for v, o, f, e, p in zip(x, out, rf, xs, per)]
 
 
 def test_no_oom_record_is_predicted_to_fit():
@@ -205,10 +219,16 @@ def test_no_oom_record_is_predicted_to_fit():
     assert len(oom) >= 8
     for r in oom:
         assert not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], MB.band(r["stack"], r["moe"]),
-                           r["gpu_gib"], 0.05), r["id"]
+                           r["gpu_gib"], 0.05, r["periodic"]), r["id"]
     # the shipped band is what the command makes of the data
-    shipped = json.loads(MB.BAND_FILE.read_text())
-    assert shipped["stacks"]["local"]["moe"]["hi"] == pytest.approx(mod.fit(rs)["stacks"]["local"]["moe"]["hi"])
+    shipped, fitted = json.loads(MB.BAND_FILE.read_text())["stacks"], mod.fit(rs)["stacks"]
+    for stack in ("local", "te"):
+        for kind in MB.CLASSES:
+            for part in (lambda d: d, lambda d: d["periodic"]):
+                got, want = part(shipped[stack][kind]), part(fitted[stack][kind])
+                assert [got[k] for k in ("rf_hi_scale", "rf_hi_gib", "rf_lo_scale", "rf_lo_gib")] == pytest.approx(
+                    [want[k] for k in ("rf_hi_scale", "rf_hi_gib", "rf_lo_scale", "rf_lo_gib")])
+    assert shipped["local"]["moe"]["hi"] == pytest.approx(fitted["local"]["moe"]["hi"])
 
 
 def test_cli_margin_and_left_out_line():
