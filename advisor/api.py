@@ -413,7 +413,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                                                 [s.reserved_free_gib for s in sms],
                                                                 cfg.expandable_segments, band,
                                                                 c.gpu.memory_gib, sc_margin,
-                                                                bool(memory_band.periodic_schedule(cfg.pp, cfg.cp)))))
+                                                                memory_band.periodic_layout(m, cfg))))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,

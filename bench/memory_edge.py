@@ -107,7 +107,7 @@ def rows(paths: list[str]) -> list[dict]:
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": top.total_gib,
                         "rf": top.reserved_free_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
-                        "periodic": bool(MB.periodic_schedule(cfg.pp, cfg.cp)),
+                        "periodic": MB.periodic_layout(model, cfg),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
                         "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or ""),
@@ -188,13 +188,18 @@ def choose_reserved_form(lo: dict) -> str:
     return min(RF_FORMS, key=lambda f: (-lo[f]["covered"], lo[f]["slack_gib"]))
 
 
+MIN_ARCHITECTURES = 2  # lines of a subset are used only where a held-out architecture can check them
+
+
 def reserved_part(R: np.ndarray, M: np.ndarray, arch: np.ndarray) -> dict:
     """The lines of the form choose_reserved_form picks over (R, M), with every form's held-out check
-    (rf_loao) and how many runs and architectures they stand on."""
+    (rf_loao), how many runs and architectures they stand on, and whether they are used ("used":
+    at least MIN_ARCHITECTURES architectures)."""
     lo = reserved_loao(R, M, arch)
     form = choose_reserved_form(lo)
+    n_arch = len(set(arch.tolist()))
     return {**reserved_envelope(R, M, form), "rf_form": form, "rf_loao": lo, "n": int(len(R)),
-            "architectures": len(set(arch.tolist()))}
+            "architectures": n_arch, "used": n_arch >= MIN_ARCHITECTURES}
 
 
 def rf_cells(s: dict) -> str:
@@ -227,7 +232,7 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
     with expandable segments off; reserved_envelope's form that holds the most runs leave-one-
     architecture-out, then the least slack: choose_reserved_form), fitted on every run (for layouts
     whose schedule interleaves allocations: pipeline or CP) and on the runs with a periodic schedule
-    alone ("periodic": models.memory_band.periodic_schedule; `xs`: the pooled spread of the runs
+    alone ("periodic": models.memory_band.periodic_layout; `xs`: the pooled spread of the runs
     with expandable segments on). The allocated part's form kept is the
     one with the smaller LOAO MAPE of the peak reserved (|measured / held-out prediction - 1|, the
     held-out architecture's runs predicted by the allocated form fitted on the others plus R and the
@@ -258,7 +263,9 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
                 continue
             off = rest & ~X
             env = reserved_envelope(R[off], (D + R)[off], pooled["rf_form"])
-            env_p = reserved_envelope(R[off & P], (D + R)[off & P], periodic["rf_form"])
+            # the periodic lines where the shipped band uses them and the others' periodic runs can draw them
+            env_p = (reserved_envelope(R[off & P], (D + R)[off & P], periodic["rf_form"])
+                     if periodic["used"] and (off & P).any() else env)
             d_mid = np.where(X[held], 0.0, float(np.median(D[off])) if off.any() else 0.0)
             rf_hi = np.where(X[held], R[held] + xs["rf_hi_gib"], rf_upper(env_p, R[held], P[held], env))
             rf_mid = R[held] + d_mid
@@ -347,7 +354,7 @@ def recipes(margin: float | None) -> list[dict]:
             notes.append(f"{len(r.unmodelled)} not modelled")
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
                     "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments,
-                                              MB.periodic_schedule(cfg.pp, cfg.cp))[1]),
+                                              MB.periodic_layout(r.model, cfg))[1]),
                     "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
@@ -383,7 +390,7 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     b = MB.band("te", r.model.is_moe)
     copy = weight_copy_bytes(cfg.quant_code, c)
     layers = stage_layers(r.model, cfg)
-    periodic = bool(MB.periodic_schedule(cfg.pp, cfg.cp))
+    periodic = bool(MB.periodic_layout(r.model, cfg))
     out = []
     # Megatron FSDP shards the quantized copies with the weights: their share of the stage's weights as
     # without it (the same fraction of each weight byte is sharded and gathered, models.memory.fsdp_terms)
@@ -648,7 +655,8 @@ def main() -> None:
                   f"{s['mape_as_shipped_pct']:11.1f}% {s['mape_loao_pct']:8.1f}% {s['mape_loao_ratio_pct']:5.1f}% "
                   f"{s['mape_loao_affine_pct']:5.1f}% {rejected:8d}")
             print(f"{'':5} {'':5} {'':6} {'':4} {'':5} {'':6} {'':6} {'':5} {'':5} " + rf_cells(s["periodic"])
-                  + f"   periodic schedule: {s['periodic']['n']} runs, {s['periodic']['architectures']} architectures")
+                  + f"   periodic schedule: {s['periodic']['n']} runs, {s['periodic']['architectures']} architectures"
+                  + ("" if s["periodic"]["used"] else f" (not used: under {MIN_ARCHITECTURES})"))
     print()
     rec = recipes(a.margin)
     print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "

@@ -483,6 +483,9 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
              "step_transient_gib": np.maximum(0.0, transient - held) / GIB,
              "reserved_free_gib": reserved,
+             # dropless MoE buffers whose size follows the routing (allocator_memory.moe_buffer_bytes):
+             # the step's allocations change from micro-batch to micro-batch (memory_band.periodic_schedule)
+             "routing_sized": moe_layers * moe_bytes > 0,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
     total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
@@ -522,7 +525,8 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
     parts = S.cache["memory"][0]
     outside = parts["outside_gib"]
     xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
-    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic_schedule(L.pp, L.cp)[S.row])[1]
+    periodic = periodic_schedule(L.pp, L.cp)[S.row] & ~parts["routing_sized"]
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 

@@ -27,7 +27,9 @@ allocated and peak reserved memory), so the band has two parts, each fitted on i
   fitted on those runs alone); a pipeline (1F1B warm-up and cool-down, the interleaved schedule's
   chunks) or CP (Transformer Engine's ring attention allocates each step's tensors on a second
   CUDA stream, and the caching allocator pools blocks per stream) puts allocations of other sizes
-  between a block's free and its next request, and those layouts get the lines fitted on every run;
+  between a block's free and its next request, as a dropless MoE's token buffers do whose sizes
+  follow the routing (they change every micro-batch), and those layouts get the lines fitted on
+  every run;
   with expandable segments on (rf_lo_expandable / rf_hi_expandable, every stack's runs with them
   on pooled: segments grow by pages and strand nothing, so the term does not depend on the model's
   blocks) R plus the measured - predicted range. A layout with expandable segments on is not
@@ -61,6 +63,7 @@ from pathlib import Path
 import numpy as np
 
 from advisor.catalog.specs import SpecError
+from advisor.models.allocator_memory import moe_buffer_bytes
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
 FORMAT = "advisor.memory_band/6"  # 6: the reserved-but-unallocated spread affine in R (5: a constant GiB range)
@@ -127,9 +130,17 @@ class Band:
 
 
 def periodic_schedule(pp, cp):
-    """Whether a layout's every micro-batch allocates the same tensors in the same order (floats or
-    arrays): PP = 1 (no pipeline schedule) and CP = 1 (no ring-attention steps on a second stream)."""
+    """Whether a layout's schedule allocates the same tensors in the same order every micro-batch
+    (floats or arrays): PP = 1 (no pipeline schedule) and CP = 1 (no ring-attention steps on a second
+    stream). A dropless MoE stage whose buffers follow the routing is not periodic whatever its
+    schedule (periodic_layout; models.memory.band_upper_many per stage)."""
     return (np.asarray(pp) == 1) & (np.asarray(cp) == 1)
+
+
+def periodic_layout(model, cfg) -> bool:
+    """periodic_schedule, and no MoE token buffer whose size follows the routing
+    (allocator_memory.moe_buffer_bytes: their sizes change every micro-batch)."""
+    return bool(periodic_schedule(cfg.pp, cfg.cp)) and moe_buffer_bytes(model, cfg) == 0.0
 
 
 @lru_cache(maxsize=4)
@@ -156,7 +167,7 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     b = s[k]
     x = s.get("expandable", {})
     p = b.get("periodic")
-    rf_periodic = None if p is None else (p["rf_lo_scale"], p["rf_lo_gib"], p["rf_hi_scale"], p["rf_hi_gib"])
+    rf_periodic = None if p is None or not p.get("used", True) else (p["rf_lo_scale"], p["rf_lo_gib"], p["rf_hi_scale"], p["rf_hi_gib"])
     return Band(lo=b["lo"], hi=b["hi"], stack=name, kind=k, source=src,
                 add_lo_gib=b.get("add_lo_gib", 0.0), add_hi_gib=b.get("add_hi_gib", 0.0), form=b.get("form", "ratio"),
                 rf_lo_gib=b.get("rf_lo_gib", 0.0), rf_hi_gib=b.get("rf_hi_gib", 0.0),

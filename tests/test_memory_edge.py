@@ -82,7 +82,7 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
     p = res.recommendations[0].prediction
     rf = mf["band"]["reserved_free_gib"]
     assert not cfg.expandable_segments and not mf["band"]["expandable_segments"]  # the local stack's default
-    periodic = bool(MB.periodic_schedule(cfg.pp, cfg.cp))
+    periodic = MB.periodic_layout(m, cfg)
     assert mf["band"]["periodic_schedule"] == periodic
     assert (lo, hi) == pytest.approx(b.interval(p.memory_per_stage_gib[k], mf["outside_gib"], rf, False, periodic))
     # the band on the allocated part, the reserved-but-unallocated term with its own spread, outside once
@@ -182,6 +182,8 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
                 assert part["rf_form"] == mod.choose_reserved_form(part["rf_loao"])
                 assert all(part["rf_loao"][part["rf_form"]]["covered"] >= v["covered"] for v in part["rf_loao"].values())
                 rf_forms.add(part["rf_form"])
+            assert (b_ := MB.band(stack, kind == "moe")).rf_periodic is None or k["periodic"]["used"]
+            assert k["periodic"]["used"] == (k["periodic"]["architectures"] >= 2)
             assert k["periodic"]["n"] == sum(1 for r in rs if r["stack"] == stack and r["status"] == "ok" and not r["x"]
                                              and r["periodic"] and bool(r["moe"]) == (kind == "moe"))
             b = MB.band(stack, kind == "moe")
@@ -191,7 +193,10 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
                 assert b.rf_hi_gib == b.rf_lo_gib == 0.0 and large > small > 0.0
             for r in rs:
                 if r["stack"] == stack and r["status"] == "ok" and bool(r["moe"]) == (kind == "moe"):
-                    assert r["periodic"] == (r["cfg"].pp == 1 and r["cfg"].cp == 1)
+                    cfg = r["cfg"]
+                    routing = r["moe"] and (cfg.ep > 1 or not cfg.moe_grouped_gemm or cfg.precision != "bf16") \
+                        and not cfg.moe_pad_to_capacity
+                    assert r["periodic"] == (cfg.pp == 1 and cfg.cp == 1 and not routing), r["id"]
                     lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])
                     # the interval holds the allocator's measured peak plus the outside memory
                     assert lo - 1e-6 <= r["measured"] + r["outside_pred"] <= hi + 1e-6, r["id"]
