@@ -267,17 +267,26 @@ def test_each_stage_is_bounded_with_its_own_outside_term():
 
     m = load_model("llama3-70b")
     cfgs = [TrainConfig(tp=4, pp=8, dp=2, vp=5, mbs=1, gbs=128, seq=8192, precision="fp8"),
-            TrainConfig(tp=8, pp=1, dp=16, mbs=1, gbs=128, seq=8192)]
+            TrainConfig(tp=8, pp=1, dp=16, mbs=1, gbs=128, seq=8192),
+            TrainConfig(tp=8, pp=1, dp=16, mbs=4, gbs=128, seq=8192)]
     b = MB.band("te", False)
     peak, upper, tight, outside = band_upper_many(m, Layouts.of(m, cfgs), b, DEFAULT)
     for i, cfg in enumerate(cfgs):
         sms = stage_memory(m, cfg, DEFAULT)
-        per = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments)[1] for sm in sms]
+        periodic = MB.periodic_layout(m, cfg)
+        assert periodic == (cfg.pp == 1)
+        per = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments, periodic)[1]
+               for sm in sms]
+        pooled = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments)[1]
+                  for sm in sms]
+        assert max(per) <= max(pooled) + 1e-9
+        if i == 2:  # the periodic line is the narrower one at this R (2.4 GiB)
+            assert max(per) < max(pooled) - 1.0
         assert upper[i] == pytest.approx(max(per)) and peak[i] == pytest.approx(max(sm.total_gib for sm in sms))
         k = int(np.argmax(per))
         assert (tight[i], outside[i]) == pytest.approx((sms[k].total_gib, sms[k].outside_gib))
         mf = MB.memory_fit(peak[i], [sm.total_gib for sm in sms], [sm.outside_gib for sm in sms],
-                           [sm.reserved_free_gib for sm in sms], cfg.expandable_segments, b, 80.0, 0.05)
+                           [sm.reserved_free_gib for sm in sms], cfg.expandable_segments, b, 80.0, 0.05, periodic)
         assert mf["interval_gib"][1] == pytest.approx(max(per)) and mf["tightest_stage"] == k
     outs = [sm.outside_gib for sm in stage_memory(m, cfgs[0], DEFAULT)]
     assert outs[0] > min(outs)  # the first stage holds more communicators than a middle one
