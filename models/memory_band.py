@@ -13,23 +13,25 @@ allocated and peak reserved memory), so the band has two parts, each fitted on i
   affine: measured = b * (A - R) + a by least squares, lo = hi = b and add_lo / add_hi = a plus
   the smallest / largest residual in GiB;
 - reserved but unallocated, with expandable segments off (torch's default; per stack and class):
-  an envelope affine in the predicted R, [rf_lo_scale R + rf_lo, rf_hi_scale R + rf_hi]. Stranded
-  memory is made of freed blocks no later request can reuse, so what a layout can strand grows with
-  the sizes of the blocks it frees and allocates again (the loss stage's logits, a dense layer's FC1
-  output, a dropless MoE layer's token buffers: what R is made of, models/allocator_memory.py), not
-  by a fixed amount whatever the layout: the envelope is the tightest line (least total slack,
-  slope >= 0) over every run's measured reserved-but-unallocated memory against its predicted R;
-  the form (constant R + rf, ratio, affine) that holds the most runs leave-one-architecture-out.
-  Two envelopes per stack and class, by the step's allocation sequence (periodic_schedule): with
+  lines in the predicted R, [rf_lo_scale R + rf_lo, rf_hi_scale R + rf_hi], the upper one never
+  under R itself. Stranded memory is made of freed blocks no later request can reuse, so what a
+  layout can strand grows with the sizes of the blocks it frees and allocates again (the loss
+  stage's logits, a dense layer's FC1 output, a dropless MoE layer's token buffers: what R is made
+  of, models/allocator_memory.py), not by a fixed amount whatever the layout. The lines hold every
+  run's measured reserved-but-unallocated memory; their form is the one of R + constant (slope 1),
+  ratio (no intercept) and affine (the tightest lines of slope >= 0, least total slack) that holds
+  the most runs leave-one-architecture-out (bench/memory_edge.py reserved_part).
+  Two sets of lines per stack and class, by the step's allocation sequence (periodic_layout): with
   PP = 1 and CP = 1 every micro-batch allocates and frees the same tensors in the same order
   (megatron-core's forward_backward_no_pipelining: forward then backward), so once the first has
-  run each freed block is asked for again at its size and little strands (the rf_periodic_* lines,
-  fitted on those runs alone); a pipeline (1F1B warm-up and cool-down, the interleaved schedule's
-  chunks) or CP (Transformer Engine's ring attention allocates each step's tensors on a second
-  CUDA stream, and the caching allocator pools blocks per stream) puts allocations of other sizes
-  between a block's free and its next request, as a dropless MoE's token buffers do whose sizes
-  follow the routing (they change every micro-batch), and those layouts get the lines fitted on
-  every run;
+  run each freed block is asked for again at its size and little strands: those layouts get the
+  narrower of the lines fitted on those runs alone (rf_periodic, used where they span 2
+  architectures or more) and the lines of every run; a pipeline (1F1B warm-up and cool-down, the
+  interleaved schedule's chunks) or CP (Transformer Engine's ring attention allocates each step's
+  tensors on a second CUDA stream, and the caching allocator pools blocks per stream) puts
+  allocations of other sizes between a block's free and its next request, as a dropless MoE's
+  token buffers do whose sizes follow the routing (they change every micro-batch), and those
+  layouts get the lines fitted on every run;
   with expandable segments on (rf_lo_expandable / rf_hi_expandable, every stack's runs with them
   on pooled: segments grow by pages and strand nothing, so the term does not depend on the model's
   blocks) R plus the measured - predicted range. A layout with expandable segments on is not
@@ -38,8 +40,8 @@ The interval of a prediction is
 
     [lo (A - R) + add_lo + rf_lo_scale R + rf_lo + U, hi (A - R) + add_hi + rf_hi_scale R + rf_hi + U]
 
-(periodic schedule: the rf_periodic_* lines; expandable segments: R + rf_lo_expandable /
-R + rf_hi_expandable in place of the R terms)
+(Band.reserved_free_interval: the periodic layouts' narrower lines; expandable segments: R +
+rf_lo_expandable / R + rf_hi_expandable in place of the R terms)
 
 with U counted once: the stage's own outside-allocator term (the first stage holds the most
 communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
