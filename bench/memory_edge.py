@@ -107,6 +107,7 @@ def rows(paths: list[str]) -> list[dict]:
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": top.total_gib,
                         "rf": top.reserved_free_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
+                        "periodic": MB.periodic_layout(model, cfg),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
                         "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or ""),
@@ -125,6 +126,97 @@ def spread(d: np.ndarray) -> dict:
     return {"rf_lo_gib": float(d.min()) if len(d) else 0.0, "rf_hi_gib": float(d.max()) if len(d) else 0.0}
 
 
+def envelope(R: np.ndarray, M: np.ndarray, upper: bool) -> tuple[float, float]:
+    """The tightest line a + b R over (upper) or under (lower) every point (R, M): measured
+    reserved-but-unallocated GiB M against the predicted term R, slope b >= 0 (a layout freeing larger
+    blocks strands no less), least total slack (linear program): (b, a). (1, 0) without runs."""
+    from scipy.optimize import linprog
+
+    if not len(R):
+        return 1.0, 0.0
+    s = 1.0 if upper else -1.0
+    res = linprog(s * np.array([len(R), R.sum()]), A_ub=-s * np.c_[np.ones_like(R), R], b_ub=-s * M,
+                  bounds=[(None, None), (0.0, None)])
+    a, b = (float(v) for v in res.x)
+    return b, a
+
+
+RF_FORMS = ("constant", "ratio", "affine")
+
+
+def reserved_envelope(R: np.ndarray, M: np.ndarray, form: str = "affine") -> dict:
+    """The band's reserved-but-unallocated part with expandable segments off (models/memory_band.py):
+    lines under and over the measured M against the predicted R that hold every run, of one form:
+    "constant" (slope 1: R + the range of M - R, GiB whatever the layout's blocks), "ratio" (no
+    intercept: the range of M / R, stranding in proportion to the blocks R is made of) or "affine"
+    (the tightest lines of slope >= 0, envelope())."""
+    if not len(R):
+        return {"rf_lo_scale": 1.0, "rf_lo_gib": 0.0, "rf_hi_scale": 1.0, "rf_hi_gib": 0.0}
+    if form == "constant":
+        bl = bh = 1.0
+    elif form == "ratio":
+        bl, bh = float((M / R).min()), float((M / R).max())
+    else:
+        bl, bh = envelope(R, M, False)[0], envelope(R, M, True)[0]
+    # the intercepts that put every run inside (0 for the ratio form, up to rounding)
+    al, ah = float((M - bl * R).min()), float((M - bh * R).max())
+    if form == "ratio":
+        al, ah = min(al, 0.0), max(ah, 0.0)
+    return {"rf_lo_scale": bl, "rf_lo_gib": al, "rf_hi_scale": bh, "rf_hi_gib": ah}
+
+
+def reserved_loao(R: np.ndarray, M: np.ndarray, arch: np.ndarray) -> dict:
+    """Per form of reserved_envelope: how many runs fall under the upper line fitted without their
+    architecture, and the mean GiB that line is over them (negative: under-predicted)."""
+    out = {}
+    for form in RF_FORMS:
+        cov, slack = 0, []
+        for a in sorted(set(arch)):
+            held = arch == a
+            if held.all():
+                continue
+            e = reserved_envelope(R[~held], M[~held], form)
+            up = e["rf_hi_scale"] * R[held] + e["rf_hi_gib"]
+            cov += int((M[held] <= up + 1e-9).sum())
+            slack += list(up - M[held])
+        out[form] = {"covered": cov, "held": len(slack), "slack_gib": float(np.mean(slack)) if slack else float("nan")}
+    return out
+
+
+def choose_reserved_form(lo: dict) -> str:
+    """The form that holds the most held-out runs, then the one with the least mean slack."""
+    return min(RF_FORMS, key=lambda f: (-lo[f]["covered"], lo[f]["slack_gib"]))
+
+
+MIN_ARCHITECTURES = 2  # lines of a subset are used only where a held-out architecture can check them
+
+
+def reserved_part(R: np.ndarray, M: np.ndarray, arch: np.ndarray) -> dict:
+    """The lines of the form choose_reserved_form picks over (R, M), with every form's held-out check
+    (rf_loao), how many runs and architectures they stand on, and whether they are used ("used":
+    at least MIN_ARCHITECTURES architectures)."""
+    lo = reserved_loao(R, M, arch)
+    form = choose_reserved_form(lo)
+    n_arch = len(set(arch.tolist()))
+    return {**reserved_envelope(R, M, form), "rf_form": form, "rf_loao": lo, "n": int(len(R)),
+            "architectures": n_arch, "used": n_arch >= MIN_ARCHITECTURES}
+
+
+def rf_cells(s: dict) -> str:
+    """A reserved_part's form, lines and held-out check per form, as table cells."""
+    return (f"{s['rf_form']:8} {s['rf_lo_scale']:5.2f} R{s['rf_lo_gib']:+6.2f} {s['rf_hi_scale']:5.2f} R{s['rf_hi_gib']:+6.2f} "
+            + " ".join(f"{s['rf_loao'][f]['covered']:3d}/{s['rf_loao'][f]['held']:<3d}{s['rf_loao'][f]['slack_gib']:+5.1f}"
+                       for f in RF_FORMS))
+
+
+def rf_upper(env: dict, R, periodic, pooled: dict):
+    """The band's upper end of the reserved-but-unallocated memory (models.memory_band.Band.
+    reserved_free_interval) with the lines of reserved_part `pooled` and `env` (the periodic-schedule runs')."""
+    b = MB.Band(lo=1.0, hi=1.0, stack="", kind="", source="", rf_hi_scale=pooled["rf_hi_scale"],
+                rf_hi_gib=pooled["rf_hi_gib"], rf_periodic=(1.0, 0.0, env["rf_hi_scale"], env["rf_hi_gib"]))
+    return b.reserved_free_interval(R, False, periodic)[1]
+
+
 def expandable_spread(ok: list[dict]) -> dict:
     """measured - predicted reserved but unallocated over every run with expandable segments on
     (all stacks and classes pooled: the term does not depend on the model's blocks)."""
@@ -136,8 +228,12 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
     """Per class: the band, its leave-one-architecture-out coverage and MAPE. The band is two parts
     (models/memory_band.py): the predicted allocated peak (A - R) in the ratio form (measured / (A - R)
     between lo and hi) or the affine one (measured = b (A - R) + a, the residuals' range added), and the
-    reserved-but-unallocated term R with the range of its measured - predicted GiB, over the runs with
-    expandable segments off (`xs`: the pooled spread of the runs with them on). The form kept is the
+    reserved-but-unallocated term R with lines under and over the measured one against R (the runs
+    with expandable segments off; reserved_envelope's form that holds the most runs leave-one-
+    architecture-out, then the least slack: choose_reserved_form), fitted on every run (for layouts
+    whose schedule interleaves allocations: pipeline or CP) and on the runs with a periodic schedule
+    alone ("periodic": models.memory_band.periodic_layout; `xs`: the pooled spread of the runs
+    with expandable segments on). The allocated part's form kept is the
     one with the smaller LOAO MAPE of the peak reserved (|measured / held-out prediction - 1|, the
     held-out architecture's runs predicted by the allocated form fitted on the others plus R and the
     others' median R residual)."""
@@ -158,14 +254,21 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
         arch = np.array([r["arch"] for r in rs])
         cov = {"ratio": 0, "affine": 0}
         err: dict[str, list] = {"ratio": [], "affine": []}
+        P = np.array([bool(r["periodic"]) for r in rs])
+        pooled = reserved_part(R[~X], (D + R)[~X], arch[~X])
+        periodic = reserved_part(R[~X & P], (D + R)[~X & P], arch[~X & P])
         for a in sorted(set(arch)):
             held, rest = arch == a, arch != a
             if not rest.any():
                 continue
             off = rest & ~X
-            d_hi = np.where(X[held], xs["rf_hi_gib"], D[off].max() if off.any() else 0.0)
+            env = reserved_envelope(R[off], (D + R)[off], pooled["rf_form"])
+            # the periodic lines where the shipped band uses them and the others' periodic runs can draw them
+            env_p = (reserved_envelope(R[off & P], (D + R)[off & P], periodic["rf_form"])
+                     if periodic["used"] and (off & P).any() else env)
             d_mid = np.where(X[held], 0.0, float(np.median(D[off])) if off.any() else 0.0)
-            rf_hi, rf_mid = R[held] + d_hi, R[held] + d_mid
+            rf_hi = np.where(X[held], R[held] + xs["rf_hi_gib"], rf_upper(env_p, R[held], P[held], env))
+            rf_mid = R[held] + d_mid
             cov["ratio"] += int((M[held] <= ratio[rest].max() * Aa[held] + rf_hi).sum())
             err["ratio"] += list(np.abs(M[held] / (float(np.median(ratio[rest])) * Aa[held] + rf_mid) - 1.0))
             if len(set(Aa[rest])) > 1:
@@ -178,7 +281,8 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
         band = ({"lo": b, "hi": b, "add_lo_gib": c0 + float(res.min()), "add_hi_gib": c0 + float(res.max())}
                 if form == "affine" else {"lo": float(ratio.min()), "hi": float(ratio.max()),
                                           "add_lo_gib": 0.0, "add_hi_gib": 0.0})
-        out[kind] = {**band, **spread(D[~X]), "form": form, "n": len(rs), "architectures": len(set(arch)),
+        out[kind] = {**band, **{k: v for k, v in pooled.items() if k.startswith("rf_")}, "periodic": periodic,
+                     "form": form, "n": len(rs), "architectures": len(set(arch)),
                      "expandable_runs": int(X.sum()), "loao_covered": cov[form],
                      "mape_as_shipped_pct": float(np.mean(np.abs(A / M - 1.0)) * 100),
                      "mape_loao_pct": mape[form], "mape_loao_ratio_pct": mape["ratio"],
@@ -207,11 +311,14 @@ def fit(rs: list[dict]) -> dict:
                         "trial's start",
             "ratio": "measured allocated / (A - R), A = the predicted allocator peak (StageMemory.total_gib), R its "
                      "reserved-but-unallocated term (StageMemory.reserved_free_gib); the interval is [lo (A - R) + "
-                     "add_lo_gib + R + rf_lo_gib, hi (A - R) + add_hi_gib + R + rf_hi_gib] (form ratio: add_* = 0; "
-                     "affine: measured allocated = b (A - R) + a fitted, lo = hi = b, add_* = a + the residuals' "
-                     "min / max; rf_*: measured - predicted reserved but unallocated over the runs with expandable "
-                     "segments off, the stack's 'expandable' block: over every run with them on) plus the layout's "
-                     "memory outside the allocator (models/outside_memory.py) once",
+                     "add_lo_gib + rf_lo_scale R + rf_lo_gib, hi (A - R) + add_hi_gib + rf_hi_scale R + rf_hi_gib] (form "
+                     "ratio: add_* = 0; affine: measured allocated = b (A - R) + a fitted, lo = hi = b, add_* = a + "
+                     "the residuals' min / max; rf_*: lines under / over the measured reserved but unallocated against R "
+                     "of the runs with expandable segments off, of the form rf_form (constant: slope 1, ratio: no "
+                     "intercept, affine: slope >= 0 and least total slack) that holds the most held-out runs "
+                     "(rf_loao: per form, runs under the line fitted without their architecture), the stack's "
+                     "'expandable' block: R + the range of measured - predicted over every run with them on) plus "
+                     "the layout's memory outside the allocator (models/outside_memory.py) once",
             "default_stack": "local", "stacks": stacks}
 
 
@@ -246,7 +353,8 @@ def recipes(margin: float | None) -> list[dict]:
         if r.unmodelled:
             notes.append(f"{len(r.unmodelled)} not modelled")
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
-                    "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments)[1]),
+                    "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments,
+                                              MB.periodic_layout(r.model, cfg))[1]),
                     "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
@@ -282,9 +390,15 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     b = MB.band("te", r.model.is_moe)
     copy = weight_copy_bytes(cfg.quant_code, c)
     layers = stage_layers(r.model, cfg)
+    periodic = bool(MB.periodic_layout(r.model, cfg))
     out = []
+    # Megatron FSDP shards the quantized copies with the weights: their share of the stage's weights as
+    # without it (the same fraction of each weight byte is sharded and gathered, models.memory.fsdp_terms)
+    whole = stage_memory(r.model, cfg.replace(fsdp=False), c) if cfg.fsdp else None
     for sm in stage_memory(r.model, cfg, c):
         fp8 = linear_params(r.model, cfg, layers[sm.stage]) * copy / 2**30
+        if whole is not None:
+            fp8 *= sm.weights_gib / whole[sm.stage].weights_gib
         out.append({"stage": sm.stage, "layers": sm.layers, "in_flight": in_flight_chunks(cfg, sm.stage),
                     "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
@@ -292,10 +406,11 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                     "reserved_free": sm.reserved_free_gib, "total": sm.total_gib,
                     "outside": sm.outside_gib,
                     "upper": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
-                                              cfg.expandable_segments)[1])})
+                                              cfg.expandable_segments, periodic)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
             "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b, "expandable": cfg.expandable_segments,
+            "periodic": periodic,
             "assumed": "; ".join(r.assumptions)}
     return head, out
 
@@ -316,7 +431,7 @@ def print_recipe(row_id: str) -> None:
     top = max(stages, key=lambda s: s["upper"])
     print(f"tightest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
           f"(allocated x {b.hi:.3f} + {b.add_hi_gib:.1f}, reserved free {top['reserved_free']:.2f} "
-          f"+ {b.rf_hi_expandable_gib if head['expandable'] else b.rf_hi_gib:.2f}, "
+          f"-> {float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'])[1]):.2f}, "
           f"+ {top['outside']:.1f} outside the allocator), "
           f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
 
@@ -510,9 +625,10 @@ def main() -> None:
     fit_oom = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
-        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"])[1]
+        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])[1]
         usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
-        ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]]))
+        ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]],
+                          r["periodic"]))
         fit_oom += ok
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
         print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
@@ -523,20 +639,24 @@ def main() -> None:
     print("Runs that fit: measured / predicted peak (leave-one-architecture-out)")
     xs = expandable_spread([r for r in rs if r["status"] == "ok"])
     print(f"{'stack':5} {'class':5} {'form':6} {'runs':>4} {'archs':>5} {'lo':>6} {'hi':>6} {'+lo':>5} {'+hi':>5} "
-          f"{'rf lo':>5} {'rf hi':>5} "
+          f"{'rf form':8} {'reserved free lo':>14} {'reserved free hi':>14} "
+          + " ".join(f"{'LOAO ' + f[:5]:>13}" for f in RF_FORMS) + " "
           f"{'LOAO under hi':>13} {'MAPE shipped':>12} {'MAPE LOAO':>9} {'ratio':>6} {'affine':>6} {'rejected':>8}")
     for stack in sorted({r["stack"] for r in rs}):
         ok = [r for r in rs if r["stack"] == stack and r["status"] == "ok"]
         for kind, s in loao(ok, xs).items():
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
-            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[stack])
-                           for r in mine)
+            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"],
+                                       margins[stack], r["periodic"]) for r in mine)
             print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
-                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} {s['rf_lo_gib']:5.1f} {s['rf_hi_gib']:5.1f} "
+                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} " + rf_cells(s) + " "
                   f"{s['loao_covered']:6d} of {s['n']:<4d} "
                   f"{s['mape_as_shipped_pct']:11.1f}% {s['mape_loao_pct']:8.1f}% {s['mape_loao_ratio_pct']:5.1f}% "
                   f"{s['mape_loao_affine_pct']:5.1f}% {rejected:8d}")
+            print(f"{'':5} {'':5} {'':6} {'':4} {'':5} {'':6} {'':6} {'':5} {'':5} " + rf_cells(s["periodic"])
+                  + f"   periodic schedule: {s['periodic']['n']} runs, {s['periodic']['architectures']} architectures"
+                  + ("" if s["periodic"]["used"] else f" (not used: under {MIN_ARCHITECTURES})"))
     print()
     rec = recipes(a.margin)
     print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "
@@ -558,7 +678,10 @@ def main() -> None:
           f"{xs['rf_hi_gib']:+.2f} GiB over {xs['n']} run(s) ({', '.join(xs['runs'])}; "
           f"Constants.alloc_reserved_expandable_gib)")
     print("(form: the one with the smaller LOAO MAPE of the peak reserved, both shown; lo / hi and +lo / +hi: the "
-          "allocated part, the affine form's GiB; rf lo / hi: measured - predicted reserved but unallocated, GiB, "
+          "allocated part, the affine form's GiB; reserved free lo / hi: the envelope of the measured reserved but "
+          "unallocated GiB against the predicted R, runs with expandable segments off, of the rf form that holds the "
+          "most held-out runs (then the least slack); LOAO const / ratio / affine: held-out runs under the upper line "
+          "of each form fitted without their architecture, of those, and its mean GiB over them; "
           "runs with expandable segments off; rejected: runs that ran but whose upper bound is over the usable memory)")
 
 

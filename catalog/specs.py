@@ -499,6 +499,14 @@ class TrainConfig:
     # this project's runner builds megatron-core's config with the default (off: runner_config, so
     # its records say so).
     deallocate_pipeline_outputs: bool = False
+    # Megatron FSDP with the optim_grads_params sharding strategy (Megatron-LM --use-megatron-fsdp
+    # --data-parallel-sharding-strategy optim_grads_params, megatron-core DistributedDataParallelConfig.
+    # use_megatron_fsdp; Megatron-Bridge set_megatron_fsdp_overrides): weights, gradients and optimizer
+    # states all sharded over the data-parallel ranks (x CP; experts over their expert-DP group); each
+    # FSDP unit (a transformer layer; the embedding and output layer on their own) is all-gathered
+    # before its forward and backward and its gradient reduce-scattered after (models/memory.py).
+    # Megatron-LM turns the distributed optimizer on with it; here it needs it on.
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -507,7 +515,7 @@ class TrainConfig:
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
         for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
                   "moe_permute_fusion", "gradient_accumulation_fusion", "fp8_param_gather",
-                  "expandable_segments", "deallocate_pipeline_outputs"):
+                  "expandable_segments", "deallocate_pipeline_outputs", "fsdp"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:
@@ -517,6 +525,9 @@ class TrainConfig:
         if self.fp8_param_gather and not (self.precision in ("fp8", "mxfp8") and self.distributed_optimizer):
             raise SpecError("fp8_param_gather needs precision fp8 or mxfp8 and the distributed optimizer "
                             f"(got precision {self.precision}, distributed optimizer {self.distributed_optimizer})")
+        if self.fsdp and not self.distributed_optimizer:
+            raise SpecError("fsdp (Megatron FSDP) needs the distributed optimizer (Megatron-LM turns it on with "
+                            "--use-megatron-fsdp)")
         if self.cross_entropy_impl not in CROSS_ENTROPY_IMPLS:
             raise SpecError(f"cross_entropy_impl must be one of {', '.join(CROSS_ENTROPY_IMPLS)}, "
                             f"got {self.cross_entropy_impl!r}")

@@ -116,6 +116,12 @@ class Constants:
     # data/measurements/h100x4-te.jsonl): peak reserved - peak allocated 0.44 GiB (max over the 4
     # ranks; 0.27-0.44), against 3.85 GiB for te-l8b-alloc-32, the same layout with them off.
     alloc_reserved_expandable_gib: float = 0.44
+    # Megatron FSDP (TrainConfig.fsdp): FSDP units whose parameters are all-gathered (and, in the
+    # backward, whose full gradients wait for their reduce-scatter) at once: the one computing and the
+    # next one, prefetched (megatron-core 0.19 distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:
+    # all-gather with prefetch=True in FORWARD_PASS_ORDER, and BACKWARD_PASS_ORDER in the backward;
+    # the unit's gradient is reduce-scattered after its backward). Not measured (no FSDP run).
+    fsdp_units_in_flight: float = 2.0
     # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
     # headroom for allocation spikes and buffers the model does not see (our memory predictions
     # are within 7-12% MAPE of the measured peaks, docs/measurement.md).

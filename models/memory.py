@@ -16,6 +16,7 @@ import numpy as np
 from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
+from advisor.models.memory_band import periodic_schedule
 from advisor.models.moe import moe_activation_elements
 from advisor.models.allocator_memory import (LOGIT_BLOCK_BYTES, dense_block_bytes, logits_block_bytes,
                                              moe_buffer_bytes, reserved_free_gib)
@@ -347,6 +348,36 @@ def output_in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
     return memo.get("outputs_in_flight", (plan.pp, plan.vp, m), make)
 
 
+def unit_param_table(memo: Memo, tp: int, ep_etp: int) -> np.ndarray:
+    """[K] parameters one GPU holds of one layer of each kind (dense / TP + experts / (EP x ETP)):
+    a Megatron FSDP unit (megatron-core's fsdp_unit_modules: TransformerLayer, MoETransformerLayer)."""
+    return memo.get("unit_params", (tp, ep_etp), lambda: np.array(
+        [sum(_stage_params(memo.model, {i: 1}, False, False, False, tp, ep_etp)[:2]) for i in memo.kinds]))
+
+
+def fsdp_terms(model: ModelSpec, L: Layouts, memo: Memo, S: Stages, c: Constants, counts, last,
+               weights, grads, total, shard):
+    """(weights, grads) bytes per stage with Megatron FSDP (TrainConfig.fsdp, optim_grads_params):
+    the stage's weights (BF16 and quantized copies) and gradients sharded as its optimizer states are
+    (shard / total: params / (DP x CP), experts / their expert-DP group), plus the units in flight
+    gathered whole (Constants.fsdp_units_in_flight x the largest unit's params x the stage's weight
+    and gradient bytes per param): a layer, or the embedding (first stage) / the output layer (loss
+    stage), which are gathered on their own when used. Rows without FSDP keep weights and grads."""
+    r = S.row
+    ee = L.ep * L.etp
+    first, inv = unique_rows([L.tp, ee])
+    tables = np.stack([unit_param_table(memo, int(L.tp[i]), int(ee[i])) for i in first])
+    unit = np.where(counts > 0, tables[inv[r]], 0.0).max(axis=1)
+    tp_r = L.tp[r]
+    unit = np.maximum(unit, np.where(S.k == 0, embedding_params(model) / tp_r, 0.0))
+    unit = np.maximum(unit, np.where(last, output_params(model) / tp_r, 0.0))
+    per = np.where(total > 0, 1.0 / np.maximum(total, 1.0), 0.0)
+    frac = shard * per
+    n = c.fsdp_units_in_flight * unit * per
+    on = L.fsdp[r]
+    return np.where(on, weights * (frac + n), weights), np.where(on, grads * (frac + n), grads)
+
+
 def stage_param_arrays(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
     """[S, 3] (dense, expert, linear) parameters one GPU of every stage holds (plan_params)."""
     hit = S.cache.get("params")
@@ -423,6 +454,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         bf16_linear = np.where(L.fpg[r], 0.0, bf16_linear)
     weights = (total - linear) * c.bytes_weight + bf16_linear + linear * fp8_copy
     grads = total * c.bytes_grad
+    if L.fsdp is not None and L.fsdp.any():  # Megatron FSDP: weights and gradients sharded too
+        weights, grads = fsdp_terms(model, L, memo, S, c, counts, last, weights, grads, total, shard)
     f = 1.0 + c.fragmentation
     # torch's caching allocator: reserved but unallocated (models/allocator_memory.py): the stage's
     # largest transient block (the loss stage's logits tensor, a dense layer's FC1 output) and its
@@ -450,6 +483,9 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
              "step_transient_gib": np.maximum(0.0, transient - held) / GIB,
              "reserved_free_gib": reserved,
+             # dropless MoE buffers whose size follows the routing (allocator_memory.moe_buffer_bytes):
+             # the step's allocations change from micro-batch to micro-batch (memory_band.periodic_schedule)
+             "routing_sized": moe_layers * moe_bytes > 0,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
     total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
@@ -480,14 +516,17 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
     the band (models.memory_band.Band.interval) on its own allocator peak and reserved-but-unallocated
-    term (with the spread of its allocator setting) plus its own memory outside the allocator (the
-    first stage holds more communicators than a middle one), so a layout fits when every stage does."""
+    term (with the spread of its allocator setting and its schedule, memory_band.periodic_schedule)
+    plus its own memory outside the allocator (the first stage holds more communicators than a middle
+    one), so a layout fits when every stage does."""
+
     S = Stages(L)
     peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
     parts = S.cache["memory"][0]
     outside = parts["outside_gib"]
     xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
-    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg)[1]
+    periodic = periodic_schedule(L.pp, L.cp)[S.row] & ~parts["routing_sized"]
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 

@@ -12,15 +12,36 @@ allocated and peak reserved memory), so the band has two parts, each fitted on i
   than proportional (the fit keeps the form with the smaller leave-one-architecture-out error),
   affine: measured = b * (A - R) + a by least squares, lo = hi = b and add_lo / add_hi = a plus
   the smallest / largest residual in GiB;
-- reserved but unallocated: R plus the smallest / largest measured - predicted (GiB) of the runs
-  with the same allocator setting: with expandable segments off (rf_lo / rf_hi, per stack and
-  class: fragmentation spreads with the blocks a step frees) or on (rf_lo_expandable /
-  rf_hi_expandable, every stack's runs with them on pooled: segments grow by pages and strand
-  nothing, so the term does not depend on the model's blocks). A layout with expandable segments
-  on is not charged the fragmentation spread of the runs that had them off.
+- reserved but unallocated, with expandable segments off (torch's default; per stack and class):
+  lines in the predicted R, [rf_lo_scale R + rf_lo, rf_hi_scale R + rf_hi], the upper one never
+  under R itself. Stranded memory is made of freed blocks no later request can reuse, so what a
+  layout can strand grows with the sizes of the blocks it frees and allocates again (the loss
+  stage's logits, a dense layer's FC1 output, a dropless MoE layer's token buffers: what R is made
+  of, models/allocator_memory.py), not by a fixed amount whatever the layout. The lines hold every
+  run's measured reserved-but-unallocated memory; their form is the one of R + constant (slope 1),
+  ratio (no intercept) and affine (the tightest lines of slope >= 0, least total slack) that holds
+  the most runs leave-one-architecture-out (bench/memory_edge.py reserved_part).
+  Two sets of lines per stack and class, by the step's allocation sequence (periodic_layout): with
+  PP = 1 and CP = 1 every micro-batch allocates and frees the same tensors in the same order
+  (megatron-core's forward_backward_no_pipelining: forward then backward), so once the first has
+  run each freed block is asked for again at its size and little strands: those layouts get the
+  narrower of the lines fitted on those runs alone (rf_periodic, used where they span 2
+  architectures or more) and the lines of every run; a pipeline (1F1B warm-up and cool-down, the
+  interleaved schedule's chunks) or CP (Transformer Engine's ring attention allocates each step's
+  tensors on a second CUDA stream, and the caching allocator pools blocks per stream) puts
+  allocations of other sizes between a block's free and its next request, as a dropless MoE's
+  token buffers do whose sizes follow the routing (they change every micro-batch), and those
+  layouts get the lines fitted on every run;
+  with expandable segments on (rf_lo_expandable / rf_hi_expandable, every stack's runs with them
+  on pooled: segments grow by pages and strand nothing, so the term does not depend on the model's
+  blocks) R plus the measured - predicted range. A layout with expandable segments on is not
+  charged the fragmentation spread of the runs that had them off.
 The interval of a prediction is
 
-    [lo (A - R) + add_lo + R + rf_lo + U, hi (A - R) + add_hi + R + rf_hi + U]
+    [lo (A - R) + add_lo + rf_lo_scale R + rf_lo + U, hi (A - R) + add_hi + rf_hi_scale R + rf_hi + U]
+
+(Band.reserved_free_interval: the periodic layouts' narrower lines; expandable segments: R +
+rf_lo_expandable / R + rf_hi_expandable in place of the R terms)
 
 with U counted once: the stage's own outside-allocator term (the first stage holds the most
 communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
@@ -44,9 +65,10 @@ from pathlib import Path
 import numpy as np
 
 from advisor.catalog.specs import SpecError
+from advisor.models.allocator_memory import moe_buffer_bytes
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
-FORMAT = "advisor.memory_band/5"  # 5: allocated and reserved-but-unallocated apart, by allocator setting
+FORMAT = "advisor.memory_band/6"  # 6: the reserved-but-unallocated spread affine in R (5: a constant GiB range)
 CLASSES = ("dense", "moe")
 
 
@@ -60,27 +82,67 @@ class Band:
     add_lo_gib: float = 0.0  # the affine form's additive part of the lower / upper end (GiB)
     add_hi_gib: float = 0.0
     form: str = "ratio"  # "ratio" (add_* = 0) or "affine"
-    # measured - predicted reserved but unallocated (GiB), expandable segments off / on
+    # reserved but unallocated with expandable segments off: [rf_lo_scale R + rf_lo_gib, rf_hi_scale R + rf_hi_gib]
     rf_lo_gib: float = 0.0
     rf_hi_gib: float = 0.0
+    rf_lo_scale: float = 1.0
+    rf_hi_scale: float = 1.0
+    # the same lines fitted on the runs with a periodic schedule alone (periodic_schedule; None: the above)
+    rf_periodic: tuple[float, float, float, float] | None = None  # (lo_scale, lo_gib, hi_scale, hi_gib)
+    # measured - predicted reserved but unallocated (GiB) with expandable segments on
     rf_lo_expandable_gib: float = 0.0
     rf_hi_expandable_gib: float = 0.0
 
-    def interval(self, predicted_gib, outside_gib, reserved_free_gib, expandable):
+    def interval(self, predicted_gib, outside_gib, reserved_free_gib, expandable, periodic=False):
         """(lower, upper) GiB on the device of a predicted allocator peak (floats or arrays): its
         allocated part (predicted - reserved_free_gib) scaled by lo / hi plus add_lo / add_hi, the
-        reserved-but-unallocated term plus its measured spread for the allocator setting
-        (`expandable`: expandable segments on), plus the memory outside the allocator
-        (models/outside_memory.py) once."""
+        reserved-but-unallocated term's envelope for the allocator setting (`expandable`: expandable
+        segments on) and the schedule (`periodic`: periodic_schedule), plus the memory outside the
+        allocator (models/outside_memory.py) once."""
         x = np.asarray(expandable, bool)
         alloc = predicted_gib - reserved_free_gib
-        rf_lo = np.where(x, self.rf_lo_expandable_gib, self.rf_lo_gib)
-        rf_hi = np.where(x, self.rf_hi_expandable_gib, self.rf_hi_gib)
-        lo = alloc * self.lo + self.add_lo_gib + reserved_free_gib + rf_lo + outside_gib
-        hi = alloc * self.hi + self.add_hi_gib + reserved_free_gib + rf_hi + outside_gib
+        rf_lo, rf_hi = self.reserved_free_interval(reserved_free_gib, x, periodic)
+        lo = alloc * self.lo + self.add_lo_gib + rf_lo + outside_gib
+        hi = alloc * self.hi + self.add_hi_gib + rf_hi + outside_gib
         if np.ndim(lo) == 0:
             return float(lo), float(hi)
         return lo, hi
+
+    def reserved_free_interval(self, reserved_free_gib, expandable, periodic=False):
+        """(lower, upper) GiB of the reserved-but-unallocated memory of a predicted term R (floats
+        or arrays): expandable segments off, the lines rf_*_scale R + rf_*_gib (where `periodic`, the
+        narrower of them and those fitted on the periodic-schedule runs, which hold those runs both),
+        the upper one never under R itself (a line of slope
+        < 1 is not extrapolated below the term's own prediction past the measured R); on, R plus the
+        runs' measured - predicted range."""
+        x = np.asarray(expandable, bool)
+        r = np.asarray(reserved_free_gib, float)
+        lo = self.rf_lo_scale * r + self.rf_lo_gib
+        hi = self.rf_hi_scale * r + self.rf_hi_gib
+        if self.rf_periodic is not None:  # both lines hold the periodic runs: the narrower of the two
+            p = np.asarray(periodic, bool)
+            pls, plg, phs, phg = self.rf_periodic
+            lo = np.where(p, np.maximum(lo, pls * r + plg), lo)
+            hi = np.where(p, np.minimum(hi, phs * r + phg), hi)
+        lo = np.where(x, r + self.rf_lo_expandable_gib, lo)
+        hi = np.where(x, r + self.rf_hi_expandable_gib, np.maximum(hi, r))
+        if np.ndim(lo) == 0:
+            return float(lo), float(hi)
+        return lo, hi
+
+
+def periodic_schedule(pp, cp):
+    """Whether a layout's schedule allocates the same tensors in the same order every micro-batch
+    (floats or arrays): PP = 1 (no pipeline schedule) and CP = 1 (no ring-attention steps on a second
+    stream). A dropless MoE stage whose buffers follow the routing is not periodic whatever its
+    schedule (periodic_layout; models.memory.band_upper_many per stage)."""
+    return (np.asarray(pp) == 1) & (np.asarray(cp) == 1)
+
+
+def periodic_layout(model, cfg) -> bool:
+    """periodic_schedule, and no MoE token buffer whose size follows the routing
+    (allocator_memory.moe_buffer_bytes: their sizes change every micro-batch)."""
+    return bool(periodic_schedule(cfg.pp, cfg.cp)) and moe_buffer_bytes(model, cfg) == 0.0
 
 
 @lru_cache(maxsize=4)
@@ -106,9 +168,12 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     k = CLASSES[bool(is_moe)]
     b = s[k]
     x = s.get("expandable", {})
+    p = b.get("periodic")
+    rf_periodic = None if p is None or not p.get("used", True) else (p["rf_lo_scale"], p["rf_lo_gib"], p["rf_hi_scale"], p["rf_hi_gib"])
     return Band(lo=b["lo"], hi=b["hi"], stack=name, kind=k, source=src,
                 add_lo_gib=b.get("add_lo_gib", 0.0), add_hi_gib=b.get("add_hi_gib", 0.0), form=b.get("form", "ratio"),
                 rf_lo_gib=b.get("rf_lo_gib", 0.0), rf_hi_gib=b.get("rf_hi_gib", 0.0),
+                rf_lo_scale=b.get("rf_lo_scale", 1.0), rf_hi_scale=b.get("rf_hi_scale", 1.0), rf_periodic=rf_periodic,
                 rf_lo_expandable_gib=x.get("rf_lo_gib", 0.0), rf_hi_expandable_gib=x.get("rf_hi_gib", 0.0))
 
 
@@ -127,21 +192,25 @@ def usable_gib(gpu_memory_gib: float, margin: float) -> float:
     return gpu_memory_gib * (1.0 - margin)
 
 
-def fits(predicted_gib, outside_gib, reserved_free_gib, expandable, b: Band, gpu_memory_gib: float, margin: float):
+def fits(predicted_gib, outside_gib, reserved_free_gib, expandable, b: Band, gpu_memory_gib: float, margin: float,
+         periodic=False):
     """True (or a boolean array) where the upper bound of the prediction is under usable memory."""
-    return b.interval(predicted_gib, outside_gib, reserved_free_gib, expandable)[1] <= usable_gib(gpu_memory_gib, margin)
+    return (b.interval(predicted_gib, outside_gib, reserved_free_gib, expandable, periodic)[1]
+            <= usable_gib(gpu_memory_gib, margin))
 
 
 def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib,
-               expandable: bool, b: Band, gpu_memory_gib: float, margin: float) -> dict:
+               expandable: bool, b: Band, gpu_memory_gib: float, margin: float, periodic: bool = False) -> dict:
     """What recommend / predict say about one layout's memory: each stage's interval (the band on
     its allocator peak and its reserved-but-unallocated term, plus its own memory outside the
     allocator), the usable memory, and for the stage whose upper bound is largest (the tightest
     stage) its interval and the headroom (usable - upper bound; negative: does not fit)."""
-    uppers = [b.interval(m, o, r, expandable)[1]
+    uppers = [b.interval(m, o, r, expandable, periodic)[1]
               for m, o, r in zip(per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib)]
     k = int(np.argmax(uppers))
-    lo, hi = b.interval(per_stage_gib[k], outside_per_stage_gib[k], reserved_free_per_stage_gib[k], expandable)
+    lo, hi = b.interval(per_stage_gib[k], outside_per_stage_gib[k], reserved_free_per_stage_gib[k], expandable,
+                        periodic)
+    rlo, rhi = b.reserved_free_interval(reserved_free_per_stage_gib[k], expandable, periodic)
     usable = usable_gib(gpu_memory_gib, margin)
     return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_per_stage_gib[k]),
             "interval_gib": [float(lo), float(hi)],
@@ -150,8 +219,8 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
                      "form": b.form, "kind": b.kind, "source": b.source,
                      "reserved_free_gib": float(reserved_free_per_stage_gib[k]), "expandable_segments": bool(expandable),
-                     "rf_lo_gib": b.rf_lo_expandable_gib if expandable else b.rf_lo_gib,
-                     "rf_hi_gib": b.rf_hi_expandable_gib if expandable else b.rf_hi_gib}}
+                     "periodic_schedule": bool(periodic),
+                     "reserved_free_interval_gib": [float(rlo), float(rhi)]}}
 
 
 def fit_line(mf: dict) -> str:

@@ -249,9 +249,7 @@ RECIPES: tuple[tuple[tuple[str, str, str], RecipeSettings], ...] = (
     (("megatron_bridge_perf_summary", "llama3_8b", "H100", "fsdp"), RecipeSettings(
         {**_BRIDGE, "gradient_accumulation_fusion": False},
         _BRIDGE_SRC + ", scripts/performance/configs/llama3/llama3_8b_llm_pretrain.py",
-        ("Megatron FSDP optim_grads_params: weights, gradients and optimizer states sharded over the DP "
-         "ranks (modelled as DP with the distributed optimizer: only the optimizer states sharded)",
-         "ddp.nccl_ub (NCCL user-buffer registration of the FSDP buffers)",
+        ("ddp.nccl_ub (NCCL user-buffer registration of the FSDP buffers)",
          "ddp.keep_fp8_transpose_cache = True"))),
     # NeMo 2.0 (container 25.02): scripts/performance/llm/pretrain_gpt3_175b.py with
     # recommended_model_configs/model_configs_h100.csv (gpt3 175b fp8 512 GPUs: TP4 PP8 VP6 mbs 2,
@@ -372,7 +370,8 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     fsdp_col = (r.get("fsdp") or "").strip()
     fsdp = fsdp_col not in ("", "0")
     if fsdp:
-        notes.append("FSDP: modelled as data parallelism with the distributed optimizer")
+        notes.append("FSDP: Megatron FSDP optim_grads_params (TrainConfig.fsdp: weights, gradients and optimizer "
+                     "states sharded over the DP ranks; step time as data parallelism with the distributed optimizer)")
     rc = (r.get("recompute") or "").lower()
     recompute = "full" if rc.startswith("full") else "selective" if rc.startswith("selective") else "none"
     recipe = recipe_settings(r["source_group"], key, gpu_type, fsdp)
@@ -387,7 +386,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
         cfg = TrainConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq,
                           precision=precision, fp8_recipe=fp8_recipe or "delayed", recompute=recompute, sequence_parallel=tp > 1,
                           distributed_optimizer=dp * cp > 1, overlap_grad_reduce=dp * cp > 1,
-                          overlap_param_gather=dp * cp > 1)
+                          overlap_param_gather=dp * cp > 1, fsdp=fsdp and dp * cp > 1)
     except SpecError as e:
         return unusable(f"layout: {e}", tps=tps, model=model, cluster=cluster)
     explicit: frozenset = frozenset()

@@ -249,7 +249,8 @@ def render(template: str, values: Mapping[str, str]) -> str:
 def trial_env(spec: CommandSpec, values: Mapping[str, str], cfg: TrainConfig) -> dict[str, str]:
     """The variables every trial's command gets: ADVISOR_* (layout and files), --env (rendered),
     and CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 (Megatron-LM asserts it before Blackwell)
-    unless the environment sets it."""
+    unless the environment sets it, or the layout runs Megatron FSDP (validate_args asserts it is
+    not 1 then, and only warns about TP / CP with it)."""
     env = {f"ADVISOR_{k.upper()}": values[k] for k in (
         "tp", "pp", "vp", "cp", "ep", "etp", "dp", "mbs", "gbs", "seq", "recompute", "precision", "iters",
         "world_size", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "trial_id")}
@@ -257,7 +258,7 @@ def trial_env(spec: CommandSpec, values: Mapping[str, str], cfg: TrainConfig) ->
     env["ADVISOR_MEGATRON_ARGS"] = values["megatron_args"]
     env["ADVISOR_NEMO_OVERRIDES"] = values["nemo_overrides"]
     env["ADVISOR_BRIDGE_OVERRIDES"] = values["bridge_overrides"]
-    if (cfg.tp > 1 or cfg.cp > 1) and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+    if (cfg.tp > 1 or cfg.cp > 1) and not cfg.fsdp and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     env.update({k: render(v, values) for k, v in spec.env.items()})
     return env

@@ -106,10 +106,11 @@ def runner_config(cfg: TrainConfig, expandable_segments: bool = False) -> TrainC
     does not build FP8 primary weights: fp8_param_gather off) and torch's allocator as it comes
     (expandable segments off) unless `expandable_segments` (a batch line that asks for them: the
     worker then turns them on for that job, megatron_worker.set_allocator), and megatron-core's
-    default deallocate_pipeline_outputs (off: the worker's TransformerConfig does not set it); its
-    records say so."""
+    default deallocate_pipeline_outputs (off: the worker's TransformerConfig does not set it), and
+    megatron-core's DDP with the distributed optimizer, not Megatron FSDP (fsdp off: the worker
+    builds DistributedDataParallel itself); its records say so."""
     cfg = effective_config(cfg)
-    off = {k: False for k in ("fp8_param_gather", "expandable_segments", "deallocate_pipeline_outputs")
+    off = {k: False for k in ("fp8_param_gather", "expandable_segments", "deallocate_pipeline_outputs", "fsdp")
            if getattr(cfg, k) and not (k == "expandable_segments" and expandable_segments)}
     return cfg.replace(**off) if off else cfg
 
@@ -124,6 +125,14 @@ def fp8_param_args(cfg: TrainConfig) -> list[str]:
     """FP8 primary weights (TrainConfig.fp8_param_gather): Megatron-LM's --fp8-param-gather
     (megatron/training/arguments.py; validate_args wants the distributed optimizer with it)."""
     return ["--fp8-param-gather"] if cfg.fp8_param_gather else []
+
+
+def fsdp_args(cfg: TrainConfig) -> list[str]:
+    """Megatron FSDP (TrainConfig.fsdp): --use-megatron-fsdp with the optim_grads_params sharding
+    strategy, and the checkpoint format validate_args asserts with it (megatron/training/
+    arguments.py: "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format")."""
+    return (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+             "--ckpt-format", "fsdp_dtensor"] if cfg.fsdp else [])
 
 
 _ACTIVATION = {"swiglu": ("silu", True), "gelu": ("gelu", False), "relu2": ("squared_relu", False)}
@@ -468,7 +477,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         "--max-position-embeddings", str(max(cfg.seq, model.max_position_embeddings)),
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "transformer_engine",
-    ] + _parallel_size_args(cfg) + ["--bf16"] + precision_args(cfg) + fp8_param_args(cfg)
+    ] + _parallel_size_args(cfg) + ["--bf16"] + precision_args(cfg) + fp8_param_args(cfg) + fsdp_args(cfg)
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
@@ -655,7 +664,7 @@ def layout_args(cfg: TrainConfig) -> list[str]:
         if cfg.overlap_param_gather:  # Megatron-LM asserts it comes with --overlap-grad-reduce
             a.append("--overlap-param-gather")
     a.append("--bf16")
-    return a + precision_args(cfg) + fp8_param_args(cfg)
+    return a + precision_args(cfg) + fp8_param_args(cfg) + fsdp_args(cfg)
 
 
 def precision_args(cfg: TrainConfig) -> list[str]:

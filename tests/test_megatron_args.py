@@ -354,7 +354,8 @@ def test_every_emitted_flag_exists_in_megatron_core_wheel():
                         recompute="full", pp_first_layers=2, pp_last_layers=2, cp=2, ep=2, etp=2),
             TrainConfig(distributed_optimizer=False, overlap_grad_reduce=False),
             TrainConfig(pp=2, vp=2, account_for_embedding=True, account_for_loss=True),
-            TrainConfig(pp=2, vp=2, pipeline_layout="Et|(t|)*2tL")]
+            TrainConfig(pp=2, vp=2, pipeline_layout="Et|(t|)*2tL"),
+            TrainConfig(dp=4, fsdp=True, precision="fp8", fp8_param_gather=True)]
     emitted = 0
     for m in models:
         for c in cfgs:

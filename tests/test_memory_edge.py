@@ -1,6 +1,7 @@
 """Issue #27: rank only what the stack's runner can run; a memory interval and a margin."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -22,6 +23,15 @@ from advisor.search_spaces.runnable import refusal, refused
 from advisor.search_spaces.space import SpaceOptions
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=1)
+def memory_edge_rows():
+    """bench/memory_edge.py as a module and its rows of every record in data/measurements/."""
+    spec = importlib.util.spec_from_file_location("memory_edge", ROOT / "bench" / "memory_edge.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, mod.rows(sorted(str(p) for p in (ROOT / "data" / "measurements").glob("*.jsonl")))
 
 
 def test_rule_per_layout_and_on_columns_agree():
@@ -72,10 +82,13 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
     p = res.recommendations[0].prediction
     rf = mf["band"]["reserved_free_gib"]
     assert not cfg.expandable_segments and not mf["band"]["expandable_segments"]  # the local stack's default
-    assert (lo, hi) == pytest.approx(b.interval(p.memory_per_stage_gib[k], mf["outside_gib"], rf, False))
+    periodic = MB.periodic_layout(m, cfg)
+    assert mf["band"]["periodic_schedule"] == periodic
+    assert (lo, hi) == pytest.approx(b.interval(p.memory_per_stage_gib[k], mf["outside_gib"], rf, False, periodic))
     # the band on the allocated part, the reserved-but-unallocated term with its own spread, outside once
-    assert lo == pytest.approx((p.memory_per_stage_gib[k] - rf) * b.lo + b.add_lo_gib + rf + b.rf_lo_gib
-                               + mf["outside_gib"])
+    rlo, rhi = b.reserved_free_interval(rf, False, periodic)
+    assert mf["band"]["reserved_free_interval_gib"] == pytest.approx([rlo, rhi])
+    assert lo == pytest.approx((p.memory_per_stage_gib[k] - rf) * b.lo + b.add_lo_gib + rlo + mf["outside_gib"])
     assert mf["headroom_gib"] == pytest.approx(mf["usable_gib"] - hi)
     wider = recommend("llama3-8b", "h100x4", stack="local", top=3, memory_margin=0.15)
     assert wider.feasible < res.feasible
@@ -85,21 +98,22 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
 
 
 def test_te_band_is_fitted_on_te_runs_and_the_outside_term_matches_the_oom_messages():
-    spec = importlib.util.spec_from_file_location("memory_edge", ROOT / "bench" / "memory_edge.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rs = mod.rows(sorted(str(p) for p in (ROOT / "data" / "measurements").glob("*.jsonl")))
+    mod, rs = memory_edge_rows()
     for stack in ("local", "te"):
         for moe in (False, True):
             b = MB.band(stack, moe)
             assert b.stack == stack and f"{stack} stack" in b.source
             assert json.loads(MB.BAND_FILE.read_text())["stacks"][stack][b.kind]["n"] >= 18
-            assert b.interval(50.0, 8.0, 2.0, False)[1] == pytest.approx(b.hi * 48.0 + b.add_hi_gib + 2.0
-                                                                         + b.rf_hi_gib + 8.0)
+            assert b.interval(50.0, 8.0, 2.0, False)[1] == pytest.approx(
+                b.hi * 48.0 + b.add_hi_gib + max(b.rf_hi_scale * 2.0 + b.rf_hi_gib, 2.0) + 8.0)
             # expandable segments: the spread of the runs that had them on, not the fragmentation's
             assert b.interval(50.0, 8.0, 0.44, True)[1] == pytest.approx(b.hi * 49.56 + b.add_hi_gib + 0.44
                                                                          + b.rf_hi_expandable_gib + 8.0)
-            assert b.rf_hi_expandable_gib < 0.5 < b.rf_hi_gib
+            assert b.rf_hi_expandable_gib < 0.5 < b.rf_hi_scale * 0.44 + b.rf_hi_gib
+            # a periodic schedule is bounded by the narrower of its own lines and the pooled ones
+            R = np.linspace(0.5, 20.0, 40)
+            assert np.all(b.reserved_free_interval(R, False, True)[1] <= b.reserved_free_interval(R, False, False)[1])
+            assert np.all(b.reserved_free_interval(R, False, True)[1] >= R)
     # the physical term against what each OOM message says the process held outside torch's
     # allocator (in use less reserved): within 0.7 GiB of 7.7-9.5 GiB
     oom = [r for r in rs if r["outside"] is not None]
@@ -146,13 +160,13 @@ def test_outside_term_per_stage():
 
 def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
     """Affine (measured = b A + a: a few GiB that do not scale with the prediction) where it beats
-    the ratio band leave-one-architecture-out, else the ratio; the interval holds every fitted run."""
-    spec = importlib.util.spec_from_file_location("memory_edge", ROOT / "bench" / "memory_edge.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rs = mod.rows(sorted(str(p) for p in (ROOT / "data" / "measurements").glob("*.jsonl")))
+    the ratio band leave-one-architecture-out, else the ratio; the reserved-but-unallocated part a line
+    in the predicted R of the form (constant / ratio / affine) that holds the most runs leave-one-
+    architecture-out; the interval holds every fitted run, and its reserved part each run's measured
+    reserved-but-unallocated memory."""
+    mod, rs = memory_edge_rows()
     fitted = mod.fit(rs)["stacks"]
-    forms = set()
+    forms, rf_forms = set(), set()
     for stack, s in fitted.items():
         for kind in MB.CLASSES:
             k = s[kind]
@@ -163,13 +177,32 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
             else:
                 assert k["add_lo_gib"] == k["add_hi_gib"] == 0.0
             forms.add(k["form"])
+            # the reserved-but-unallocated part: the form that holds the most held-out runs
+            for part in (k, k["periodic"]):
+                assert part["rf_form"] == mod.choose_reserved_form(part["rf_loao"])
+                assert all(part["rf_loao"][part["rf_form"]]["covered"] >= v["covered"] for v in part["rf_loao"].values())
+                rf_forms.add(part["rf_form"])
+            assert (b_ := MB.band(stack, kind == "moe")).rf_periodic is None or k["periodic"]["used"]
+            assert k["periodic"]["used"] == (k["periodic"]["architectures"] >= 2)
+            assert k["periodic"]["n"] == sum(1 for r in rs if r["stack"] == stack and r["status"] == "ok" and not r["x"]
+                                             and r["periodic"] and bool(r["moe"]) == (kind == "moe"))
             b = MB.band(stack, kind == "moe")
+            assert (b.rf_hi_scale, b.rf_hi_gib) == pytest.approx((k["rf_hi_scale"], k["rf_hi_gib"]))
+            if k["rf_form"] == "ratio":  # a layout freeing small blocks is charged less than one freeing large
+                small, large = (float(b.reserved_free_interval(v, False)[1]) - v for v in (2.0, 8.0))
+                assert b.rf_hi_gib == b.rf_lo_gib == 0.0 and large > small > 0.0
             for r in rs:
                 if r["stack"] == stack and r["status"] == "ok" and bool(r["moe"]) == (kind == "moe"):
-                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"])
+                    cfg = r["cfg"]
+                    routing = r["moe"] and (cfg.ep > 1 or not cfg.moe_grouped_gemm or cfg.precision != "bf16") \
+                        and not cfg.moe_pad_to_capacity
+                    assert r["periodic"] == (cfg.pp == 1 and cfg.cp == 1 and not routing), r["id"]
+                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])
                     # the interval holds the allocator's measured peak plus the outside memory
                     assert lo - 1e-6 <= r["measured"] + r["outside_pred"] <= hi + 1e-6, r["id"]
-    assert forms == {"ratio", "affine"}
+                    rlo, rhi = b.reserved_free_interval(r["rf"], r["x"], r["periodic"])
+                    assert rlo - 1e-6 <= r["measured"] - r["measured_alloc"] <= rhi + 1e-6, r["id"]
+    assert forms == {"ratio", "affine"} and {"ratio", "affine"} <= rf_forms
 
 
 def test_fits_on_arrays_is_fits_on_floats():
@@ -178,23 +211,29 @@ def test_fits_on_arrays_is_fits_on_floats():
     out = np.linspace(7, 10, 41)
     rf = np.linspace(0.5, 6, 41)
     xs = np.arange(41) % 2 == 0
-    assert MB.fits(x, out, rf, xs, b, 79.65, 0.05).tolist() == [
-        bool(MB.fits(float(v), float(o), float(f), bool(e), b, 79.65, 0.05)) for v, o, f, e in zip(x, out, rf, xs)]
+    per = np.arange(41) % 3 == 0
+    b = MB.band("te", False)  # its periodic lines differ from the pooled ones
+    assert MB.fits(x, out, rf, xs, b, 79.65, 0.05, per).tolist() == [
+        bool(MB.fits(float(v), float(o), float(f), bool(e), b, 79.65, 0.05, bool(p)))
+        for v, o, f, e, p in zip(x, out, rf, xs, per)]
 
 
 def test_no_oom_record_is_predicted_to_fit():
-    spec = importlib.util.spec_from_file_location("memory_edge", ROOT / "bench" / "memory_edge.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    rs = mod.rows(sorted(str(p) for p in (ROOT / "data" / "measurements").glob("*.jsonl")))
+    mod, rs = memory_edge_rows()
     oom = [r for r in rs if r["status"] == "oom"]
     assert len(oom) >= 8
     for r in oom:
         assert not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], MB.band(r["stack"], r["moe"]),
-                           r["gpu_gib"], 0.05), r["id"]
+                           r["gpu_gib"], 0.05, r["periodic"]), r["id"]
     # the shipped band is what the command makes of the data
-    shipped = json.loads(MB.BAND_FILE.read_text())
-    assert shipped["stacks"]["local"]["moe"]["hi"] == pytest.approx(mod.fit(rs)["stacks"]["local"]["moe"]["hi"])
+    shipped, fitted = json.loads(MB.BAND_FILE.read_text())["stacks"], mod.fit(rs)["stacks"]
+    for stack in ("local", "te"):
+        for kind in MB.CLASSES:
+            for part in (lambda d: d, lambda d: d["periodic"]):
+                got, want = part(shipped[stack][kind]), part(fitted[stack][kind])
+                assert [got[k] for k in ("rf_hi_scale", "rf_hi_gib", "rf_lo_scale", "rf_lo_gib")] == pytest.approx(
+                    [want[k] for k in ("rf_hi_scale", "rf_hi_gib", "rf_lo_scale", "rf_lo_gib")])
+    assert shipped["local"]["moe"]["hi"] == pytest.approx(fitted["local"]["moe"]["hi"])
 
 
 def test_cli_margin_and_left_out_line():
@@ -228,17 +267,41 @@ def test_each_stage_is_bounded_with_its_own_outside_term():
 
     m = load_model("llama3-70b")
     cfgs = [TrainConfig(tp=4, pp=8, dp=2, vp=5, mbs=1, gbs=128, seq=8192, precision="fp8"),
-            TrainConfig(tp=8, pp=1, dp=16, mbs=1, gbs=128, seq=8192)]
+            TrainConfig(tp=8, pp=1, dp=16, mbs=1, gbs=128, seq=8192),
+            TrainConfig(tp=8, pp=1, dp=16, mbs=4, gbs=128, seq=8192)]
     b = MB.band("te", False)
     peak, upper, tight, outside = band_upper_many(m, Layouts.of(m, cfgs), b, DEFAULT)
     for i, cfg in enumerate(cfgs):
         sms = stage_memory(m, cfg, DEFAULT)
-        per = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments)[1] for sm in sms]
+        periodic = MB.periodic_layout(m, cfg)
+        assert periodic == (cfg.pp == 1)
+        per = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments, periodic)[1]
+               for sm in sms]
+        pooled = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments)[1]
+                  for sm in sms]
+        assert max(per) <= max(pooled) + 1e-9
+        if i == 2:  # the periodic line is the narrower one at this R (2.4 GiB)
+            assert max(per) < max(pooled) - 1.0
         assert upper[i] == pytest.approx(max(per)) and peak[i] == pytest.approx(max(sm.total_gib for sm in sms))
         k = int(np.argmax(per))
         assert (tight[i], outside[i]) == pytest.approx((sms[k].total_gib, sms[k].outside_gib))
         mf = MB.memory_fit(peak[i], [sm.total_gib for sm in sms], [sm.outside_gib for sm in sms],
-                           [sm.reserved_free_gib for sm in sms], cfg.expandable_segments, b, 80.0, 0.05)
+                           [sm.reserved_free_gib for sm in sms], cfg.expandable_segments, b, 80.0, 0.05, periodic)
         assert mf["interval_gib"][1] == pytest.approx(max(per)) and mf["tightest_stage"] == k
     outs = [sm.outside_gib for sm in stage_memory(m, cfgs[0], DEFAULT)]
     assert outs[0] > min(outs)  # the first stage holds more communicators than a middle one
+
+
+def test_reserved_envelope_forms():
+    """The affine envelope lies over every point with a slope >= 0 and is no looser than the constant
+    one; the ratio form has no intercept."""
+    mod, _ = memory_edge_rows()
+    R = np.array([1.0, 2.0, 4.0, 8.0])
+    M = np.array([1.5, 2.0, 6.0, 9.0])
+    e = mod.reserved_envelope(R, M, "affine")
+    assert np.all(M <= e["rf_hi_scale"] * R + e["rf_hi_gib"] + 1e-9) and e["rf_hi_scale"] >= 0
+    assert np.all(M >= e["rf_lo_scale"] * R + e["rf_lo_gib"] - 1e-9) and e["rf_lo_scale"] >= 0
+    c = mod.reserved_envelope(R, M, "constant")
+    assert (e["rf_hi_scale"] * R + e["rf_hi_gib"]).sum() <= (R + c["rf_hi_gib"]).sum() + 1e-9
+    r = mod.reserved_envelope(R, M, "ratio")
+    assert r["rf_hi_gib"] == r["rf_lo_gib"] == 0.0 and r["rf_hi_scale"] == pytest.approx(1.5)

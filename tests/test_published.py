@@ -136,7 +136,9 @@ def test_recipe_settings_are_carried_over_the_stack_defaults(runs):
     assert "gradient_accumulation_fusion" in r8.explicit
     assert not apply_layout_defaults(r8.cfg, "te", r8.explicit).gradient_accumulation_fusion
     assert apply_layout_defaults(r8.cfg, "te").gradient_accumulation_fusion
-    assert any("FSDP" in u for u in r8.unmodelled)
+    assert any("FSDP" in u for u in r8.unmodelled)  # its NCCL user buffers
+    assert r8.cfg.fsdp and apply_layout_defaults(r8.cfg, "te", r8.explicit).fsdp  # Megatron FSDP: a layout field
+    assert not any("optim_grads_params" in u for u in r8.unmodelled)
     r340 = by_id["10"]  # NeMo 24.07: megatron-core's fused cross entropy, not TE's
     assert apply_layout_defaults(r340.cfg, "te", r340.explicit).cross_entropy_impl == "native"
     assert by_id["1"].explicit == frozenset()  # rows without a recipe read keep the stack's defaults
