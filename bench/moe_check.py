@@ -74,20 +74,23 @@ def moe_rows(stack: str = "local") -> list[dict]:
 
 def runner_router_skews(files, stack: str = "local") -> dict[str, float]:
     """{shape: moe_router_skew} of the runner's untrained (at-init) aux-loss routers, measured: the
-    tokens per expert that runners/moe_probe.py recorded in every EP = 1 aux-loss run of the shape
-    on `stack` (all E experts on one rank), through moe.router_skew_from_counts. A property of the
-    run's router (random init, our data), not of the step's timing: an input of each run's
-    prediction, as the layout is. A trained router's skew (models/constants.py moe_router_skew, 0.3)
-    is what the shipped profiles predict with."""
-    calls = defaultdict(list)
+    tokens per expert that runners/moe_probe.py recorded in every aux-loss run of the shape on
+    `stack` (all E experts at EP = 1, rank 0's local experts at EP > 1), through
+    moe.router_skew_from_counts. A property of the run's router
+    (random init, our data), not of the step's timing: an input of each run's prediction, as the
+    layout is. A trained router's skew (models/constants.py moe_router_skew, 0.3) is what the
+    shipped profiles predict with."""
+    calls, experts = defaultdict(list), {}
     for f in files:
         for line in open(f):
             r = json.loads(line)
             cfg, probe = r.get("config") or {}, r.get("moe_probe") or {}
-            if (r.get("status") == "ok" and r.get("stack", "local") == stack and cfg.get("ep") == 1
+            if (r.get("status") == "ok" and r.get("stack", "local") == stack
                     and cfg.get("moe_router") == "aux_loss" and probe.get("tokens_per_expert")):
-                calls[r["model"]["name"].split("[")[0].replace("-proxy", "")] += probe["tokens_per_expert"]
-    return {s: MOE.router_skew_from_counts(c) for s, c in calls.items()}
+                shape = r["model"]["name"].split("[")[0].replace("-proxy", "")
+                calls[shape].extend(probe["tokens_per_expert"])
+                experts[shape] = r["model"]["moe"]["num_experts"]
+    return {s: MOE.router_skew_from_counts(c, experts[s]) for s, c in calls.items()}
 
 
 _RUN_C: dict = {}

@@ -103,12 +103,15 @@ def imbalance(model: ModelSpec, cfg: TrainConfig, c: Constants) -> float:
     if cfg.ep <= 1:
         return 1.0
     m = model.moe
-    return _imbalance(m.num_experts, moe_tokens(model, cfg) * m.top_k, cfg.ep,
+    return rank_imbalance(m.num_experts, moe_tokens(model, cfg) * m.top_k, cfg.ep,
                       c.moe_router_skew if cfg.moe_router == "aux_loss" else 0.0)
 
 
 @functools.lru_cache(maxsize=4096)
-def _imbalance(experts: int, pairs: float, ep: int, skew: float) -> float:
+def rank_imbalance(experts: int, pairs: float, ep: int, skew: float) -> float:
+    """Expected busiest of `ep` ranks over the mean, each rank holding experts / ep of `experts`
+    experts and receiving `pairs` token-expert pairs on average, for a router whose busiest expert
+    carries `skew` over the mean."""
     cv2 = 1.0 / max(1.0, pairs)  # pairs per rank, balanced: multinomial spread
     if skew:
         # the busiest of E experts carries `skew` over the mean: a per-expert cv of skew / z_E
@@ -128,17 +131,18 @@ def expected_max_normal(n: int) -> float:
     return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def router_skew_from_counts(calls: list[list[float]]) -> float:
-    """The `moe_router_skew` that recorded tokens per expert show (one list of E counts per
-    layer-microbatch, all E experts, e.g. runners/moe_probe.py's at EP = 1): the rms over the calls
-    of the counts' coefficient of variation, times z_E (the busiest of E experts sits z_E standard
-    deviations above the mean), the parametrisation `imbalance` inverts. On our runner's untrained
-    routers it reproduces the busiest EP group of the same counts within 0.03 at EP 2 / 4 / 8
-    (tests/test_moe.py)."""
+def router_skew_from_counts(calls: list[list[float]], num_experts: int) -> float:
+    """The `moe_router_skew` that recorded tokens per expert show (one list of counts per
+    layer-microbatch: all E experts, or the local experts of one EP rank, as runners/moe_probe.py
+    records them): the rms over the calls of the counts' coefficient of variation, times z_E (the
+    busiest of E experts sits z_E standard deviations above the mean), the parametrisation
+    `imbalance` inverts. From each of our runner's EP = 1 aux-loss runs (untrained routers, 4-24
+    calls each) rank_imbalance reproduces the busiest group of the same counts at EP 2 / 4 / 8:
+    mean error +0.01, mean absolute error 0.05 over 102 cases (tests/test_moe.py)."""
     cvs = [statistics.pstdev(c) / statistics.fmean(c) for c in calls if len(c) > 1 and sum(c) > 0]
     if not cvs:
         return 0.0
-    return math.sqrt(statistics.fmean(v * v for v in cvs)) * expected_max_normal(len(calls[0]))
+    return math.sqrt(statistics.fmean(v * v for v in cvs)) * expected_max_normal(num_experts)
 
 
 def expert_load(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
