@@ -74,13 +74,14 @@ def moe_rows(stack: str = "local") -> list[dict]:
 
 def runner_router_skews(files, stack: str = "local") -> dict[str, float]:
     """{shape: moe_router_skew} of the runner's untrained (at-init) aux-loss routers, measured: the
-    tokens per expert that runners/moe_probe.py recorded in every aux-loss run of the shape on
-    `stack` (all E experts at EP = 1, rank 0's local experts at EP > 1), through
-    moe.router_skew_from_counts. A property of the run's router
+    tokens per expert that runners/moe_probe.py recorded in the aux-loss runs of the shape on
+    `stack`, through moe.router_skew_from_counts: its EP = 1 runs (all E experts on one rank: the
+    estimate tests/test_moe.py checks against the busiest EP group) where it has any, else rank 0's
+    local experts of its EP > 1 runs (the te stack's Qwen3 proxy). A property of the run's router
     (random init, our data), not of the step's timing: an input of each run's prediction, as the
     layout is. A trained router's skew (models/constants.py moe_router_skew, 0.3) is what the
     shipped profiles predict with."""
-    calls, experts = defaultdict(list), {}
+    calls, experts = defaultdict(lambda: ([], [])), {}
     for f in files:
         for line in open(f):
             r = json.loads(line)
@@ -88,9 +89,9 @@ def runner_router_skews(files, stack: str = "local") -> dict[str, float]:
             if (r.get("status") == "ok" and r.get("stack", "local") == stack
                     and cfg.get("moe_router") == "aux_loss" and probe.get("tokens_per_expert")):
                 shape = r["model"]["name"].split("[")[0].replace("-proxy", "")
-                calls[shape].extend(probe["tokens_per_expert"])
+                calls[shape][0 if cfg.get("ep") == 1 else 1].extend(probe["tokens_per_expert"])
                 experts[shape] = r["model"]["moe"]["num_experts"]
-    return {s: MOE.router_skew_from_counts(c, experts[s]) for s, c in calls.items()}
+    return {s: MOE.router_skew_from_counts(ep1 or epn, experts[s]) for s, (ep1, epn) in calls.items()}
 
 
 _RUN_C: dict = {}
