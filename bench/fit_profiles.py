@@ -148,9 +148,10 @@ def build(say=print) -> Calibration:
                   "gpus": list(FIT_GPUS), "sources": sorted({x.run.source_group for x in rows}),
                   "models": sorted({x.run.model_key for x in rows})}
     # the shipped constants price no host floor (the published runs' hosts); our VM's fitted host
-    # issue costs stay in fit_info (profile_fit.vm_host / on_vm apply them to our runs)
+    # issue costs, and the MoE ones, stay in fit_info (profile_fit.vm_host / on_vm apply them to our runs)
     return Calibration(constants=F.without_host(c), targets=targets, surrogates={}, trained_on=trained_on, cv=cv,
-                       fit_info=info, profile="te", fitted_bounds=dict(F.TE_FIT), base_constants=base)
+                       fit_info=F.with_moe_vm_host(info), profile="te", fitted_bounds=dict(F.TE_FIT),
+                       base_constants=base)
 
 
 def main(argv=None, build=build, out=STACKS["te"].file, doc=__doc__) -> int:

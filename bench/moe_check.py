@@ -63,10 +63,54 @@ def moe_rows(stack: str = "local") -> list[dict]:
             leaked[r["id"]] = max([x for x in start if x is not None], default=0.0)
     rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records
             if r.model.is_moe and r.stack == stack]
+    skews = runner_router_skews(files, stack)
+    for row in rows:
+        row["skew"] = skews.get(shape_of(row["rec"].model))
     for row in rows:  # memory of jobs that started on a GPU still holding an earlier job's leak
         if leaked.get(row["rec"].id, 0.0) > 1.0:  # (fixed in the worker since): not a memory target
             row["rec"].y = dict(row["rec"].y, memory_gib_per_gpu=math.nan)
     return rows
+
+
+def runner_router_skews(files, stack: str = "local") -> dict[str, float]:
+    """{shape: moe_router_skew} of the runner's untrained (at-init) aux-loss routers, measured: the
+    tokens per expert that runners/moe_probe.py recorded in the aux-loss runs of the shape on
+    `stack`, through moe.router_skew_from_counts: its EP = 1 runs (all E experts on one rank: the
+    estimate tests/test_moe.py checks against the busiest EP group) where it has any, else rank 0's
+    local experts of its EP > 1 runs (the te stack's Qwen3 proxy). A property of the run's router
+    (random init, our data), not of the step's timing: an input of each run's prediction, as the
+    layout is. A trained router's skew (models/constants.py moe_router_skew, 0.3) is what the
+    shipped profiles predict with."""
+    calls, experts = defaultdict(lambda: ([], [])), {}
+    for f in files:
+        for line in open(f):
+            r = json.loads(line)
+            cfg, probe = r.get("config") or {}, r.get("moe_probe") or {}
+            if (r.get("status") == "ok" and r.get("stack", "local") == stack
+                    and cfg.get("moe_router") == "aux_loss" and probe.get("tokens_per_expert")):
+                shape = r["model"]["name"].split("[")[0].replace("-proxy", "")
+                calls[shape][0 if cfg.get("ep") == 1 else 1].extend(probe["tokens_per_expert"])
+                experts[shape] = r["model"]["moe"]["num_experts"]
+    return {s: MOE.router_skew_from_counts(ep1 or epn, experts[s]) for s, (ep1, epn) in calls.items()}
+
+
+_RUN_C: dict = {}
+
+
+def run_constants(row: dict, c: Constants) -> Constants:
+    """`c` with the run's measured router skew (runner_router_skews) where its router is aux-loss."""
+    skew = row.get("skew")
+    if skew is None or row["rec"].cfg.moe_router != "aux_loss":
+        return c
+    key = (id(c), skew)
+    hit = _RUN_C.get(key)
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    if len(_RUN_C) > 256:
+        _RUN_C.clear()
+    out = c.replace(moe_router_skew=skew)
+    _RUN_C[key] = (c, out)
+    return out
 
 
 def local_base() -> Constants:
@@ -76,7 +120,7 @@ def local_base() -> Constants:
 
 def predict_row(row: dict, c: Constants) -> dict:
     r = row["rec"]
-    p = predict(r.model, r.cluster, r.cfg, c, check_legal=False)
+    p = predict(r.model, r.cluster, r.cfg, run_constants(row, c), check_legal=False)
     return {"tps": p.tokens_per_s_per_gpu, "mem": p.memory_gib_per_gpu,
             **{k: p.breakdown[v] for k, v in TERMS.items()}}
 
@@ -205,7 +249,7 @@ def multi_gpu_check() -> bool:
     groups = defaultdict(list)
     for row in rows:
         r = row["rec"]
-        p = predict(r.model, r.cluster, r.cfg, c, check_legal=False)
+        p = predict(r.model, r.cluster, r.cfg, run_constants(row, c), check_legal=False)
         y = r.y
         key = f"EP{r.cfg.ep} {r.cfg.moe_dispatcher}" + (f" PP{r.cfg.pp}" if r.cfg.pp > 1 else "")
         groups[key].append((p.tokens_per_s_per_gpu, y["tokens_per_s_per_gpu"], p.memory_gib_per_gpu,
@@ -274,7 +318,9 @@ def published_check(quick: bool) -> None:
     from advisor.models.profiles import STACKS, apply_layout_defaults
 
     runs = [r for r in P.load() if r.moe and r.usable and r.gpu_type == "H100"]
-    te = MOE.te_moe_constants(Calibration.load(STACKS["te"].file).screening_constants)
+    # the published rows with no MoE host issue cost (their hosts), our TE runs with our VM's
+    # (moe.MOE_HOST: MOE_TE_VM_HOST, the grouped / FP8 per-expert costs fitted on our runs only)
+    te = MOE.te_moe_constants(Calibration.load(STACKS["te"].file).screening_constants).replace(**MOE.MOE_TE_VM_HOST)
     rows = []
     for r in runs:
         cfg = apply_layout_defaults(r.cfg, "te", moe=True)
@@ -290,8 +336,15 @@ def published_check(quick: bool) -> None:
             cfg = cfg.replace(moe_dispatcher="flex")
         rows.append({"run": r, "cfg": cfg})
 
+    published_c = {}
+
     def pred(row, c):
-        return predict(row["run"].model, row["run"].cluster, row["cfg"], c, check_legal=False)
+        hit = published_c.get(id(c))
+        if hit is None or hit[0] is not c:
+            if len(published_c) > 64:
+                published_c.clear()
+            hit = published_c[id(c)] = (c, MOE.without_moe_host(c))
+        return predict(row["run"].model, row["run"].cluster, row["cfg"], hit[1], check_legal=False)
 
     # a layout republished by several container versions counts once in the fit (as the te
     # profile's own fit weighs them, models/profile_fit.fit_rows)
@@ -307,7 +360,7 @@ def published_check(quick: bool) -> None:
     own = [r for r in moe_rows("te") if "-call" not in r["rec"].id]
 
     def own_err(c):
-        return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, c, check_legal=False)
+        return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c), check_legal=False)
                                   .tokens_per_s_per_gpu / x["rec"].y["tokens_per_s_per_gpu"]) for x in own])
 
     def res_fn(rs, c):
@@ -352,11 +405,11 @@ def published_check(quick: bool) -> None:
 
         def res_shape(rs, c, keep=keep):
             pub = [x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu) for x in rs]
-            return np.concatenate([pub, [math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, c,
-                                                          check_legal=False).tokens_per_s_per_gpu
+            return np.concatenate([pub, [math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg,
+                                                          run_constants(x, c), check_legal=False).tokens_per_s_per_gpu
                                                   / x["rec"].y["tokens_per_s_per_gpu"]) for x in keep]])
         c_s = fit(rows, te, MOE.MOE_TE_FIT, 10 if quick else 25, res_fn=res_shape)
-        errs = [predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, c_s, check_legal=False).tokens_per_s_per_gpu
+        errs = [predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c_s), check_legal=False).tokens_per_s_per_gpu
                 / x["rec"].y["tokens_per_s_per_gpu"] - 1 for x in held]
         print(f"   our TE runs, {shape} left out of the fit ({len(held)} runs): MAPE "
               f"{100 * statistics.mean(abs(v) for v in errs):.1f}%, bias {100 * statistics.mean(errs):+.1f}%, "
@@ -382,8 +435,11 @@ def main(argv=None) -> int:
     if a.write_te:
         from advisor.models.profiles import STACKS
 
+        from advisor.models.profile_fit import with_moe_vm_host
+
         cal = Calibration.load(STACKS["te"].file)
-        cal.constants = MOE.te_moe_constants(cal.constants)
+        cal.constants = MOE.te_moe_constants(cal.constants)  # no MoE host cost: the published hosts
+        cal.fit_info = with_moe_vm_host(cal.fit_info or {})  # ... our VM's apart (profile_fit.on_vm)
         cal.save(STACKS["te"].file)
         print(f"wrote {STACKS['te'].file}")
         return 0

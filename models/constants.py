@@ -489,6 +489,15 @@ class Constants:
     # its cuBLASLt GEMM: ~10 host objects and calls per expert (0 where no GroupedLinear issues
     # the experts one by one; the te profile's value: models/moe.py MOE_TE_SETTINGS).
     moe_fp8_expert_host_s: float = 0.0
+    # The token dispatcher's collectives per layer-microbatch each cost, beyond their bytes, one small
+    # NCCL call's time from an idle GPU: megatron-core synchronises on the token counts before the
+    # dispatch (its cuda_sync_point, the splits copied to the host), so the queue is empty and each
+    # call's host issue and launch lie on the critical path. Our VM: the median <= 1 MiB all-to-all
+    # of the NCCL micro-benchmark over 2 and 4 H100s, 72-78 us (data/microbench/h100x4-nccl-bw.jsonl,
+    # bench/nccl_bw_gpu.py; host issue included; flat in the group size: per call, not per peer).
+    # A VM host cost: the te profile ships 0 (NVIDIA's hosts) and profile_fit.on_vm applies this to
+    # our runs (moe.MOE_HOST, moe.dispatch_calls counts the calls).
+    moe_dispatch_call_s: float = 73.7e-6
     # ... and per step, each expert weight tensor's share of the optimizer / gradient loops over
     # parameter tensors (SequentialMLP keeps 2 tensors per expert, grouped experts 2 per layer):
     # measured 0.2-0.35 ms per tensor (step time outside the MoE layers, sequential vs grouped)

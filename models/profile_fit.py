@@ -19,7 +19,7 @@ import numpy as np
 
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import STACK_LAYER_KEEPS
-from advisor.models.moe import MOE_TE_SETTINGS
+from advisor.models.moe import MOE_HOST, MOE_TE_SETTINGS, MOE_TE_VM_HOST
 from advisor.models.predict import Prediction, predict
 from advisor.models.profiles import apply_layout_defaults
 from advisor.models.published import PublishedRun
@@ -44,6 +44,8 @@ TE_SETTINGS = {
     **STACK_LAYER_KEEPS["te"],
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
     **MOE_TE_SETTINGS,
+    # ... priced with the published runs' hosts: no MoE host issue cost (our VM's: vm_host)
+    **{n: 0.0 for n in MOE_HOST},
 }
 
 # What the physics says of the fitted constants before any published run is seen: (centre, one
@@ -249,9 +251,18 @@ def without_host(c: Constants) -> Constants:
 
 
 def vm_host(cal) -> dict[str, float]:
-    """Our VM's fitted host issue costs, as a profile's fit recorded them ({} where it has none)."""
-    fitted = (getattr(cal, "fit_info", None) or {}).get("fitted", {})
-    return {n: float(fitted[n]) for n in HOST if n in fitted}
+    """Our VM's host issue costs, as a profile recorded them ({} where it has none): the dense ones
+    its fit fitted (HOST) and the MoE ones (moe.MOE_HOST) it keeps in fit_info["moe_vm_host"]."""
+    info = getattr(cal, "fit_info", None) or {}
+    fitted = info.get("fitted", {})
+    moe = info.get("moe_vm_host", {})
+    return {**{n: float(fitted[n]) for n in HOST if n in fitted},
+            **{n: float(moe[n]) for n in MOE_HOST if n in moe}}
+
+
+def with_moe_vm_host(info: dict) -> dict:
+    """A te profile's fit_info carrying our VM's MoE host issue costs (moe.MOE_TE_VM_HOST) for vm_host."""
+    return {**info, "moe_vm_host": dict(MOE_TE_VM_HOST)}
 
 
 def on_vm(cal):
