@@ -17,7 +17,7 @@ from advisor.catalog import ClusterSpec, ModelSpec, SpecError, TrainConfig, load
 from advisor.catalog.specs import check_precision
 from advisor.models.domain import domain_note
 from advisor.models import DEFAULT, Constants, Prediction, memory_band, predict
-from advisor.models.outside_memory import outside_allocator_gib
+from advisor.models.memory import stage_memory
 from advisor.models.objectives import OBJECTIVE_CAPS, OBJECTIVES, rank_order, score_arrays, score_prediction
 from advisor.models.power import CapSweep, cap_grid, cap_sweep, stage_caps, sweep_of
 from advisor.models.ranking import CapTable, best_at_cap, cap_evaluator, predict_at
@@ -398,6 +398,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         scs.update(zip(idx, got))
     band = memory_band.band(st.name, m.is_moe)
     for i, (cfg, p) in enumerate(shown):
+        sms = stage_memory(m, cfg, rank_constants)  # each stage's outside and reserved-but-unallocated terms
         cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
         at = with_power_cap(c, cap)
         sc = scs.get(i)
@@ -408,8 +409,9 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                   power_caps=sweep.to_dict() if sweep else {},
                                   stage_caps=sc.to_dict() if sc else {},
                                   memory=memory_band.memory_fit(p.memory_gib_per_gpu, p.memory_per_stage_gib,
-                                                                [outside_allocator_gib(m, cfg, k, rank_constants)
-                                                                 for k in range(cfg.pp)], band,
+                                                                [s.outside_gib for s in sms],
+                                                                [s.reserved_free_gib for s in sms],
+                                                                cfg.expandable_segments, band,
                                                                 c.gpu.memory_gib, sc_margin)))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,

@@ -61,6 +61,7 @@ def evaluate(paths, calibration=None, constants=DEFAULT):
             "peak_pred": p.peak_power_w, "peak_meas": r.y["peak_power_w"],
             "mean_pred": p.mean_power_w, "mean_meas": r.y["mean_power_w"],
             "throttle_pred": p.throttle_risk, "throttle_meas": r.y["throttle_fraction"],
+            "clock_pred": p.sm_clock_mhz,
         })
     return ds, rows
 

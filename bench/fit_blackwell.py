@@ -4,6 +4,9 @@ touched: `advisor` answers for a Blackwell GPU (catalog generation "blackwell") 
 
     python bench/fit_blackwell.py            # fit, cross-validate, write the profile
     python bench/fit_blackwell.py --dry-run  # fit and print, write nothing
+    python bench/fit_blackwell.py --rows GB300,GB200   # the shipped profile, per row: predicted vs
+                                             # measured, the step's terms (% of the step), the clock
+    python bench/fit_blackwell.py --clock-check  # an 8192^3 GEMM under B300's limit vs gemm_clock_share
 
 Rows: the usable dense pretraining rows of data/published/published_fit.csv on B200, GB200, B300
 and GB300 (FP8 delayed / current scaling, MXFP8, NVFP4; no MoE, as the H100 profile). Start and
@@ -29,8 +32,14 @@ from advisor.models.profiles import STACKS  # noqa: E402
 
 GPUS = ("B200", "GB200", "B300", "GB300")
 NAMES = ("gemm_efficiency_max_fp8", "gemm_efficiency_max_fp4", "attention_efficiency",
-         "elementwise_hidden_passes", "tp_overlap_fraction", "pp_overlap_fraction", "layer_overhead_s")
-BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85)}
+         "elementwise_hidden_passes", "tp_overlap_fraction", "pp_overlap_fraction", "layer_overhead_s",
+         "gemm_clock_share")
+# gemm_clock_share: the share of a GEMM's (and attention's) time at the maximum clock that runs at
+# the SM clock (models/dvfs.py), physically 0.1 (memory-bound) .. 1 (all of it on the tensor cores,
+# which run at the SM clock). GB200 and GB300 are the same silicon at the same dense BF16 / FP8 rates
+# (catalog/data/gpus) under a 1,200 vs 1,400 W limit: the published rows' GB300 / GB200 ratio at one
+# layout and container is the clock's effect, and it pins this share.
+BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85), "gemm_clock_share": (0.1, 1.0)}
 
 
 # The NVFP4 GEMM fraction before its shape factor, measured: cuBLASLt (what TE's NVFP4 GEMMs call)
@@ -40,12 +49,21 @@ BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85)}
 # covers DeepGEMM's and NVFP4's scale per 16 elements (MXF4: per 32)
 FP4_GEMM_PRIOR = (0.67, 0.06)
 
+# The clock-scaled share of GEMM time: centred on the H100's (models/constants.py: 8192^3 BF16
+# throughput ~ clock^0.5, 0.415), wide: not measured on Blackwell. Public B300 cuBLAS 8192^3 runs
+# (a GitHub B300 characterisation, "B300 TRUE REFERENCE", CUDA 13, 1,100 W limit) bracket it: random
+# data, which draws more power than zero data and so is held to a lower clock, runs 0.838 (BF16:
+# 1,883 / 2,246 TFLOP/s) and 0.907 (FP8: 3,984 / 4,393) of the zero-data rate; under the 1,100 W limit
+# models/dvfs.py gives 0.854 / 0.856 at share 1 and 0.900 / 0.901 at 0.415 (python bench/fit_blackwell.py --clock-check)
+CLOCK_SHARE_PRIOR = (0.415, 0.3)
+
 
 def priors(h100) -> dict[str, tuple[float, float]]:
     """The H100 fit's values as centres (the TE stack's physics carries over), the H100 prior's
     spreads; the NVFP4 GEMM fraction from the measured B200 FP4 GEMM (FP4_GEMM_PRIOR)."""
     out = {n: (getattr(h100, n), F.TE_PRIOR[n][1]) for n in NAMES if n in F.TE_PRIOR}
     out["gemm_efficiency_max_fp4"] = FP4_GEMM_PRIOR
+    out["gemm_clock_share"] = CLOCK_SHARE_PRIOR
     return out
 
 
@@ -111,10 +129,59 @@ def build(say=print, max_nfev: int = 40) -> Calibration:
                        fit_info=info, profile="te-blackwell", fitted_bounds=dict(BOUNDS), base_constants=base)
 
 
+TERMS = ("gemm_s", "attention_s", "memory_bound_s", "fp8_cast_s", "tp_comm_s", "cp_comm_s", "pp_p2p_s",
+         "dp_comm_exposed_s", "pipeline_bubble_s", "layer_overhead_s", "optimizer_s", "step_overhead_s")
+
+
+def print_rows(gpus: set[str], say=print) -> None:
+    """Each fit row of `gpus` under the shipped profile: measured and predicted tokens/s per GPU,
+    the error, the clock ratio the power limit holds, and each term of the step in % of the step
+    (the terms overlap: GEMM + attention + memory-bound + communication can exceed 100)."""
+    cal = resolve_calibration("te", gpu=type("G", (), {"generation": "blackwell"})())
+    rows, _ = F.fit_rows(P.load(), "te", lambda r: r.gpu_type in gpus and not r.moe)
+    say("gpu   family   model            format         gpus layout                         "
+        "measured predicted  error  clock | " + " ".join(t[:-2] for t in TERMS))
+    for x, p in sorted(zip(rows, F.predict_rows(rows, cal.constants)),
+                       key=lambda t: (t[0].run.gpu_type, t[0].run.family, t[0].run.model_key, t[0].cfg.quant)):
+        g, b = x.cfg, p.breakdown
+        lay = f"t{g.tp}p{g.pp}c{g.cp}v{g.vp}d{g.dp} m{g.mbs} g{g.gbs} s{g.seq}"
+        say(f"{x.run.gpu_type:5} {x.run.family:8} {x.run.model_key:16} {g.quant:14} {x.run.num_gpus:4} {lay:30} "
+            f"{x.y:8.0f} {p.tokens_per_s_per_gpu:9.0f} {(p.tokens_per_s_per_gpu / x.y - 1) * 100:+6.1f}% "
+            f"{p.clock_ratio:.3f} | " + " ".join(f"{b.get(t, 0.0) / p.step_time_s * 100:.1f}" for t in TERMS))
+
+
+def clock_check(say=print) -> None:
+    """An 8192^3 GEMM (utilisation 1) alone on a B300 under its 1,100 W limit: the clock the DVFS
+    model holds and the throughput over the maximum clock's, at several gemm_clock_share (the
+    public B300 measurement in CLOCK_SHARE_PRIOR's comment: 0.838 BF16, 0.907 FP8)."""
+    from advisor.catalog.loaders import load_gpu
+    from advisor.models import dvfs as D
+
+    gpu = load_gpu("b300")
+    for share in (0.415, 0.7, 1.0):
+        c = resolve_calibration("te").constants.replace(gemm_clock_share=share)
+        for fp8 in (False, True):
+            s = D.solve_clock([D.Phase("gemm", 1.0, 1.0, fp8)], [], gpu, gpu.max_power_limit_w, c)
+            say(f"gemm_clock_share {share:.3f} {'FP8 ' if fp8 else 'BF16'}: clock {s.x:.3f}, "
+                f"throughput {1.0 / D.compute_stretch(s.x, c):.3f} of the maximum clock's")
+
+
 def main(argv=None) -> int:
+    import argparse
+
     from fit_profiles import main as fit_main
 
-    return fit_main(argv, build, STACKS["te"].generations["blackwell"], __doc__)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--rows")
+    ap.add_argument("--clock-check", action="store_true")
+    a, rest = ap.parse_known_args(argv)
+    if a.rows:
+        print_rows({g.strip().upper() for g in a.rows.split(",")})
+        return 0
+    if a.clock_check:
+        clock_check()
+        return 0
+    return fit_main(rest, build, STACKS["te"].generations["blackwell"], __doc__)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from advisor.catalog.specs import ModelSpec, TrainConfig  # noqa: E402
 from advisor.models import memory_band as MB  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 from advisor.models.dataset import cluster_of, legacy_config, shape_key  # noqa: E402
-from advisor.models.memory import peak_memory_gib  # noqa: E402
+from advisor.models.memory import peak_memory_gib, stage_memory  # noqa: E402
 from advisor.models.outside_memory import megatron_groups, outside_allocator_gib  # noqa: E402
 
 COMMAND = "python bench/memory_edge.py --fit"
@@ -101,9 +101,12 @@ def rows(paths: list[str]) -> list[dict]:
                 cals[stack] = resolve_calibration("default", stack).screening_constants
             c = cals[stack]
             start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
+            top = max(stage_memory(model, cfg, c), key=lambda sm: sm.total_gib)  # the fullest stage
+            alloc = measured_gib({k: v for k, v in mem.items() if k.startswith(("peak_allocated", "start_"))})
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
-                        "gpu_gib": cluster.gpu.memory_gib, "predicted": peak_memory_gib(model, cfg, c),
+                        "gpu_gib": cluster.gpu.memory_gib, "predicted": top.total_gib,
+                        "rf": top.reserved_free_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
                         "measured": meas, "start": start, "outside": oom_outside_gib(rec.get("error") or ""),
@@ -117,19 +120,41 @@ def affine(A: np.ndarray, M: np.ndarray) -> tuple[float, float, np.ndarray]:
     return float(b), float(a), M - (b * A + a)
 
 
-def loao(ok: list[dict]) -> dict:
-    """Per class: the band, its leave-one-architecture-out coverage and MAPE, in the ratio form
-    (measured / A between lo and hi) and the affine one (measured = b * A + a, the residuals' range
-    added); the form kept is the one with the smaller LOAO MAPE (|measured / held-out prediction - 1|,
-    the held-out architecture's runs predicted by the form fitted on the others)."""
+def spread(d: np.ndarray) -> dict:
+    """The range of measured - predicted reserved-but-unallocated GiB (0, 0 without runs)."""
+    return {"rf_lo_gib": float(d.min()) if len(d) else 0.0, "rf_hi_gib": float(d.max()) if len(d) else 0.0}
+
+
+def expandable_spread(ok: list[dict]) -> dict:
+    """measured - predicted reserved but unallocated over every run with expandable segments on
+    (all stacks and classes pooled: the term does not depend on the model's blocks)."""
+    d = np.array([r["measured"] - r["measured_alloc"] - r["rf"] for r in ok if r["x"]])
+    return {**spread(d), "n": int(len(d)), "runs": sorted(r["id"] for r in ok if r["x"])}
+
+
+def loao(ok: list[dict], xs: dict | None = None) -> dict:
+    """Per class: the band, its leave-one-architecture-out coverage and MAPE. The band is two parts
+    (models/memory_band.py): the predicted allocated peak (A - R) in the ratio form (measured / (A - R)
+    between lo and hi) or the affine one (measured = b (A - R) + a, the residuals' range added), and the
+    reserved-but-unallocated term R with the range of its measured - predicted GiB, over the runs with
+    expandable segments off (`xs`: the pooled spread of the runs with them on). The form kept is the
+    one with the smaller LOAO MAPE of the peak reserved (|measured / held-out prediction - 1|, the
+    held-out architecture's runs predicted by the allocated form fitted on the others plus R and the
+    others' median R residual)."""
+    xs = xs if xs is not None else expandable_spread(ok)
     out = {}
     for k, kind in enumerate(MB.CLASSES):
         rs = [r for r in ok if bool(r["moe"]) == bool(k)]
         if not rs:
             continue
         A = np.array([r["predicted"] for r in rs])
+        R = np.array([r["rf"] for r in rs])
+        Aa = A - R
+        Ma = np.array([r["measured_alloc"] for r in rs])
         M = np.array([r["measured"] for r in rs])
-        ratio = M / A
+        D = M - Ma - R  # measured - predicted reserved but unallocated
+        X = np.array([bool(r["x"]) for r in rs])
+        ratio = Ma / Aa
         arch = np.array([r["arch"] for r in rs])
         cov = {"ratio": 0, "affine": 0}
         err: dict[str, list] = {"ratio": [], "affine": []}
@@ -137,21 +162,25 @@ def loao(ok: list[dict]) -> dict:
             held, rest = arch == a, arch != a
             if not rest.any():
                 continue
-            cov["ratio"] += int((ratio[held] <= ratio[rest].max()).sum())
-            err["ratio"] += list(np.abs(ratio[held] / float(np.median(ratio[rest])) - 1.0))
-            if len(set(A[rest])) > 1:
-                b, c0, res = affine(A[rest], M[rest])
-                cov["affine"] += int((M[held] <= b * A[held] + c0 + res.max()).sum())
-                err["affine"] += list(np.abs(M[held] / (b * A[held] + c0) - 1.0))
+            off = rest & ~X
+            d_hi = np.where(X[held], xs["rf_hi_gib"], D[off].max() if off.any() else 0.0)
+            d_mid = np.where(X[held], 0.0, float(np.median(D[off])) if off.any() else 0.0)
+            rf_hi, rf_mid = R[held] + d_hi, R[held] + d_mid
+            cov["ratio"] += int((M[held] <= ratio[rest].max() * Aa[held] + rf_hi).sum())
+            err["ratio"] += list(np.abs(M[held] / (float(np.median(ratio[rest])) * Aa[held] + rf_mid) - 1.0))
+            if len(set(Aa[rest])) > 1:
+                b, c0, res = affine(Aa[rest], Ma[rest])
+                cov["affine"] += int((M[held] <= b * Aa[held] + c0 + res.max() + rf_hi).sum())
+                err["affine"] += list(np.abs(M[held] / (b * Aa[held] + c0 + rf_mid) - 1.0))
         mape = {f: float(np.mean(e) * 100) if e else float("nan") for f, e in err.items()}
-        b, c0, res = affine(A, M) if len(set(A)) > 1 else (1.0, 0.0, M - A)
+        b, c0, res = affine(Aa, Ma) if len(set(Aa)) > 1 else (1.0, 0.0, Ma - Aa)
         form = "affine" if len(err["affine"]) == len(err["ratio"]) and mape["affine"] < mape["ratio"] and b > 0 else "ratio"
         band = ({"lo": b, "hi": b, "add_lo_gib": c0 + float(res.min()), "add_hi_gib": c0 + float(res.max())}
                 if form == "affine" else {"lo": float(ratio.min()), "hi": float(ratio.max()),
                                           "add_lo_gib": 0.0, "add_hi_gib": 0.0})
-        out[kind] = {**band, "form": form, "n": len(rs), "architectures": len(set(arch)),
-                     "loao_covered": cov[form],
-                     "mape_as_shipped_pct": float(np.mean(np.abs(1.0 / ratio - 1.0)) * 100),
+        out[kind] = {**band, **spread(D[~X]), "form": form, "n": len(rs), "architectures": len(set(arch)),
+                     "expandable_runs": int(X.sum()), "loao_covered": cov[form],
+                     "mape_as_shipped_pct": float(np.mean(np.abs(A / M - 1.0)) * 100),
                      "mape_loao_pct": mape[form], "mape_loao_ratio_pct": mape["ratio"],
                      "mape_loao_affine_pct": mape["affine"]}
     return out
@@ -159,13 +188,14 @@ def loao(ok: list[dict]) -> dict:
 
 def fit(rs: list[dict]) -> dict:
     stacks = {}
+    xs = expandable_spread([r for r in rs if r["status"] == "ok"])
     for stack in sorted({r["stack"] for r in rs}):
         mine = [r for r in rs if r["stack"] == stack]
         ok = [r for r in mine if r["status"] == "ok"]
-        s = loao(ok)
+        s = loao(ok, xs)
         if set(s) != set(MB.CLASSES):
             continue
-        stacks[stack] = {**s, "records": f"{len(ok)} ok runs"}
+        stacks[stack] = {**s, "expandable": xs, "records": f"{len(ok)} ok runs"}
     if "te" not in stacks:
         stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0, "form": "ratio"} for k in MB.CLASSES},
                         "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
@@ -173,11 +203,15 @@ def fit(rs: list[dict]) -> dict:
     return {"format": MB.FORMAT, "command": COMMAND,
             "created": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "data": sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "data/measurements/*.jsonl"))),
-            "measured": "max over ranks of torch's peak reserved memory less the allocated memory at the trial's start",
-            "ratio": "measured / A, A = the predicted allocator peak (StageMemory.total_gib); the "
-                     "interval is [lo A + add_lo_gib, hi A + add_hi_gib] (form ratio: add_* = 0; affine: measured = "
-                     "b A + a fitted, lo = hi = b, add_* = a + the residuals' min / max) plus the layout's memory "
-                     "outside the allocator (models/outside_memory.py) once",
+            "measured": "max over ranks of torch's peak reserved (allocated) memory less the allocated memory at the "
+                        "trial's start",
+            "ratio": "measured allocated / (A - R), A = the predicted allocator peak (StageMemory.total_gib), R its "
+                     "reserved-but-unallocated term (StageMemory.reserved_free_gib); the interval is [lo (A - R) + "
+                     "add_lo_gib + R + rf_lo_gib, hi (A - R) + add_hi_gib + R + rf_hi_gib] (form ratio: add_* = 0; "
+                     "affine: measured allocated = b (A - R) + a fitted, lo = hi = b, add_* = a + the residuals' "
+                     "min / max; rf_*: measured - predicted reserved but unallocated over the runs with expandable "
+                     "segments off, the stack's 'expandable' block: over every run with them on) plus the layout's "
+                     "memory outside the allocator (models/outside_memory.py) once",
             "default_stack": "local", "stacks": stacks}
 
 
@@ -205,13 +239,15 @@ def recipes(margin: float | None) -> list[dict]:
         # each stage's own allocator total with its own outside term: recommend's rule
         # (models.memory.band_upper_many); "upper" pairs the fullest stage with the largest outside term
         per_stage = band_upper_gib(r.model, cfg, b, c)
+        top = max(stage_memory(r.model, cfg, c), key=lambda sm: sm.total_gib)
         notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]
         if r.explicit:
             notes.append(f"recipe: {len(r.explicit)} settings")
         if r.unmodelled:
             notes.append(f"{len(r.unmodelled)} not modelled")
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
-                    "upper": float(b.interval(pred, outside)[1]), "stage_upper": per_stage,
+                    "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments)[1]),
+                    "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "assumed": "; ".join(notes), "unmodelled": r.unmodelled})
@@ -254,10 +290,12 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
                     "transient": sm.step_transient_gib, "overhead": sm.overhead_gib,
                     "reserved_free": sm.reserved_free_gib, "total": sm.total_gib,
-                    "outside": sm.outside_gib, "upper": float(b.interval(sm.total_gib, sm.outside_gib)[1])})
+                    "outside": sm.outside_gib,
+                    "upper": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
+                                              cfg.expandable_segments)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
-            "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b,
+            "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b, "expandable": cfg.expandable_segments,
             "assumed": "; ".join(r.assumptions)}
     return head, out
 
@@ -277,7 +315,9 @@ def print_recipe(row_id: str) -> None:
         print(f"{s['stage']:5d} {s['layers']:6d}  {fl[:18]:18} " + " ".join(f"{s[k]:11.2f}" for k in cols))
     top = max(stages, key=lambda s: s["upper"])
     print(f"tightest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
-          f"(allocator x {b.hi:.3f} + {b.add_hi_gib:.1f} + {top['outside']:.1f} outside the allocator), "
+          f"(allocated x {b.hi:.3f} + {b.add_hi_gib:.1f}, reserved free {top['reserved_free']:.2f} "
+          f"+ {b.rf_hi_expandable_gib if head['expandable'] else b.rf_hi_gib:.2f}, "
+          f"+ {top['outside']:.1f} outside the allocator), "
           f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
 
 
@@ -367,8 +407,8 @@ def allocator_stages(rs: list[dict]) -> list[dict]:
     for r in rs:
         mem = r.get("memory") or {}
         res, al = mem.get("peak_reserved_gib_per_rank"), mem.get("peak_allocated_gib_per_rank")
-        if r["status"] != "ok" or not res or not al or len(res) != len(al):
-            continue
+        if r["status"] != "ok" or not res or not al or len(res) != len(al) or r["cfg"].expandable_segments:
+            continue  # (expandable segments: the term is the measured residual, not these three features)
         cfg = r["cfg"]
         per = len(res) // cfg.pp
         if per < 1:
@@ -470,9 +510,9 @@ def main() -> None:
     fit_oom = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
-        up = b.interval(r["predicted"], r["outside_pred"])[1]
+        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"])[1]
         usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
-        ok = bool(MB.fits(r["predicted"], r["outside_pred"], b, r["gpu_gib"], margins[r["stack"]]))
+        ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]]))
         fit_oom += ok
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
         print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
@@ -481,17 +521,20 @@ def main() -> None:
           f"('had': the GPU's memory less the memory outside torch's allocator and the trial's start allocation)")
     print()
     print("Runs that fit: measured / predicted peak (leave-one-architecture-out)")
+    xs = expandable_spread([r for r in rs if r["status"] == "ok"])
     print(f"{'stack':5} {'class':5} {'form':6} {'runs':>4} {'archs':>5} {'lo':>6} {'hi':>6} {'+lo':>5} {'+hi':>5} "
+          f"{'rf lo':>5} {'rf hi':>5} "
           f"{'LOAO under hi':>13} {'MAPE shipped':>12} {'MAPE LOAO':>9} {'ratio':>6} {'affine':>6} {'rejected':>8}")
     for stack in sorted({r["stack"] for r in rs}):
         ok = [r for r in rs if r["stack"] == stack and r["status"] == "ok"]
-        for kind, s in loao(ok).items():
+        for kind, s in loao(ok, xs).items():
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
-            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], b, r["gpu_gib"], margins[stack])
+            rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[stack])
                            for r in mine)
             print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
-                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} {s['loao_covered']:6d} of {s['n']:<4d} "
+                  f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} {s['rf_lo_gib']:5.1f} {s['rf_hi_gib']:5.1f} "
+                  f"{s['loao_covered']:6d} of {s['n']:<4d} "
                   f"{s['mape_as_shipped_pct']:11.1f}% {s['mape_loao_pct']:8.1f}% {s['mape_loao_ratio_pct']:5.1f}% "
                   f"{s['mape_loao_affine_pct']:5.1f}% {rejected:8d}")
     print()
@@ -511,8 +554,12 @@ def main() -> None:
         print("recipe settings of these rows the advisor has no field for (models/published.py RECIPES):")
         for u in unmodelled:
             print(f"  - {', '.join(r['id'] for r in rec if u in r['unmodelled'])}: {u}")
-    print("(form: the one with the smaller LOAO MAPE, both shown; +lo / +hi: the affine form's GiB; "
-          "rejected: runs that ran but whose upper bound is over the usable memory)")
+    print(f"expandable segments on: measured - predicted reserved but unallocated {xs['rf_lo_gib']:+.2f} to "
+          f"{xs['rf_hi_gib']:+.2f} GiB over {xs['n']} run(s) ({', '.join(xs['runs'])}; "
+          f"Constants.alloc_reserved_expandable_gib)")
+    print("(form: the one with the smaller LOAO MAPE of the peak reserved, both shown; lo / hi and +lo / +hi: the "
+          "allocated part, the affine form's GiB; rf lo / hi: measured - predicted reserved but unallocated, GiB, "
+          "runs with expandable segments off; rejected: runs that ran but whose upper bound is over the usable memory)")
 
 
 if __name__ == "__main__":

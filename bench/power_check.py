@@ -15,9 +15,12 @@ For every `status: ok` record with telemetry (default: every data/measurements/*
              calibration, J/token = its mean power x GPUs / its tokens/s)
   J/token*   the same from the 20 Hz sampled mean power (mean W / measured tokens/s/GPU): every run,
              also the MoE runs, none of which ran long enough for the counter
-Groups: the 47 held-out dense runs (HELD_OUT: no constant of the power model and no profile was
-fitted on them), the 40 MoE runs of h100x1-moe*.jsonl (no power constant was fitted on them; their
-MoE step constants were, on all four shapes), and the 43 dense runs the local profile is fitted on.
+Groups (counted when run): the held-out dense runs (HELD_OUT: no constant of the power model and no
+profile was fitted on them), every MoE run of every file (local and te stacks), the MoE runs no power
+constant was fitted on (all but those of FITTED), and the dense runs of FITTED (the campaigns
+comm_power, wait_power and peak_overshoot are fitted on); then the MoE runs per file. Their step
+constants: MOE_LOCAL_FIT on h100x1-moe*, the te profile's MoE settings on the te MoE runs.
+--calibration stack: each run with its own stack's shipped profile (what `advisor predict --stack` uses).
 --moe-loso: the MoE runs out of sample in their shape too: for each of the four MoE proxy shapes the
 MoE constants (bench/moe_check.py's fit, MOE_LOCAL_FIT) are fitted on the other three and the
 held-out shape is predicted with them (power model and end to end).
@@ -44,9 +47,18 @@ from advisor.models.power import power_at_step
 MIN_COUNTER_S = 10.0
 HELD_OUT = ("h200x4-full-depth.jsonl", "tune-llama3-8b-h200x4.jsonl", "h200x4-gqa.jsonl", "h200x4-hang-probe.jsonl",
             "h100x1-energy.jsonl")
-GROUPS = (("47 held-out dense runs", lambda f: f in HELD_OUT),
-          ("40 MoE runs (h100x1-moe*)", lambda f: f.startswith("h100x1-moe")),
-          ("43 fitted dense runs (campaigns)", lambda f: "campaign" in f))
+FITTED = ("h200x4-campaign.jsonl", "h100x1-campaign.jsonl")  # comm_power, wait_power, peak_overshoot fitted on these
+
+
+def is_moe(row: dict) -> bool:
+    return row["rec"].model.moe is not None
+
+
+# (name, keep(row)); the name's {n} is the number of runs
+GROUPS = (("{n} held-out dense runs", lambda r: r["file"] in HELD_OUT and not is_moe(r)),
+          ("{n} MoE runs (every file, both stacks)", is_moe),
+          ("{n} MoE runs, no power constant fitted", lambda r: is_moe(r) and r["file"] not in FITTED),
+          ("{n} fitted dense runs (campaigns)", lambda r: r["file"] in FITTED and not is_moe(r)))
 TRAINING_FIT = ("comm_power", "wait_power", "peak_overshoot")
 BOUNDS = {"comm_power": (0.02, 0.8), "wait_power": (0.005, 1.0), "peak_overshoot": (0.05, 1.0)}
 
@@ -84,6 +96,15 @@ def power_model(row: dict, c: Constants) -> dict:
     return {"mean_w": e.mean_power_w, "peak_w": e.peak_power_w, "clock_mhz": e.sm_clock_mhz,
             "throttle": e.throttle_fraction, "stage_w": [s.mean_power_w for s in e.stages],
             "j_per_token": j, "j_tok_sampled": j}
+
+
+def stack_calibration(row: dict):
+    """The shipped profile of the run's stack (local / te) for its GPU: what `advisor predict
+    --stack STACK` uses."""
+    from advisor.models.calibrate import resolve_calibration
+
+    r = row["rec"]
+    return resolve_calibration("default", stack=r.stack, gpu=r.cluster.gpu)
 
 
 def end_to_end(row: dict, cal) -> dict:
@@ -196,7 +217,9 @@ def fit(rows: list[dict], base: Constants = DEFAULT) -> Constants:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*")
-    ap.add_argument("--calibration", default="none")
+    ap.add_argument("--calibration", default="none",
+                    help="none (the analytical model), default, local, te, a file, or stack: each run with its "
+                         "stack's shipped profile (local or te)")
     ap.add_argument("--fit", action="store_true", help="fit the training-run constants on FILES and print them")
     ap.add_argument("--rows", action="store_true")
     ap.add_argument("--moe-loso", action="store_true", help="also the MoE runs with MoE constants fitted on the other shapes")
@@ -205,26 +228,31 @@ def main(argv=None) -> int:
     rows = load(files)
     from advisor.models.calibrate import resolve_calibration
 
-    cal = resolve_calibration(a.calibration)
+    per_stack = a.calibration == "stack"
+    cal = resolve_calibration("local" if per_stack else a.calibration)
     if a.fit:  # on the step-time constants of the calibration, when one is given
         c = fit(rows, cal.constants if cal is not None else DEFAULT)
         print(f"fitted on {len(rows)} runs of {', '.join(sorted({r['file'] for r in rows}))}:")
         for n in TRAINING_FIT:
             print(f"    {n}: float = {getattr(c, n):.4g}")
         return 0
-    base = cal.constants if cal is not None else DEFAULT
-    pm = [power_model(r, base) for r in rows]
-    ee = [end_to_end(r, cal) for r in rows]
-    label = f"end to end ({'calibration ' + a.calibration if cal is not None else 'analytical'})"
+    cals = [stack_calibration(r) if per_stack else cal for r in rows]
+    pm = [power_model(r, k.constants if k is not None else DEFAULT) for r, k in zip(rows, cals)]
+    ee = [end_to_end(r, k) for r, k in zip(rows, cals)]
+    label = ("end to end (each run's stack profile)" if per_stack else
+             f"end to end ({'calibration ' + a.calibration if cal is not None else 'analytical'})")
     print(f"{len(rows)} runs with telemetry in {len(files)} file(s); J/token from the energy counter where the "
           f"measured interval is >= {MIN_COUNTER_S:g} s; J/token* from the sampled power (every run)")
     table([("power model (measured step)", rows, pm), (label, rows, ee)])
     print("by group:")
-    table([(f"{what} {g}", sel, preds) for g, keep in GROUPS
-           for sel, preds, what in [([r for r in rows if keep(r["file"])],
-                                     [p for r, p in zip(rows, pm) if keep(r["file"])], "model"),
-                                    ([r for r in rows if keep(r["file"])],
-                                     [q for r, q in zip(rows, ee) if keep(r["file"])], "e2e")] if sel])
+    lines = []
+    for g, keep in GROUPS:
+        sel = [i for i, r in enumerate(rows) if keep(r)]
+        if sel:
+            name = g.format(n=len(sel))
+            lines += [(f"model {name}", [rows[i] for i in sel], [pm[i] for i in sel]),
+                      (f"e2e {name}", [rows[i] for i in sel], [ee[i] for i in sel])]
+    table(lines)
     by_file = {}
     for r, p, q in zip(rows, pm, ee):
         by_file.setdefault(r["file"], []).append((r, p, q))
@@ -234,6 +262,17 @@ def main(argv=None) -> int:
         e1, e2 = errors(list(rr), list(pp)), errors(list(rr), list(qq))
         print(f"  {f:34s} n={len(rr):2d}  {e1['mean_w'][0]:5.2f}% / {e2['mean_w'][0]:5.2f}%  |  "
               f"{e1['j_per_token'][0]:5.2f}% / {e2['j_per_token'][0]:5.2f}% ({e1['j_per_token'][1]} with counter)")
+    print("MoE runs per file (MAPE, power model / end to end): mean W | peak W; stack")
+    for f, items in by_file.items():
+        items = [it for it in items if is_moe(it[0])]
+        if not items:
+            continue
+        rr, pp, qq = zip(*items)
+        e1, e2 = errors(list(rr), list(pp)), errors(list(rr), list(qq))
+        stacks = ",".join(sorted({r["rec"].stack for r in rr}))
+        fitted = "; power constants fitted on them" if f in FITTED else ""
+        print(f"  {f:34s} n={len(rr):2d}  {e1['mean_w'][0]:5.2f}% / {e2['mean_w'][0]:5.2f}%  |  "
+              f"{e1['peak_w'][0]:5.2f}% / {e2['peak_w'][0]:5.2f}%; {stacks}{fitted}")
     if a.moe_loso:
         moe_loso(rows, cal)
     if a.rows:

@@ -10,6 +10,8 @@ sequence parallelism, context parallelism, FP8, MoE with TP), measured on one 4-
                                                  # the features whose canary failed
     python bench/te_campaign.py predict [BATCH ...]  # te profile's predicted peak per job (default x4-te-edge)
     python bench/te_campaign.py table DATASET.jsonl ...
+    python bench/te_campaign.py estimate [BATCH ...] [--budget 500]   # expected seconds per job
+                                                 # and per batch, from the committed records
 
 Every job is a batch line with "stack": "te". Its id names the model and the feature it covers
 (te-<model>-<feature>-<n>), so a failed canary drops the jobs of its feature.
@@ -33,9 +35,11 @@ CONFIGS = HERE / "campaign_configs"
 RUN = {"warmup": 2, "steps": 5, "stack": "te"}
 
 
-def _jobs(model, tag, rows, **common):
+def _jobs(model, tag, rows, first=0, **common):
+    """Batch lines te-<tag>-<feature>-<n>, n counting from `first` (later batches go on numbering
+    where the earlier ones stopped: te_device.sh skips ids already measured)."""
     out = []
-    for n, (feature, kw) in enumerate(rows):
+    for n, (feature, kw) in enumerate(rows, first):
         out.append({"model": model, **common, **RUN, **kw, "id": f"te-{tag}-{feature}-{n:02d}"})
     return out
 
@@ -170,14 +174,64 @@ def top() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32))
 
 
+def s24() -> list[dict]:
+    """Issue #22, the instrument side: the FP8 / BF16 pairs whose FP8 speed-up the te profile
+    over-predicts at small micro-batch (`python bench/te_check.py`), each with a kernel profile of
+    2 more steps (runners/kernel_probe.py; read with `python bench/kernel_profile.py`); then,
+    without it, the #1 layouts of `recommend --stack te` no run had measured (`python
+    bench/te_recommend_check.py`: the runner's #1 for the Mixtral proxy, the stack's and the
+    runner's for the Qwen3 proxy at 12 layers, the stack's elsewhere); then llama3-8b DP4 mbs4
+    with torch's allocator as it comes and with expandable segments (megatron_worker.set_allocator)."""
+    kp = {"kernel_profile_steps": 2}
+    l8 = [("kp", dict(dp=4, mbs=2, **kp)), ("kp", dict(dp=4, mbs=2, precision="fp8", **kp)),
+          ("kp", dict(dp=4, mbs=4, **kp)), ("kp", dict(dp=4, mbs=4, precision="fp8", **kp)),
+          ("kp", dict(cp=2, dp=2, mbs=2, **kp)), ("kp", dict(cp=2, dp=2, mbs=2, precision="fp8", **kp))]
+    mix = [("kp", dict(dp=4, ep=4, mbs=1, **kp)), ("kp", dict(dp=4, ep=4, mbs=1, precision="fp8", **kp))]
+    mix1 = [("top", dict(dp=4, ep=2, etp=1, mbs=4))]
+    qw = [("top", dict(dp=4, ep=4, mbs=2)), ("top", dict(dp=4, ep=4, mbs=4)),
+          ("top", dict(tp=4, dp=1, ep=4, etp=1, mbs=16, sequence_parallel=True))]
+    l8top = [("top", dict(dp=4, mbs=8, precision="fp8"))]
+    l70 = [("top", dict(dp=4, mbs=4)), ("top", dict(dp=4, mbs=4, precision="fp8"))]
+    gpt = [("top", dict(dp=4, mbs=8, precision="fp8"))]
+    alloc = [("alloc", dict(dp=4, mbs=4, expandable_segments=False)),
+             ("alloc", dict(dp=4, mbs=4, expandable_segments=True))]
+    return (_jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=25)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=10)
+            + _jobs(MIXTRAL_PROXY, "mix", mix1, layers=4, seq=4096, gbs=16, first=12)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=10)
+            + _jobs("llama3-8b", "l8b", l8top, layers=8, seq=4096, gbs=32, first=31)
+            + _jobs("llama3-70b", "l70b", l70, layers=4, seq=4096, gbs=16, first=10)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=10)
+            + _jobs("llama3-8b", "l8b", alloc, layers=8, seq=4096, gbs=32, first=32))
+
+
+
+def s24c() -> list[dict]:
+    """Session 24's second call, every job with the kernel profile: the dense FP8 / BF16 pairs
+    again, both precisions on one machine (session 22 measured most pairs' BF16 and FP8 runs on
+    two machines, and its one same-machine DP4 mbs2 pair read 1.182 where s24a's read 1.254): DP4
+    mbs2, CP2 DP2 mbs4, PP2 DP2 mbs2, TP2 and TP4 with SP at mbs4; GPT-3 2.7B (host-bound: its
+    launches per step) at DP4 and TP2 SP; the FP8 twins of the Mixtral and Qwen3 (12 layers) #1s
+    of s24b."""
+    kp = {"kernel_profile_steps": 2}
+    pair = lambda **kw: [("kp", dict(kw, **kp)), ("kp", dict(kw, precision="fp8", **kp))]  # noqa: E731
+    l8 = (pair(dp=4, mbs=2) + pair(cp=2, dp=2, mbs=4) + pair(pp=2, dp=2, mbs=2)
+          + pair(tp=2, dp=2, mbs=4, sequence_parallel=True) + pair(tp=4, dp=1, mbs=4, sequence_parallel=True))
+    gpt = [("kp", dict(dp=4, mbs=4, **kp)), ("kp", dict(tp=2, dp=2, mbs=4, sequence_parallel=True, **kp))]
+    mix = [("kp", dict(dp=4, ep=2, etp=1, mbs=4, precision="fp8", **kp))]
+    qw = [("kp", dict(dp=4, ep=4, mbs=4, precision="fp8", **kp))]
+    return (_jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=34)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=11)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=13)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=13))
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
     from advisor.catalog import load_gpu
     from advisor.models import memory_band as MB
     from advisor.models.calibrate import resolve_calibration
-    from advisor.models.memory import peak_memory_gib
-    from advisor.models.outside_memory import outside_allocator_gib
+    from advisor.models.memory import band_upper_gib, peak_memory_gib
     from advisor.runners import measure as M
 
     c = resolve_calibration("default", "te").screening_constants
@@ -192,15 +246,96 @@ def predict(names: list[str]) -> int:
                 print(f"{e.id:18} REFUSED {e.refused}")
                 continue
             k, g = e.config, peak_memory_gib(e.model, e.config, c)
-            up = MB.band("te", e.model.is_moe).interval(g, outside_allocator_gib(e.model, k, None, c))[1]
+            up = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c)  # each stage with its own terms
             lay = (f"L{e.model.num_layers} s{k.seq} TP{k.tp} PP{k.pp}v{k.vp} EP{k.ep} DP{k.dp} "
                    f"mbs{k.mbs} rc={k.recompute}")
             print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f}  {'fits' if up <= usable else 'OVER'}")
     return 0
 
 
+# What `estimate` adds for a kernel-profiled job: allowances, NOT measured (no profiled run existed
+# when they were set): each profiled step at this many times a measured step (CUPTI's per-launch
+# cost), plus the profiler's stop and the summary (Kineto turning its buffers into events). The
+# first profiled records' timing.run_s replace them.
+PROFILED_STEP_FACTOR = 1.5
+PROFILE_FIXED_S = 20.0
+# Steps a job runs besides warmup + steps: the memory probe's step (megatron_worker.probe_memory)
+# and, for MoE models, the MoE sub-step timing's (megatron_args.MOE_PROFILE_STEPS).
+MEMORY_PROBE_STEPS, MOE_PROBE_STEPS = 1, 2
+PRIOR = sorted((HERE.parent / "data/measurements").glob("h100x4-te*.jsonl"))
+
+
+def _layout_key(c: dict) -> tuple:
+    return tuple(c.get(k) for k in ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "mbs", "precision",
+                                    "recompute", "sequence_parallel"))
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def estimate(names: list[str], budget: float) -> int:
+    """Each job's expected seconds from the committed H100x4 te records (data/measurements/
+    h100x4-te*.jsonl, their `timing` and step times): build + the first step's excess over the
+    median + median step x (warmup + steps + memory probe + MoE probe + profiled steps x
+    PROFILED_STEP_FACTOR) + PROFILE_FIXED_S if profiled, plus one torchrun start per batch. The
+    median step is the same layout's where it was measured, else the median over the records of
+    the model (layers, seq, gbs) in the job's precision (in any precision if none). Jobs already
+    measured (te_device.sh skips them) count 0."""
+    from statistics import median
+
+    recs = [json.loads(x) for p in PRIOR for x in p.read_text().splitlines() if x.strip()]
+    measured = {r["id"] for r in recs if r.get("status") in ("ok", "oom")}
+    ok = [r for r in recs if r.get("status") == "ok" and (r.get("timing") or {}).get("build_s") is not None
+          and (r.get("steps") or {}).get("median_s")]
+    first_excess = _quantile([r["steps"]["step_times_s"][0] - r["steps"]["median_s"] for r in ok], 0.75)
+    build = median(r["timing"]["build_s"] for r in ok)
+    startup = median(r["timing"]["startup_s"] for r in ok if r["timing"].get("startup_s"))
+    print(f"from {len(ok)} records: build {build:.1f} s, first step's excess (75th pct) {first_excess:.1f} s, "
+          f"torchrun start {startup:.1f} s; profiled steps x{PROFILED_STEP_FACTOR} + {PROFILE_FIXED_S:.0f} s (allowances)")
+    from advisor.runners import measure as M
+
+    total_all = 0.0
+    for name in names:
+        total = startup
+        print(f"== {name}")
+        for line in (CONFIGS / f"{name}.jsonl").read_text().splitlines():
+            j = json.loads(line)
+            e = M.entry_from_line(j, 4)
+            c = e.config.to_dict()
+            group = [r for r in ok if (r["model_name"], r.get("layers"), r["config"]["seq"], r["config"]["gbs"])
+                     == (e.model_name, e.model.num_layers, c["seq"], c["gbs"])]
+            same = [r for r in group if _layout_key(r["config"]) == _layout_key(c)]
+            prec = [r for r in group if r["config"]["precision"] == c["precision"]] or group
+            src = same or prec
+            if e.refused or not src or j["id"] in measured:
+                why = ("REFUSED " + e.refused if e.refused else "already measured: skipped" if j["id"] in measured
+                       else "no record of this model to estimate from")
+                print(f"  {j['id']:<16} {why}")
+                continue
+            step = median(r["steps"]["median_s"] for r in src)
+            first = (median(r["steps"]["step_times_s"][0] - r["steps"]["median_s"] for r in same)
+                     if same else first_excess)
+            kp = j.get("kernel_profile_steps", 0)
+            n = (e.warmup + e.steps + MEMORY_PROBE_STEPS + (MOE_PROBE_STEPS if e.model.is_moe else 0)
+                 + kp * PROFILED_STEP_FACTOR)
+            t = build + first + step * n + (PROFILE_FIXED_S if kp else 0.0)
+            total += t
+            print(f"  {j['id']:<16} step {step:5.2f} s ({'this layout' if same else f'{len(src)} records of the model'})"
+                  f"  ~{t:5.1f} s")
+        print(f"  total ~{total:.0f} s (budget {budget:.0f} s){'' if total <= budget else '  OVER: split the batch'}")
+        total_all += total
+    return 0 if total_all <= budget * len(names) else 1
+
+
 BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3() + nemotron(),
-           "x4-te-moe": moe, "x4-te-edge": edge, "x4-te-top": top}
+           "x4-te-moe": moe, "x4-te-edge": edge, "x4-te-top": top,
+           # s24 in two calls (`python bench/te_campaign.py estimate x4-te-s24a x4-te-s24b`: one
+           # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
+           "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
+           "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
+           "x4-te-s24c": s24c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
@@ -346,6 +481,9 @@ def main(argv=None) -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--batches", nargs="*", default=list(BATCHES))
     r.add_argument("--no-canary", action="store_true")
+    es = sub.add_parser("estimate")
+    es.add_argument("batches", nargs="*", default=["x4-te-s24a", "x4-te-s24b"])
+    es.add_argument("--budget", type=float, default=500.0)
     t = sub.add_parser("table")
     t.add_argument("paths", nargs="+")
     a = ap.parse_args(argv)
@@ -355,6 +493,8 @@ def main(argv=None) -> int:
         return rehearse()
     elif a.cmd == "predict":
         return predict(a.batches)
+    elif a.cmd == "estimate":
+        return estimate(a.batches, a.budget)
     elif a.cmd == "run":
         return run(a.budget, a.out, a.batches, not a.no_canary)
     else:

@@ -6,13 +6,17 @@ runs (issue #22): out of sample, since none of these runs was fitted.
 Prints, per model shape and per feature (the job id's feature: dp, sp, tp, cp, spcp, pp, rc, fp8,
 ep, moetp, ag): tokens/s/GPU MAPE and bias, Spearman rank correlation, memory MAPE (peak reserved,
 the analytical runtime overhead left out as bench/compare_measurements.py does); the FP8 / BF16
-speed-up of every layout measured in both, predicted vs measured; the repeats of the same job
+speed-up of every layout measured in both, predicted vs measured, with the two runs' machines
+(`same GPUs`: both on the same four GPUs by NVML UUID; `other GPUs`: a pair across machines, whose
+ratio holds the machines' difference too) and their SM clocks and NVML utilisation (the lowest
+GPU's: below ~97% the GPUs idled, as host-bound runs do); the repeats of the same job
 (run-to-run spread); and for each model the layout `recommend --stack te` ranks #1 among the
 measured ones vs the measured best.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -40,6 +44,36 @@ def _row(name, rs) -> str:
     s = group_stats(rs)
     return (f"{name:<24} {s['n']:>3} {s['tps_mape_pct']:>9.1f}% {s['tps_bias_pct']:>+6.1f}% "
             f"{s['tps_spearman']:>6.2f} {s['mem_mape_pct']:>8.1f}%")
+
+
+def telemetry(paths) -> dict[str, dict]:
+    """Per record id: its GPUs (NVML UUIDs, sorted), their mean SM clock (MHz) and the lowest
+    GPU's mean utilisation (%), from the records' telemetry (ids without telemetry left out)."""
+    out = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                gpus = (rec.get("telemetry") or {}).get("per_gpu") or {}
+                if gpus:
+                    out[rec["id"]] = {
+                        "gpus": tuple(sorted(gpus)),
+                        "clock": float(np.mean([g["mean_sm_clock_mhz"] for g in gpus.values()])),
+                        "util": float(min(g["mean_gpu_util_pct"] for g in gpus.values())),
+                    }
+    return out
+
+
+def pair_detail(bf, f8, tel: dict) -> str:
+    """The machines, measured / predicted SM clocks and lowest utilisation of a BF16 / FP8 pair."""
+    a, b = tel.get(bf["id"]), tel.get(f8["id"])
+    if a is None or b is None:
+        return "telemetry missing"
+    where = "same GPUs" if a["gpus"] == b["gpus"] else "other GPUs"
+    return (f"{where}; MHz bf16 {a['clock']:.0f} (pred {bf['clock_pred']:.0f}) fp8 {b['clock']:.0f} "
+            f"(pred {f8['clock_pred']:.0f}); util {a['util']:.1f} / {b['util']:.1f}%")
 
 
 def main(argv=None) -> int:
@@ -78,17 +112,26 @@ def main(argv=None) -> int:
 
     # FP8 / BF16 on the layouts measured in both precisions
     print("\nFP8 / BF16 speed-up, same layout")
-    key = lambda r: (r["group"], r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-"))  # noqa: E731
-    pairs = defaultdict(dict)
+    # a pair is the same model (layers included) and layout in both precisions; where a shape was
+    # measured on the same four GPUs in both precisions only those pairs count (two machines'
+    # clocks differ by a few per cent: a cross-machine pair measures the machines as well)
+    key = lambda r: (r["group"], recs[r["id"]].model.num_layers,  # noqa: E731
+                     r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-"))
+    pairs = defaultdict(lambda: {"fp8": [], "bf16": []})
     for r in first:
-        pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"] = r
+        pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"].append(r)
     worst = 0.0
-    for (g, lay), d in sorted(pairs.items()):
-        if len(d) == 2:
-            m = d["fp8"]["tps_meas"] / d["bf16"]["tps_meas"]
-            p = d["fp8"]["tps_pred"] / d["bf16"]["tps_pred"]
+    tel = telemetry(a.paths)
+    for (g, n_layers, lay), d in sorted(pairs.items()):
+        both = [(b, f) for b in d["bf16"] for f in d["fp8"]]
+        same = [(b, f) for b, f in both if tel.get(b["id"], {}).get("gpus") is not None
+                and tel.get(b["id"], {}).get("gpus") == tel.get(f["id"], {}).get("gpus")]
+        for b, f in same or both:
+            m = f["tps_meas"] / b["tps_meas"]
+            p = f["tps_pred"] / b["tps_pred"]
             worst = max(worst, abs(p / m - 1))
-            print(f"  {g:<28} {lay.replace('-X-', '-'):<62} measured {m:.3f}  predicted {p:.3f}  ({(p / m - 1) * 100:+.1f}%)")
+            print(f"  {g:<28} {n_layers:>2}L {lay.replace('-X-', '-'):<62} measured {m:.3f}  predicted {p:.3f}"
+                  f"  ({(p / m - 1) * 100:+.1f}%)  {pair_detail(b, f, tel)}")
     print(f"  worst: {worst * 100:.1f}% (target: within 5% on every shape)")
 
     # run-to-run spread of the repeated jobs

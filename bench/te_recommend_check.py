@@ -6,8 +6,8 @@ best measured layout, for each measured model and GPU count).
 For each (model with its layer count, GPUs, sequence, global batch, precision) measured with the te
 stack: recommend's ranking (`api.recommend(..., stack="te")` on the record's model, cluster and
 workload) twice: as `recommend --stack te` prints it (the stack's layout defaults: TP-comm overlap,
-gradient_accumulation_fusion) and with the settings our runner ran (neither; the fair comparison with
-the measurements). For each: its #1, whether that layout was measured and what it measured against
+gradient_accumulation_fusion, FP8 primary weights, expandable segments, the pipeline's outputs freed) and
+with the settings our runner ran (none of them; the fair comparison with the measurements). For each: its #1, whether that layout was measured and what it measured against
 the best measured layout, and the rank recommend gives the measured best; where #1 was not measured
 (no device time here), recommend's own predicted ratio of the measured best to its #1, and whether #1
 failed when measured (an OOM of h100x4-te-edge.jsonl). A layout is matched on tp, pp, dp, cp, ep, etp,
@@ -81,8 +81,11 @@ def measured_groups(paths) -> dict:
 def check(group, meas: dict, calibration: str, top: int, runner_settings: bool) -> dict:
     name, gpus, seq, gbs, prec = group
     _, cfg0, model, cluster = next(iter(meas.values()))
+    # the runner's settings (runners.megatron_args.runner_config): BF16 weights, torch's allocator as it
+    # comes (expandable segments off) and megatron-core's default of keeping the pipeline's outputs
     options = SpaceOptions.wide(tp_comm_overlap=False, gradient_accumulation_fusion=False,
-                                  cross_entropy_impl="native") if runner_settings else None
+                                cross_entropy_impl="native", fp8_param_gather=False, expandable_segments=False,
+                                deallocate_pipeline_outputs=False) if runner_settings else None
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=prec, fp8_recipe=cfg0.fp8_recipe, top=top,
                     calibration=calibration, stack="te", options=options)
     ranked = [match_key(x.config) for x in res.recommendations]

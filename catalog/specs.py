@@ -485,6 +485,15 @@ class TrainConfig:
     # executors.py, every GPU but B200); the te stack's layout default is on; this project's runner
     # runs it off (runners/megatron_args.runner_config, so its records say so).
     expandable_segments: bool = False
+    # The pipeline frees each stage output's data once it is sent (megatron-core ModelParallelConfig.
+    # deallocate_pipeline_outputs, default False; Megatron-LM's training sets it True for every run,
+    # megatron/training/argument_utils.py core_transformer_config_from_args, as Megatron-Bridge's
+    # providers do, so NVIDIA's published recipes run with it). Off, a stage keeps the output tensor
+    # (s / CP (/ TP with sequence parallelism) x b x h, BF16) of every chunk-microbatch in flight until
+    # its backward (models/memory.py). Does nothing with PP = 1. The te stack's layout default is on;
+    # this project's runner builds megatron-core's config with the default (off: runner_config, so
+    # its records say so).
+    deallocate_pipeline_outputs: bool = False
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -493,7 +502,7 @@ class TrainConfig:
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
         for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
                   "moe_permute_fusion", "gradient_accumulation_fusion", "fp8_param_gather",
-                  "expandable_segments"):
+                  "expandable_segments", "deallocate_pipeline_outputs"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:

@@ -15,14 +15,17 @@ a dropless MoE the token buffers of every MoE layer, whose size follows the rout
 every micro-batch (te-eqw3-rc-00: 41.6 GiB allocated, 66.2 reserved). With expandable segments
 (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, TrainConfig.expandable_segments) the allocator
 keeps one segment per stream and maps more pages at its end instead of making a new segment, so the
-larger request tiles into the segment and those two terms go; the base stays. That removal is the
-documented mechanism, NOT measured here: every run in data/ ran with expandable segments off.
+larger request tiles into the segment and freed blocks do not strand. Measured on one pair, same
+machine and layout (llama3-8b[8L] DP4 mbs4 BF16, data/measurements/h100x4-te.jsonl te-l8b-alloc-32
+off / te-l8b-alloc-33 on): peak allocated 47.33 GiB both, peak reserved 51.19 vs 47.77 GiB, so the
+term with expandable segments is that run's residual, 0.44 GiB (Constants.alloc_reserved_expandable_gib),
+whatever the blocks.
 
 The term per stage, GiB (Constants.alloc_reserved_*):
 
     base + block x the stage's largest transient block + moe x its MoE layers x one layer's buffers
 
-the last two x 0 with expandable segments. Fitted by non-negative least squares on every pipeline
+and alloc_reserved_expandable_gib instead with expandable segments. Fitted by non-negative least squares on every pipeline
 stage of the measured runs, leave-one-architecture-out: `python bench/memory_edge.py --allocator`.
 """
 from __future__ import annotations
@@ -58,12 +61,31 @@ def logits_block_bytes(model: ModelSpec, tp, cp, mbs, seq, ce_bytes) -> np.ndarr
     return np.asarray(seq / np.asarray(cp) * mbs * model.vocab_size / np.asarray(tp) * ce_bytes, float)
 
 
+def routing_sized_buffers(cfg: TrainConfig) -> bool:
+    """Whether a dropless MoE layer allocates token buffers whose size follows the routing, so that
+    their sizes change from layer to layer and micro-batch to micro-batch (megatron-core 0.19
+    token_dispatcher.py; TE 2.x GroupedLinear):
+    - EP > 1: each rank receives the tokens routed to its experts (the all-to-all's output_splits,
+      or the allgather dispatcher's masked gather of them), so the received tokens, their sorted
+      copy, the experts' FC1 / activation / FC2 outputs and the combine's inputs are all of a
+      routing-dependent size;
+    - experts run one at a time (moe_grouped_gemm off: megatron-core's SequentialMLP): each
+      expert's FC1 / activation / FC2 outputs are tensors of its own token count;
+    - quantized (FP8 / FP4): TE's GroupedLinear quantizes each expert's slice of the input into a
+      tensor of its own token count.
+    With EP = 1, BF16 and grouped experts every such buffer has the same size in every layer and
+    micro-batch (dropless: num_out_tokens = tokens x top-k; GroupedLinear writes one output of
+    sum(m_splits) rows), so a freed block serves the next layer's request exactly and none is
+    stranded."""
+    return cfg.ep > 1 or not cfg.moe_grouped_gemm or cfg.precision != "bf16"
+
+
 def moe_buffer_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
     """One MoE layer's token buffers for one micro-batch on the busiest GPU, bytes (BF16: what
     models.moe.moe_activation_elements counts: permuted tokens, expert FC1 / activation / FC2 and
-    the router's), the part whose size follows the routing. 0 with capacity padding (fixed size)
-    or a dense model."""
-    if not model.is_moe or cfg.moe_pad_to_capacity:
+    the router's), where their size follows the routing (routing_sized_buffers). 0 with capacity
+    padding (fixed size), with buffers of a fixed size, or for a dense model."""
+    if not model.is_moe or cfg.moe_pad_to_capacity or not routing_sized_buffers(cfg):
         return 0.0
     elems, gemm_in = moe_activation_elements(model, cfg, c)
     return (elems + gemm_in) * c.bytes_activation
@@ -71,9 +93,9 @@ def moe_buffer_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT)
 
 def reserved_free_gib(block_bytes, moe_layers, moe_bytes, expandable, c: Constants = DEFAULT) -> np.ndarray:
     """GiB reserved but unallocated at the stage's peak (arrays broadcast): base + block x the
-    largest transient block + moe x MoE layers x one layer's buffers, the last two off with
-    expandable segments."""
-    grow = np.where(np.asarray(expandable, bool), 0.0, 1.0)
-    return (c.alloc_reserved_base_gib
-            + grow * (c.alloc_reserved_block * np.asarray(block_bytes, float)
-                      + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)
+    largest transient block + moe x MoE layers x one layer's buffers; with expandable segments the
+    measured residual alloc_reserved_expandable_gib."""
+    caching = (c.alloc_reserved_base_gib
+               + (c.alloc_reserved_block * np.asarray(block_bytes, float)
+                  + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)
+    return np.where(np.asarray(expandable, bool), c.alloc_reserved_expandable_gib, caching)

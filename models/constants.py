@@ -20,12 +20,19 @@ class Constants:
     bytes_weight: float = 2.0
     bytes_grad: float = 4.0
     bytes_optimizer: float = 12.0
-    # Transient of the optimizer step per parameter of the shard it updates: megatron-core's
-    # mixed-precision optimizer without apex / TE (the local runner) holds an fp32 copy of the
-    # gradients while it steps. Measured: peak allocated = 18 B/param of static state + 4.0 B/param
-    # on every MoE proxy at small micro-batches (64.9 GiB for the 3.16 B-param Mixtral proxy,
-    # data/measurements/h100x1-moe*.jsonl) (fitted; 0-8).
-    bytes_optimizer_transient: float = 3.6
+    # Transient of the optimizer step per parameter of the shard it updates: one fp32 tensor of the
+    # shard's size. te stack (bf16 gradient buffers): megatron-core's distributed optimizer makes
+    # the fp32 main grads, shard_main_param.grad = shard_model_grad.float(), freed by the next
+    # zero_grad; local stack (fp32 gradient buffers, .float() is no copy): torch's foreach AdamW
+    # allocates its sqrt(v) denominator for the whole group. It is the optimizer phase's own peak:
+    # the last backward has freed the activations and the logits (models.memory: the stage's peak
+    # is the larger phase). Measured on the te runner's per-phase records (memory_phases:
+    # static_gib at the step start, which still holds the previous step's main grads, less the
+    # model's weights + grads + optimizer states): 4.1-4.2 B per shard parameter on the 11 dense
+    # stages without interleaving (data/measurements/h100x4-te*.jsonl); peak allocated = 18 B/param
+    # of static state + 4.0 B/param on every local MoE proxy at small micro-batches
+    # (data/measurements/h100x1-moe*.jsonl).
+    bytes_optimizer_transient: float = 4.0
     # fp8 training keeps an fp8 copy (and its transpose, for Hopper's TN-only FP8 GEMMs) of each
     # linear-layer weight (Transformer Engine): 1 + 1 bytes per weight.
     bytes_fp8_weight_copy: float = 2.0
@@ -103,6 +110,12 @@ class Constants:
     # Fraction of one dropless MoE layer's token buffers (variable size every micro-batch), per MoE
     # layer of the stage, that stays reserved.
     alloc_reserved_moe: float = 0.45
+    # With expandable segments (TrainConfig.expandable_segments) the whole term (GiB): segments grow
+    # by mapped pages, so no freed block strands and the 20 MiB small-request segments are pages of
+    # the one segment too. Measured: te-l8b-alloc-33 (llama3-8b[8L] DP4 mbs4 BF16, expandable on,
+    # data/measurements/h100x4-te.jsonl): peak reserved - peak allocated 0.44 GiB (max over the 4
+    # ranks; 0.27-0.44), against 3.85 GiB for te-l8b-alloc-32, the same layout with them off.
+    alloc_reserved_expandable_gib: float = 0.44
     # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
     # headroom for allocation spikes and buffers the model does not see (our memory predictions
     # are within 7-12% MAPE of the measured peaks, docs/measurement.md).

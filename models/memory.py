@@ -38,7 +38,7 @@ class StageMemory:
     activations_gib: float
     logits_gib: float
     overhead_gib: float  # runtime buffers inside torch's allocator (Constants.runtime_overhead_gib)
-    step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations (peak = the larger)
+    step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations and logits (peak = the larger phase)
     # memory outside torch's allocator (CUDA context, NCCL communicators: models/outside_memory.py);
     # not in total_gib, which is what torch's allocator reserves (what the runs measure)
     outside_gib: float = 0.0
@@ -305,11 +305,12 @@ def activation_table(memo: Memo, key) -> np.ndarray:
     """[K, 3]: one layer's activation bytes per kind with full recompute and without
     (layer_activation_bytes; selective recompute stores what no recompute does), and its dropless
     MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer), for a layer
-    shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (router, capacity factor, padding))."""
+    shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (grouped GEMM, router, capacity factor, padding))."""
     def make():
-        tp, cp, mbs, seq, ep, etp, sp, fp8, (router, cf, pad) = key
+        tp, cp, mbs, seq, ep, etp, sp, fp8, (grouped, router, cf, pad) = key
         cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                          **quant_fields(fp8), moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
+                          **quant_fields(fp8), moe_grouped_gemm=grouped, moe_router=router,
+                          moe_capacity_factor=cf, moe_pad_to_capacity=pad)
         moe = moe_buffer_bytes(memo.model, cfg, memo.c)
         return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
                           layer_activation_bytes(memo.model, i, cfg, memo.c, "none"),
@@ -328,6 +329,22 @@ def in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
             return memo.counts(plan) * share[:, None]
         return memo.per_kind(in_flight_layers(memo.model, plan, m))
     return memo.get("in_flight", (plan, m), make)
+
+
+def output_in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
+    """[pp] chunk-microbatches whose output tensor each rank keeps at its peak when the pipeline
+    does not free them once sent (TrainConfig.deallocate_pipeline_outputs off; megatron-core
+    pipeline_parallel/schedules.py: output_tensors of every chunk-microbatch stay until its
+    backward, deallocate_output_tensor only empties their .data when the option is on): the
+    chunk-microbatches in flight (layout.in_flight_chunks) but the last virtual chunk of the last
+    rank, whose output is the loss. 0 without a pipeline (forward_backward_no_pipelining)."""
+    def make():
+        if plan.pp == 1:
+            return np.zeros(1)
+        cfg = TrainConfig(pp=plan.pp, vp=plan.vp, gbs=m)
+        return np.array([float(sum(in_flight_chunks(cfg, r)[:-1] if r == plan.pp - 1 else in_flight_chunks(cfg, r)))
+                         for r in range(plan.pp)])
+    return memo.get("outputs_in_flight", (plan.pp, plan.vp, m), make)
 
 
 def stage_param_arrays(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
@@ -351,10 +368,11 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     distributed optimizer); activations = sum over kinds of in-flight layer-microbatches x one
     layer's bytes, plus the largest layer without recompute under full recompute (its working
     set), x (1 + fragmentation); logits on the loss stage; the optimizer step's transient copy of
-    its gradient shard counts where it exceeds the activations (peak = the larger)."""
+    its gradient shard counts where it exceeds the activations and logits together (the two phases
+    of the step: peak = the larger)."""
     m = L.num_microbatches
     r, k = S.row, S.k
-    routers = [(e[2], e[3], e[4]) for e in L.extras]  # router, capacity factor, padding
+    routers = [(e[1], e[2], e[3], e[4]) for e in L.extras]  # grouped GEMM, router, capacity factor, padding
     first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
     per_key = np.stack([activation_table(memo, (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]),
                                                 int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i]))
@@ -379,6 +397,12 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     acts = np.zeros(len(r))
     for j in range(K):
         acts = acts + flight[:, j] * lb0[j]
+    # the stage outputs the pipeline keeps (deallocate_pipeline_outputs off): s / CP x b x h BF16 each,
+    # / TP with sequence parallelism (the residual stream as it is sent)
+    if L.dpo is None or not L.dpo.all():
+        outs = gather_blocks([L.pp, L.vp, m], lambda i: output_in_flight_table(memo, plans[L.plan[i]], int(m[i])), S)
+        kept = outs * (L.seq / L.cp * L.mbs * model.hidden_size / np.where(L.sp, L.tp, 1))[r] * c.bytes_activation
+        acts = acts + (kept if L.dpo is None else np.where(L.dpo[r], 0.0, kept))
     if full.any():  # the recompute working set: the largest layer of the stage without recompute
         work = np.full(len(r), -np.inf)
         for j in range(K):
@@ -415,12 +439,16 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         moe_bytes = np.maximum(moe_bytes, per_key[:, j, 2][key])
     xseg = L.xseg[r] if L.xseg is not None else False
     reserved = reserved_free_gib(block, moe_layers, moe_bytes, xseg, c)
-    stage_bytes = weights + grads + opt + np.maximum(acts * f, transient) + logits * f + reserved * GIB
+    # the stage's peak is the larger of its two phases, not a sum of their maxima: the forward-backward
+    # schedule holds the activations and the loss stage's logits; the optimizer step runs after the
+    # last backward has freed both and holds its transient instead
+    held = (acts + logits) * f
+    stage_bytes = weights + grads + opt + np.maximum(held, transient) + reserved * GIB
     peak = np.maximum.reduceat(stage_bytes, S.start) / GIB + c.runtime_overhead_gib
     # StageMemory's fields, and its total_gib (what a Prediction prints and decides feasibility by)
     parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
-             "step_transient_gib": np.maximum(0.0, transient - acts * f) / GIB,
+             "step_transient_gib": np.maximum(0.0, transient - held) / GIB,
              "reserved_free_gib": reserved,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
@@ -451,13 +479,15 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
-    the band (models.memory_band.Band.interval) on its own allocator peak plus its own memory outside
-    the allocator (the first stage holds more communicators than a middle one), so a layout fits when
-    every stage does."""
+    the band (models.memory_band.Band.interval) on its own allocator peak and reserved-but-unallocated
+    term (with the spread of its allocator setting) plus its own memory outside the allocator (the
+    first stage holds more communicators than a middle one), so a layout fits when every stage does."""
     S = Stages(L)
     peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
-    outside = S.cache["memory"][0]["outside_gib"]
-    upper = band.interval(total, outside)[1]
+    parts = S.cache["memory"][0]
+    outside = parts["outside_gib"]
+    xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 

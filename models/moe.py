@@ -522,10 +522,17 @@ MOE_LOCAL_FIT: dict[str, tuple[float, float]] = {
 # megatron-core's unfused costs, which are the same code as the local stack's (measured there).
 # Grouped GEMM is TE's GroupedLinear: in BF16 and FP8 on Hopper one cuBLASLt GEMM per expert.
 MOE_TE_SETTINGS: dict[str, float] = {
-    # activations as megatron-core keeps them with TE's fused permutation and activation: per
-    # routed token the permuted input and the expert output (h each), fc1 output and activation
-    # (3f gated); fp32 router logits and probabilities (2 copies over E)
-    "moe_act_hidden_per_token": 2.0,
+    # activations as megatron-core 0.19 keeps them with TEGroupedMLP, per routed token: the fc1
+    # input (h: GroupedLinear saves its input, the all-to-all output sorted by local expert; an FP8
+    # copy under fp8), the fused weighted SwiGLU's input (2f: weighted_bias_swiglu saves it with
+    # the probabilities) and the fc2 input (f); nothing hidden-sized besides: the permutation's
+    # index_select, the all-to-all, sort_chunks_by_idxs' cat and unpermute's scatter_add (probs
+    # applied in the activation, not in unpermute) save indices only, so the expert output and
+    # the a2a buffers are transient. Was 2 h (the expert output counted as kept): peak allocated
+    # of the te MoE runs over-predicted by up to 4.7 GiB (te-eqw3-ep-02, Qwen3 proxy: h large
+    # next to f); with 1 h within -2.0..+0.8 GiB (python bench/memory_terms.py
+    # data/measurements/*.jsonl --stack te --moe). fp32 router logits and probabilities (2 copies over E)
+    "moe_act_hidden_per_token": 1.0,
     "moe_act_ffn_per_token": 2.0,
     "moe_act_router_fp32": 2.0,
     # fitted within MOE_TE_FIT's ranges on the 19 published H100 MoE rows and our TE MoE runs

@@ -34,7 +34,7 @@ from advisor.search_spaces.columns import Layouts
 
 __all__ = ["FixedPoint", "InStep", "POWER_FIELDS", "PowerArrays", "PowerEstimate", "PowerInputs",
            "STAGE_POWER_FIELDS", "StagePower", "StepModel", "busiest_stretch", "busy_phases_of", "ep_idle_phases_of",
-           "evaluate_power", "launch_gaps_of", "peak", "power_at_step_arrays", "stage_power_arrays",
+           "evaluate_power", "launch_gaps_of", "peak", "power_at_step_arrays", "sampled_gaps", "stage_power_arrays",
            "step_end_phases", "take_phases", "waits_and_gaps"]
 
 
@@ -168,8 +168,9 @@ def waits_and_gaps(ins: InStep, c: Constants, extra) -> tuple[list, list]:
 
 def busiest_stretch(busy: Load, end: list[Phase], x, gpu, c: Constants, power_scale=1.0):
     """Watts of the busiest stretch that the power limiter's ~30 ms average and a 20-50 Hz sample
-    see at clock ratio x: a microbatch's compute (`busy`: its phases' Load) averaged over its
-    kernels (each of them ms long), or a step-end phase. A single kernel over the cap inside a
+    see at clock ratio x: a microbatch's compute (`busy`: its phases' Load, with the gaps between
+    its kernels for the sampled peak: sampled_gaps) averaged over its kernels (each of them ms
+    long), or a step-end phase. A single kernel over the cap inside a
     microbatch under it trips neither (measured: MoE runs whose attention and GEMM kernels would
     each draw 750-800 W at full clock show no power-cap clock-event reason while their microbatch
     averages 600-650 W)."""
@@ -177,6 +178,17 @@ def busiest_stretch(busy: Load, end: list[Phase], x, gpu, c: Constants, power_sc
     for p in end:
         v = where(p.seconds > 0, np.maximum(v, phase_power(p, x, gpu, c, power_scale)), v)
     return v
+
+
+def sampled_gaps(ins: InStep, extra):
+    """Seconds per step of the launch / host gaps inside the microbatches (the stage's own gaps,
+    less host time a measured step shorter than the model's did not take): they fall between the
+    kernels, microseconds to milliseconds apart, far inside the power sensor's averaging window
+    (NVML's instant power field 186 on A100 / H100 averages ~25 ms: Yang et al., "Accurate and
+    Convenient Energy Measurements for GPUs", SC'24, arXiv 2312.02741), so every sample of a
+    microbatch averages them with its kernels. Time the model's step does not explain (extra > 0)
+    is left out: where it falls is not known."""
+    return np.maximum(ins.m * ins.gaps_s + np.minimum(0.0, extra), 0.0)
 
 
 def peak(phase_peak_w, throttled, c: Constants):
@@ -220,7 +232,7 @@ def stage_power_arrays(ins: InStep, busy: list[Phase], gpu, cap, c: Constants, p
             p_wait = Load(wait_s=1.0).power(x, gpu, c, power_scale)
             e = np.where(spare_s > 0, e - spare_s * (spare.power(x, gpu, c, power_scale) - p_wait), e)
     mb = Load.of(busy, (), c)
-    phase_peak = busiest_stretch(mb, end, x, gpu, c, power_scale)
+    phase_peak = busiest_stretch(Load.of(busy, (), c, [(sampled_gaps(ins, extra), 1.0)]), end, x, gpu, c, power_scale)
     stretch_demand = busiest_stretch(mb, end, np.ones(np.shape(x)), gpu, c, power_scale)
     return {"power_cap_w": cap, "clock_ratio": x, "demand_w": demand, "busy_power_w": load.power(x, gpu, c, power_scale),
             "mean_power_w": e / step_s, "peak_power_w": peak(phase_peak, capped, c), "throttled": capped,

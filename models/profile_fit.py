@@ -78,20 +78,26 @@ TE_PRIOR: dict[str, tuple[float, float]] = {
     # tail between dependent kernels: 0.1-0.5 ms. The host's own issue time is host_* below (the
     # GPU waits for it only where its work is shorter: step_time.layer_host_s)
     "layer_overhead_s": (200e-6, 150e-6),
-    # host issue time per layer and microbatch, forward + backward (models/constants.py): ~4 blocks
-    # of ~20 ops each, at the 0.7-1.3 ms per ~20-op expert MLP megatron-core's SequentialMLP takes
-    # of host time on our H100 VM (moe_sequential_expert_s 0.81 ms): ~3.2 ms
-    "host_layer_s": (3.2e-3, 1.6e-3),
-    # per TP collective: our micro-benchmark's bare small all-gather / reduce-scatter (<= 1 MiB)
-    # takes a median 81 us from an idle GPU, host issue included (bench/host_bound.py); inside a TE
-    # layer each also passes TE's Python around it (gathered-buffer allocation, its autograd
-    # function, the async handle's wait: ~2 ops at ~40 us): ~160 us. (Set after a first fit with
-    # 80 +- 60 us put it at 274 us, 3.2 sd out: the bare call alone is a floor, not the centre.)
-    "host_collective_s": (160e-6, 100e-6),
-    # per CP ring step (forward + backward): ~20 Python-issued ops at ~40 us
-    "host_cp_step_s": (0.8e-3, 0.6e-3),
-    # per FP8 GEMM: TE's quantize / scaling calls, ~3 ops at ~40 us
-    "host_fp8_gemm_s": (120e-6, 100e-6),
+    # The host issue costs (models/constants.py host_*), our VM's, measured from the kernel profiles
+    # of llama3-8b runs (not host-bound; GPT-3 2.7B not used) by `python bench/host_issue.py`: the
+    # issue time of a step is the main thread's + the autograd thread's profiler-busy minus their
+    # time in syncs (low: profiler events only) or their OS CPU time minus syncs (high: the
+    # interpreter between ops too), / the profiler's host slow-down (1.27, the autograd thread's CPU
+    # time profiled / unprofiled), on the runs whose launch queue never fills (PP2 DP2 mbs2 BF16 and
+    # FP8: megatron-core synchronises at each p2p; every GPU-bound run without PP ends its step with
+    # 800-1,000 kernels queued, its host paced by the GPU). Each prior: centre of the range, sd half
+    # of it. Per layer and microbatch (with the stage's per-step work: optimizer, embedding, p2p):
+    # 4.06-5.54 ms
+    "host_layer_s": (4.8e-3, 0.74e-3),
+    # per TP collective: the launches (low) and CPU-side profiler events (high) llama3-8b's TP2 / TP4
+    # SP runs add per collective over its data-parallel runs (counts do not depend on the queue) x
+    # the unblocked runs' issue time per launch (91 us) / per event (14.7 us): 83-387 us (the bare
+    # small NCCL call from an idle GPU, host issue and GPU latency together: 81 us median)
+    "host_collective_s": (235e-6, 152e-6),
+    # per CP ring step, the same way from the CP2 runs: 0.68-2.52 ms
+    "host_cp_step_s": (1.6e-3, 0.92e-3),
+    # per FP8 GEMM: the PP2 FP8 - BF16 issue time / (N x 12 FP8 GEMMs): 58-106 us
+    "host_fp8_gemm_s": (82e-6, 24e-6),
     # NCCL all-gather / reduce-scatter on 4 x H100 NVLink, 16 MiB - 1 GiB, fitted in the profile's
     # form (collective_time: bus bytes / (450 GB/s x efficiency) + latency x sqrt(n - 1)) over groups
     # of 2 and 4: efficiency 0.597, latency 50 us (bench/te_terms.py on

@@ -69,7 +69,10 @@ STACKS: dict[str, Stack] = {
          "cross_entropy_impl": "te", "gradient_accumulation_fusion": True, "fp8_param_gather": True,
          # torch's allocator with expandable segments (NeMo scripts/performance/executors.py:
          # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True on every GPU but B200)
-         "expandable_segments": True},
+         "expandable_segments": True,
+         # the pipeline frees each stage's output once sent (Megatron-LM's training and Megatron-Bridge's
+         # providers: deallocate_pipeline_outputs = True)
+         "deallocate_pipeline_outputs": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(
@@ -89,13 +92,15 @@ def get_stack(name: str | None) -> Stack:
 
 # SpaceOptions fields a stack sets when the user leaves them None, with the value for a stack
 # that does not say (Megatron's defaults)
-STACK_OPTION_FALLBACKS = {"cross_entropy_impl": "unfused", "fp8_param_gather": False, "expandable_segments": False}
+STACK_OPTION_FALLBACKS = {"cross_entropy_impl": "unfused", "fp8_param_gather": False, "expandable_segments": False,
+                          "deallocate_pipeline_outputs": False}
 
 
 def stack_option_defaults(stack: str | None) -> dict[str, Any]:
     """The stack's values of STACK_OPTION_FALLBACKS' fields: its loss's cross entropy
     (catalog.specs.CROSS_ENTROPY_IMPLS), FP8 primary weights where a layout can (TrainConfig.
-    fp8_param_gather), torch's allocator with expandable segments (TrainConfig.expandable_segments)."""
+    fp8_param_gather), torch's allocator with expandable segments (TrainConfig.expandable_segments),
+    the pipeline's outputs freed once sent (TrainConfig.deallocate_pipeline_outputs)."""
     d = get_stack(stack).layout_defaults
     return {k: d.get(k, fallback) for k, fallback in STACK_OPTION_FALLBACKS.items()}
 

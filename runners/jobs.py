@@ -20,7 +20,8 @@ RUNNER_ENV = ("attention", "interleaved_p2p", "grouped_mm")
 # What the launcher keeps of the workers' hello events for the records' `env`.
 HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "transformer_engine", "python",
              "hostname") + RUNNER_ENV
-RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag", "stack", "fp8_recipe")
+RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag", "stack", "fp8_recipe",
+            "kernel_profile_steps")
 GPU_PEAK_FALLBACK_TFLOPS = {"h100": 989.0, "h200": 989.0}  # only if the catalog lacks the GPU
 
 
@@ -44,15 +45,21 @@ class Entry:
     # Engine layer spec), and the FP8 recipe of a te job in fp8 ("delayed" / "tensorwise")
     stack: str = "local"
     fp8_recipe: str = "delayed"
+    # train steps run under torch.profiler after the measured ones, summarized in the record's
+    # kernel_profile (runners/kernel_probe.py); 0: none
+    kernel_profile_steps: int = 0
 
 
 def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | None = None,
                steps: int = 10, warmup: int = 3, min_seconds: float = 0.0,
                max_steps: int | None = None, save_trace: bool = False, id: str | None = None,
-               stack: str = "local", fp8_recipe: str = "delayed", **layout: Any) -> Entry:
+               stack: str = "local", fp8_recipe: str = "delayed", kernel_profile_steps: int = 0,
+               **layout: Any) -> Entry:
     """Resolve a model name / config.json path / ModelSpec and layout keys into an Entry. dp
     defaults to world_size / (tp*pp*cp); gbs defaults to 8 microbatches. Illegal or unrunnable
-    layouts come back with ``refused`` set (a one-line reason)."""
+    layouts come back with ``refused`` set (a one-line reason). Torch's allocator runs with
+    expandable segments only where the layout keys say ``expandable_segments: true`` (the worker
+    sets it per job); a layout's own default is off (MA.runner_config)."""
     if isinstance(model, ModelSpec):
         spec, name = model, model.name
     else:
@@ -67,11 +74,12 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         raise SpecError(f"stack must be one of {', '.join(MA.RUNNER_STACKS)}, got {stack!r}")
     if fp8_recipe not in MA.FP8_RECIPES:
         raise SpecError(f"fp8_recipe must be one of {', '.join(MA.FP8_RECIPES)}, got {fp8_recipe!r}")
-    for k in ("steps", "warmup"):
-        v = locals()[k]
-        if not isinstance(v, int) or v < (1 if k == "steps" else 0):
+    for k, v in (("steps", steps), ("warmup", warmup), ("kernel_profile_steps", kernel_profile_steps)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "steps" else 0):
             raise SpecError(f"{k} must be an integer >= {1 if k == 'steps' else 0}, got {v!r}")
     lay = dict(layout)
+    expandable = lay.get("expandable_segments") is True
+    run = dict(stack=stack, fp8_recipe=fp8_recipe, kernel_profile_steps=kernel_profile_steps)
     mp = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)
     if "dp" not in lay or lay["dp"] is None:
         if world_size is None:
@@ -79,15 +87,13 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         if world_size % mp:
             lay["dp"] = 1
             cfg = TrainConfig.from_dict(_with_gbs(lay))
-            return Entry(name, spec, layers, MA.runner_config(cfg), steps, warmup, min_seconds,
+            return Entry(name, spec, layers, MA.runner_config(cfg, expandable), steps, warmup, min_seconds,
                          max_steps, save_trace, id or uuidlib.uuid4().hex[:12],
-                         refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}",
-                         stack=stack, fp8_recipe=fp8_recipe)
+                         refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}", **run)
         lay["dp"] = world_size // mp
-    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)))
+    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)), expandable)
     return Entry(name, spec, layers, cfg, steps, warmup, min_seconds, max_steps, save_trace,
-                 id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size, stack),
-                 stack=stack, fp8_recipe=fp8_recipe)
+                 id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size, stack), **run)
 
 
 def _with_gbs(lay: dict[str, Any]) -> dict[str, Any]:
@@ -123,6 +129,9 @@ def job_for(entry: Entry, index: int) -> dict[str, Any]:
         "model_kw": MA.model_kwargs(m, c),
         "ddp": MA.ddp_kwargs(c, entry.stack), "opt": MA.optimizer_kwargs(c),
         **MA.moe_job_keys(m, c, entry.stack),
+        # only where asked: the worker's job dicts stay as they were otherwise
+        **({"kernel_profile_steps": entry.kernel_profile_steps} if entry.kernel_profile_steps else {}),
+        **({"expandable_segments": True} if c.expandable_segments else {}),
     }
 
 
@@ -242,6 +251,12 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
     probe = ((ranks.get(0) or {}).get("done") or {}).get("moe_probe")
     if probe:  # MoE sub-step times of rank 0 (runners/moe_probe.py), from steps after the measured ones
         rec["moe_probe"] = probe
+    kprof = ((ranks.get(0) or {}).get("done") or {}).get("kernel_profile")
+    if kprof:  # rank 0's kernel profile (runners/kernel_probe.py), from steps after the measured ones
+        rec["kernel_profile"] = kprof
+    alloc = ((ranks.get(0) or {}).get("start") or {}).get("alloc_conf")
+    if alloc:  # torch's allocator setting the worker ran this job with (megatron_worker.set_allocator)
+        rec["env"]["alloc_conf"] = alloc
     # steps, throughput
     if bounds and len(bounds) >= 2:
         times = [b - a for a, b in zip(bounds, bounds[1:])]
@@ -323,11 +338,12 @@ def entry_to_dict(e: Entry) -> dict[str, Any]:
     return {"model_name": e.model_name, "model": e.model.to_dict(), "layers": e.layers,
             "config": e.config.to_dict(), "steps": e.steps, "warmup": e.warmup,
             "min_seconds": e.min_seconds, "max_steps": e.max_steps, "save_trace": e.save_trace,
-            "id": e.id, "stack": e.stack, "fp8_recipe": e.fp8_recipe}
+            "id": e.id, "stack": e.stack, "fp8_recipe": e.fp8_recipe, "kernel_profile_steps": e.kernel_profile_steps}
 
 
 def entry_from_dict(d: Mapping[str, Any]) -> Entry:
     return Entry(d["model_name"], ModelSpec.from_dict(d["model"]), d.get("layers"),
                  TrainConfig.from_dict(d["config"]), d["steps"], d["warmup"], d.get("min_seconds", 0.0),
                  d.get("max_steps"), d.get("save_trace", False), d["id"],
-                 stack=d.get("stack", "local"), fp8_recipe=d.get("fp8_recipe", "delayed"))
+                 stack=d.get("stack", "local"), fp8_recipe=d.get("fp8_recipe", "delayed"),
+                 kernel_profile_steps=d.get("kernel_profile_steps", 0))

@@ -101,12 +101,16 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def runner_config(cfg: TrainConfig) -> TrainConfig:
+def runner_config(cfg: TrainConfig, expandable_segments: bool = False) -> TrainConfig:
     """The layout as this project's runner runs it: effective_config with BF16 weights (the worker
     does not build FP8 primary weights: fp8_param_gather off) and torch's allocator as it comes
-    (expandable segments off: the worker does not set PYTORCH_CUDA_ALLOC_CONF); its records say so."""
+    (expandable segments off) unless `expandable_segments` (a batch line that asks for them: the
+    worker then turns them on for that job, megatron_worker.set_allocator), and megatron-core's
+    default deallocate_pipeline_outputs (off: the worker's TransformerConfig does not set it); its
+    records say so."""
     cfg = effective_config(cfg)
-    off = {k: False for k in ("fp8_param_gather", "expandable_segments") if getattr(cfg, k)}
+    off = {k: False for k in ("fp8_param_gather", "expandable_segments", "deallocate_pipeline_outputs")
+           if getattr(cfg, k) and not (k == "expandable_segments" and expandable_segments)}
     return cfg.replace(**off) if off else cfg
 
 

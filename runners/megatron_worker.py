@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -43,6 +44,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
+from kernel_probe import profile_summary, thread_cpu_snapshot  # beside this file
 from mem_probe import point as mem_point, summarize as summarize_memory  # beside this file
 from moe_probe import (MoEPhaseTimer, patch_grouped_experts, probe_grouped_mm,  # beside this file
                        summarize as summarize_moe)
@@ -63,6 +65,9 @@ MEMORY_PHASES = os.environ.get("ADVISOR_MEMORY_PHASES", "1") != "0"
 EXIT_OOM, EXIT_CRASH = 3, 4
 # How this torch runs grouped-GEMM experts (moe_probe.probe_grouped_mm), set in main().
 GROUPED_MM = "not probed"
+# torch's caching allocator with expandable segments: as launched (PYTORCH_CUDA_ALLOC_CONF), then
+# per job as its "expandable_segments" key says (set_allocator; new segments follow the setting).
+EXPANDABLE = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
 
 
 class SDPAttention(MegatronModule):
@@ -287,11 +292,25 @@ def probe_memory(job, model, optimizer, iters, points, state):
     return summarize_memory(points)
 
 
+def set_allocator(job):
+    """Expandable segments on or off for this job (its "expandable_segments" key; absent: off),
+    through torch's runtime allocator settings, after the previous job's memory was released
+    (cleanup: empty_cache). Returns the setting for the record's env."""
+    global EXPANDABLE
+    want = bool(job.get("expandable_segments"))
+    if want != EXPANDABLE:
+        setting = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.9
+        (setting or torch.cuda.memory._set_allocator_settings)(f"expandable_segments:{want}")
+        EXPANDABLE = want
+    return f"expandable_segments:{EXPANDABLE}"
+
+
 def run_job(job, ev, rank, state):
     i = job["index"]
+    alloc_conf = set_allocator(job)
     torch.cuda.reset_peak_memory_stats()
     points = {"start": mem_point(torch.cuda, device=True)}
-    ev("start", cfg=i, allocated_gib=torch.cuda.memory_allocated() / GIB)
+    ev("start", cfg=i, allocated_gib=torch.cuda.memory_allocated() / GIB, alloc_conf=alloc_conf)
     state["phase"] = "build"
     config, model, optimizer, n_params = build(job)
     points["built"] = mem_point(torch.cuda)
@@ -314,6 +333,8 @@ def run_job(job, ev, rank, state):
         ev("step", cfg=i, k=0, tt=bounds[0])
     n_total = job["warmup"] + job["steps"]
     k = 0
+    kernel_steps = job.get("kernel_profile_steps") or 0
+    cpu = [thread_cpu_snapshot()] if kernel_steps and job["warmup"] == 0 else []  # OS CPU time per thread
     state["phase"] = "steps"
     while k < n_total:
         train_step(job, config, model, optimizer, iters)
@@ -332,6 +353,10 @@ def run_job(job, ev, rank, state):
                              device="cuda", dtype=torch.int64)
             dist.broadcast(n, src=0)
             n_total = job["warmup"] + min(int(n.item()), job.get("max_steps") or 10 ** 6)
+        if k == job["warmup"] and kernel_steps:
+            cpu.append(thread_cpu_snapshot())  # the measured steps begin
+    if kernel_steps:
+        cpu += [thread_cpu_snapshot(), n_total - job["warmup"]]
     peaks = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
              "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
     extra = {}
@@ -345,7 +370,25 @@ def run_job(job, ev, rank, state):
             raise
         except Exception as e:  # the measured steps stand; the sub-step timing is extra
             extra["moe_probe"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    if kernel_steps:
+        state["phase"] = "kernel profile"
+        try:
+            extra["kernel_profile"] = profile_kernels(job, config, model, optimizer, iters, bounds, cpu)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # the measured steps stand; the kernel profile is extra
+            extra["kernel_profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     ev("done", cfg=i, bounds=bounds, **peaks, **extra)
+
+
+def profile_kernels(job, config, model, optimizer, iters, bounds, measured_cpu):
+    """After the measured steps (which ran without it): kernel_profile_steps more train steps
+    under torch.profiler, summarized (runners/kernel_probe.py; no trace file)."""
+    measured = [b - a for a, b in zip(bounds, bounds[1:])][job["warmup"]:]
+    return profile_summary(lambda: train_step(job, config, model, optimizer, iters),
+                           job["kernel_profile_steps"], torch.cuda.synchronize,
+                           sorted(measured)[len(measured) // 2] if measured else None,
+                           threading.main_thread().native_id, measured_cpu=measured_cpu)
 
 
 def profile_moe(job, config, model, optimizer, iters):

@@ -84,6 +84,8 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
         L.fpg = col["dist"].astype(bool)
     if options.expandable_segments:
         L.xseg = np.ones(n, bool)
+    if options.deallocate_pipeline_outputs:
+        L.dpo = np.ones(n, bool)
     L.split = col["split"]
     L.splits = splits
     L.precision = workload.precision
@@ -140,6 +142,7 @@ class Layouts:
     ce: np.ndarray | None = None   # catalog.specs.CROSS_ENTROPY_IMPLS code of the loss (None: all "unfused")
     fpg: np.ndarray | None = None  # TrainConfig.fp8_param_gather (None: all off)
     xseg: np.ndarray | None = None  # TrainConfig.expandable_segments (None: all off)
+    dpo: np.ndarray | None = None  # TrainConfig.deallocate_pipeline_outputs (None: all off)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -182,7 +185,9 @@ class Layouts:
                    configs=cfgs, extras=[c.moe_knobs() for c in cfgs],
                    ce=np.array([CROSS_ENTROPY_IMPLS.index(c.cross_entropy_impl) for c in cfgs], np.int8),
                    fpg=col("fp8_param_gather", bool) if any(c.fp8_param_gather for c in cfgs) else None,
-                   xseg=col("expandable_segments", bool) if any(c.expandable_segments for c in cfgs) else None)
+                   xseg=col("expandable_segments", bool) if any(c.expandable_segments for c in cfgs) else None,
+                   dpo=col("deallocate_pipeline_outputs", bool) if any(c.deallocate_pipeline_outputs for c in cfgs)
+                   else None)
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -201,7 +206,8 @@ class Layouts:
                 **dict(zip(MOE_KNOBS, self.extras[i])), **self.splits[int(self.split[i])],
                 cross_entropy_impl=CROSS_ENTROPY_IMPLS[int(self.ce[i]) if self.ce is not None else 0],
                 fp8_param_gather=bool(self.fpg[i]) if self.fpg is not None else False,
-                expandable_segments=bool(self.xseg[i]) if self.xseg is not None else False)
+                expandable_segments=bool(self.xseg[i]) if self.xseg is not None else False,
+                deallocate_pipeline_outputs=bool(self.dpo[i]) if self.dpo is not None else False)
         return c
 
     def key(self, i: int) -> str:

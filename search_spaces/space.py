@@ -67,6 +67,9 @@ class SpaceOptions:
     # torch's allocator with expandable segments (TrainConfig.expandable_segments); None: the stack's
     # layout default
     expandable_segments: bool | None = None
+    # the pipeline frees each stage's output once sent (TrainConfig.deallocate_pipeline_outputs); None:
+    # the stack's layout default
+    deallocate_pipeline_outputs: bool | None = None
     moe_fusion: bool = False  # TE's fused router and permutation on a MoE model (the te stack's recipes)
     extra: dict = field(default_factory=dict)
 
@@ -254,6 +257,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 fp8_param_gather=bool(options.fp8_param_gather) and dist and dp * cp > 1
                                 and workload.precision in ("fp8", "mxfp8"),
                                 expandable_segments=bool(options.expandable_segments),
+                                deallocate_pipeline_outputs=bool(options.deallocate_pipeline_outputs),
                                 moe_router_fusion=options.moe_fusion and model.is_moe,
                                 moe_permute_fusion=options.moe_fusion and model.is_moe,
                                 gradient_accumulation_fusion=options.gradient_accumulation_fusion,

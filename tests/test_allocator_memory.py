@@ -1,7 +1,7 @@
 """torch's caching allocator, reserved but unallocated at a stage's peak (models/allocator_memory.py):
-base + block x the largest transient block + moe x MoE layers x one layer's token buffers, the last
-two off with expandable segments (TrainConfig.expandable_segments: the te stack's default, the
-runner's off)."""
+base + block x the largest transient block + moe x MoE layers x one layer's token buffers; with
+expandable segments (TrainConfig.expandable_segments: the te stack's default, the runner's off) the
+measured residual of te-l8b-alloc-33 instead."""
 from __future__ import annotations
 
 import pytest
@@ -50,11 +50,32 @@ def test_dropless_moe_layers_each_strand_token_buffers_and_padding_does_not():
     assert moe_buffer_bytes(m, padded) == 0.0
 
 
-def test_expandable_segments_leave_only_the_base():
+def test_only_routing_sized_moe_buffers_strand():
+    """EP = 1, BF16, grouped experts: every token buffer has the same size in every layer (dropless:
+    tokens x top-k rows), so none is stranded; EP > 1 (the all-to-all's received tokens), experts one
+    at a time (SequentialMLP) or FP8 (TE's per-expert quantized slices): sizes follow the routing.
+    The array path (recommend's) keys its table on the grouped-GEMM knob as the per-layout one does."""
+    m = load_model("mixtral-8x7b")
+    fixed = TrainConfig(tp=2, pp=1, dp=2, ep=1, etp=2, mbs=1, gbs=16, seq=4096, sequence_parallel=True)
+    assert moe_buffer_bytes(m, fixed) == 0.0
+    for varied in (fixed.replace(tp=1, etp=1, sequence_parallel=False, ep=2, dp=4),
+                   fixed.replace(moe_grouped_gemm=False), fixed.replace(precision="fp8")):
+        assert moe_buffer_bytes(m, varied) > 0
+    seq = fixed.replace(moe_grouped_gemm=False)
+    L = Layouts.of(m, [fixed, seq])
+    S = Stages(L)
+    from advisor.models.memory import memory_arrays
+    peak, _ = memory_arrays(m, L, DEFAULT, memo_for(m, None, DEFAULT), S)
+    for i, cfg in enumerate((fixed, seq)):
+        assert peak[i] == pytest.approx(max(s.total_gib for s in stage_memory(m, cfg)))
+    assert peak[1] > peak[0] + 1.0
+
+
+def test_expandable_segments_leave_the_measured_residual():
     m = load_model("llama3-8b")
     on = DENSE.replace(expandable_segments=True)
     for a, b in zip(stage_memory(m, DENSE), stage_memory(m, on)):
-        assert b.reserved_free_gib == pytest.approx(DEFAULT.alloc_reserved_base_gib)
+        assert b.reserved_free_gib == pytest.approx(DEFAULT.alloc_reserved_expandable_gib)
         assert a.reserved_free_gib > b.reserved_free_gib + 0.9
     # the array path (recommend's) honours the column as the per-layout one does
     L = Layouts.of(m, [DENSE, on])
@@ -65,6 +86,25 @@ def test_expandable_segments_leave_only_the_base():
                                               - max(s.total_gib for s in stage_memory(m, on)))
     assert L.config(1).expandable_segments and not L.config(0).expandable_segments
     assert layouts_of(m, on).xseg is not None
+
+
+def test_the_expandable_residual_is_the_measured_pair():
+    """te-l8b-alloc-32 / -33: the same layout with expandable segments off / on: the same peak
+    allocated, and the constant is the on run's peak reserved - peak allocated (max over ranks)."""
+    import json
+    from pathlib import Path
+
+    recs = {}
+    for line in (Path(__file__).resolve().parent.parent / "data/measurements/h100x4-te.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if r.get("id") in ("te-l8b-alloc-32", "te-l8b-alloc-33"):
+            recs[r["config"]["expandable_segments"]] = r
+    on, off = recs[True]["memory"], recs[False]["memory"]
+    assert recs[True]["env"]["alloc_conf"] == "expandable_segments:True"
+    assert max(on["peak_allocated_gib_per_rank"]) == pytest.approx(max(off["peak_allocated_gib_per_rank"]), abs=0.01)
+    free = max(r - a for r, a in zip(on["peak_reserved_gib_per_rank"], on["peak_allocated_gib_per_rank"]))
+    assert DEFAULT.alloc_reserved_expandable_gib == pytest.approx(free, abs=0.005)
+    assert max(r - a for r, a in zip(off["peak_reserved_gib_per_rank"], off["peak_allocated_gib_per_rank"])) > 3.0
 
 
 def test_te_default_on_runner_off_and_the_launch_environment_says_it():

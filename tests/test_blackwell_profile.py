@@ -29,3 +29,31 @@ def test_note_outside_the_domain_only():
     assert n.count("\n") == 0 and "mixture-of-experts" in n and "nearest checked" in n and "% out of sample" in n
     n = domain_note(cal, load_model("llama3-70b"), c, inside.replace(precision="bf16"))
     assert "precision bf16" in n
+
+
+def test_gb300_over_gb200_speed_is_the_clock_the_extra_power_buys():
+    """GB200 and GB300 run FP8 at the same dense rate (catalog); NVIDIA's published llama3-70b FP8
+    64-GPU runs at one layout, one container each (NeMo 26.02 - 26.04.01) run 1.20-1.27x faster on
+    GB300 (mean 1.24): the 1,400 vs 1,200 W limit's clock and the doubled SFU. The profile's
+    gemm_clock_share (GEMM time at the SM clock) carries part of it: 1.15x at the fitted 1.0 (7% short),
+    1.11x at the H100's 0.415 (10% short)."""
+    from advisor.models import profile_fit as F
+    from advisor.models import published as P
+
+    cal = resolve_calibration("default", "te", load_gpu("gb300"))
+    assert 0.1 <= cal.constants.gemm_clock_share <= 1.0
+    rows, _ = F.fit_rows(P.load(), "te", lambda r: r.model_key == "llama3_70b" and r.cfg.quant == "fp8"
+                         and r.num_gpus == 64 and r.gpu_type in ("GB200", "GB300"))
+    by = {}
+    for x in rows:
+        if x.cfg.tp == 1 and x.cfg.pp == 1 and x.cfg.mbs == 2 and x.cfg.gbs == 256:
+            by.setdefault(x.run.raw.get("source_version"), {})[x.run.gpu_type] = x
+    pairs = [(d["GB200"], d["GB300"]) for d in by.values() if len(d) == 2]
+    assert len(pairs) >= 3
+    measured = sum(b.y / a.y for a, b in pairs) / len(pairs)
+    ratios = []
+    for share in (cal.constants.gemm_clock_share, 0.415):
+        p = F.predict_rows([pairs[0][0], pairs[0][1]], cal.constants.replace(gemm_clock_share=share))
+        ratios.append(p[1].tokens_per_s_per_gpu / p[0].tokens_per_s_per_gpu)
+    assert 0.91 <= ratios[0] / measured <= 1.05, (ratios, measured)
+    assert ratios[0] > ratios[1] * 1.02, ratios

@@ -66,13 +66,17 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
     b = MB.band("local", False)
     cfg = res.recommendations[0].config
     m = load_model("llama3-8b")
-    assert mf["outside_gib"] == pytest.approx(outside_allocator_gib(m, cfg))
+    k = mf["tightest_stage"]
+    assert mf["outside_gib"] == pytest.approx(outside_allocator_gib(m, cfg, k))
     assert 7.0 < mf["outside_gib"] < 11.0
-    assert (lo, hi) == pytest.approx(b.interval(mf["predicted_gib"], mf["outside_gib"]))
-    assert lo == pytest.approx(mf["predicted_gib"] * b.lo + b.add_lo_gib + mf["outside_gib"])
-    assert mf["headroom_gib"] == pytest.approx(mf["usable_gib"] - hi)
     p = res.recommendations[0].prediction
-    assert mf["tightest_stage"] == int(np.argmax(p.memory_per_stage_gib))
+    rf = mf["band"]["reserved_free_gib"]
+    assert not cfg.expandable_segments and not mf["band"]["expandable_segments"]  # the local stack's default
+    assert (lo, hi) == pytest.approx(b.interval(p.memory_per_stage_gib[k], mf["outside_gib"], rf, False))
+    # the band on the allocated part, the reserved-but-unallocated term with its own spread, outside once
+    assert lo == pytest.approx((p.memory_per_stage_gib[k] - rf) * b.lo + b.add_lo_gib + rf + b.rf_lo_gib
+                               + mf["outside_gib"])
+    assert mf["headroom_gib"] == pytest.approx(mf["usable_gib"] - hi)
     wider = recommend("llama3-8b", "h100x4", stack="local", top=3, memory_margin=0.15)
     assert wider.feasible < res.feasible
     assert all(r.memory["interval_gib"][1] <= 0.85 * 79.65 + 1e-9 for r in wider.recommendations)
@@ -90,7 +94,12 @@ def test_te_band_is_fitted_on_te_runs_and_the_outside_term_matches_the_oom_messa
             b = MB.band(stack, moe)
             assert b.stack == stack and f"{stack} stack" in b.source
             assert json.loads(MB.BAND_FILE.read_text())["stacks"][stack][b.kind]["n"] >= 18
-            assert b.interval(50.0, 8.0)[1] == pytest.approx(b.hi * 50.0 + b.add_hi_gib + 8.0)
+            assert b.interval(50.0, 8.0, 2.0, False)[1] == pytest.approx(b.hi * 48.0 + b.add_hi_gib + 2.0
+                                                                         + b.rf_hi_gib + 8.0)
+            # expandable segments: the spread of the runs that had them on, not the fragmentation's
+            assert b.interval(50.0, 8.0, 0.44, True)[1] == pytest.approx(b.hi * 49.56 + b.add_hi_gib + 0.44
+                                                                         + b.rf_hi_expandable_gib + 8.0)
+            assert b.rf_hi_expandable_gib < 0.5 < b.rf_hi_gib
     # the physical term against what each OOM message says the process held outside torch's
     # allocator (in use less reserved): within 0.7 GiB of 7.7-9.5 GiB
     oom = [r for r in rs if r["outside"] is not None]
@@ -157,7 +166,7 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
             b = MB.band(stack, kind == "moe")
             for r in rs:
                 if r["stack"] == stack and r["status"] == "ok" and bool(r["moe"]) == (kind == "moe"):
-                    lo, hi = b.interval(r["predicted"], r["outside_pred"])
+                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"])
                     # the interval holds the allocator's measured peak plus the outside memory
                     assert lo - 1e-6 <= r["measured"] + r["outside_pred"] <= hi + 1e-6, r["id"]
     assert forms == {"ratio", "affine"}
@@ -167,8 +176,10 @@ def test_fits_on_arrays_is_fits_on_floats():
     b = MB.band("local", True)
     x = np.linspace(40, 80, 41)
     out = np.linspace(7, 10, 41)
-    assert MB.fits(x, out, b, 79.65, 0.05).tolist() == [bool(MB.fits(float(v), float(o), b, 79.65, 0.05))
-                                                         for v, o in zip(x, out)]
+    rf = np.linspace(0.5, 6, 41)
+    xs = np.arange(41) % 2 == 0
+    assert MB.fits(x, out, rf, xs, b, 79.65, 0.05).tolist() == [
+        bool(MB.fits(float(v), float(o), float(f), bool(e), b, 79.65, 0.05)) for v, o, f, e in zip(x, out, rf, xs)]
 
 
 def test_no_oom_record_is_predicted_to_fit():
@@ -179,7 +190,8 @@ def test_no_oom_record_is_predicted_to_fit():
     oom = [r for r in rs if r["status"] == "oom"]
     assert len(oom) >= 8
     for r in oom:
-        assert not MB.fits(r["predicted"], r["outside_pred"], MB.band(r["stack"], r["moe"]), r["gpu_gib"], 0.05), r["id"]
+        assert not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], MB.band(r["stack"], r["moe"]),
+                           r["gpu_gib"], 0.05), r["id"]
     # the shipped band is what the command makes of the data
     shipped = json.loads(MB.BAND_FILE.read_text())
     assert shipped["stacks"]["local"]["moe"]["hi"] == pytest.approx(mod.fit(rs)["stacks"]["local"]["moe"]["hi"])
@@ -221,12 +233,12 @@ def test_each_stage_is_bounded_with_its_own_outside_term():
     peak, upper, tight, outside = band_upper_many(m, Layouts.of(m, cfgs), b, DEFAULT)
     for i, cfg in enumerate(cfgs):
         sms = stage_memory(m, cfg, DEFAULT)
-        per = [b.interval(sm.total_gib, sm.outside_gib)[1] for sm in sms]
+        per = [b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib, cfg.expandable_segments)[1] for sm in sms]
         assert upper[i] == pytest.approx(max(per)) and peak[i] == pytest.approx(max(sm.total_gib for sm in sms))
         k = int(np.argmax(per))
         assert (tight[i], outside[i]) == pytest.approx((sms[k].total_gib, sms[k].outside_gib))
-        mf = MB.memory_fit(peak[i], [sm.total_gib for sm in sms], [sm.outside_gib for sm in sms], b,
-                           80.0, 0.05)
+        mf = MB.memory_fit(peak[i], [sm.total_gib for sm in sms], [sm.outside_gib for sm in sms],
+                           [sm.reserved_free_gib for sm in sms], cfg.expandable_segments, b, 80.0, 0.05)
         assert mf["interval_gib"][1] == pytest.approx(max(per)) and mf["tightest_stage"] == k
     outs = [sm.outside_gib for sm in stage_memory(m, cfgs[0], DEFAULT)]
     assert outs[0] > min(outs)  # the first stage holds more communicators than a middle one

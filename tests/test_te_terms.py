@@ -144,3 +144,18 @@ def test_te_check_json_free_of_surprises():
     # the shipped profile's json carries the leave-one-architecture-out block readably
     d = json.loads(Path(ROOT / "models/data/te_calibration.json").read_text())
     assert "leave_one_architecture_out" in d["cv"] and d["constants"]["cp_step_passes"] > 0
+
+
+def test_te_check_pairs_name_their_machines():
+    # bench/te_check.py's FP8 / BF16 pairs say whether both runs had the same four GPUs (NVML
+    # UUIDs): llama3-8b DP4 mbs2 ran both on session 22's first machine; the CP2 DP2 mbs4 pair's
+    # FP8 run came from a later call on other GPUs
+    bench = load_bench("te_check")
+    tel = bench.telemetry([TE_RUNS])
+    assert tel["te-l8b-dp-01"]["gpus"] == tel["te-l8b-fp8-16-call2"]["gpus"]
+    assert tel["te-l8b-cp-04"]["gpus"] != tel["te-l8b-fp8-19"]["gpus"]
+    assert 1400 < tel["te-l8b-dp-01"]["clock"] < 1550 and 99.0 < tel["te-l8b-dp-01"]["util"] <= 100.0
+    row = {"id": "te-l8b-dp-01", "clock_pred": 1590.0}
+    assert bench.pair_detail(row, {"id": "te-l8b-fp8-16-call2", "clock_pred": 1693.0}, tel).startswith("same GPUs")
+    assert bench.pair_detail(row, {"id": "te-l8b-fp8-19", "clock_pred": 1700.0}, tel).startswith("other GPUs")
+    assert bench.pair_detail(row, {"id": "no-such-run", "clock_pred": 1.0}, tel) == "telemetry missing"

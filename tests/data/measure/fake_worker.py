@@ -11,6 +11,10 @@ from one process. The job's id says what happens:
   the stacks into rank0.stacks, as megatron_worker.py does (it hangs in `wait_in_collective`).
 - segv-*: dies without an event, 0.5 s after building the model.
 
+A job with "kernel_profile_steps" gets a kernel_profile in its done events, summarized by the real
+summarizer (runners/kernel_probe.py) from a few made-up kernels; a job with
+"expandable_segments" reports the allocator setting in its start events, as the worker does.
+
 Like torchrun, SIGTERM makes it print "SignalException: Process <pid> got signal: 15" and exit 1.
 The hello events carry this process's pid."""
 import faulthandler
@@ -54,7 +58,8 @@ for job in jobs:
     if i < start:
         continue
     for r in range(nproc):
-        ev(r, "start", cfg=i, allocated_gib=0.06)
+        ev(r, "start", cfg=i, allocated_gib=0.06,
+           alloc_conf=f"expandable_segments:{bool(job.get('expandable_segments'))}")
         ev(r, "built", cfg=i, params=1000, stage=r // (job["tp"] * job["dp"]), tp_rank=r % job["tp"],
            dp_rank=(r // job["tp"]) % job["dp"], ep_rank=0, mem_gib=1.0)
     kind = job["id"].split("-")[0]
@@ -92,8 +97,15 @@ for job in jobs:
     if failed:
         time.sleep(0.5)  # one rank: free everything (as long as a real cleanup) and go on
         continue
+    extra = {}
+    if job.get("kernel_profile_steps"):
+        from advisor.runners.kernel_probe import Ev, summarize
+        n = job["kernel_profile_steps"]
+        evs = [Ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", True, 1000.0 * s, 1000.0 * s + 600, 7, None)
+               for s in range(n)]
+        extra["kernel_profile"] = summarize(evs, n, [0.1] * n, 0.1)
     for r in range(nproc):
         ev(r, "done", cfg=i, bounds=bounds,
-           peak_allocated_gib=10.0 + r, peak_reserved_gib=12.0 + r)
+           peak_allocated_gib=10.0 + r, peak_reserved_gib=12.0 + r, **extra)
 for r in range(nproc):
     ev(r, "batch_done")
