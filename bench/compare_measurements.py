@@ -40,7 +40,10 @@ def _rho(pred, meas):
     return float(spearmanr(pred, meas).statistic)
 
 
-def evaluate(paths, calibration=None, constants=DEFAULT):
+def evaluate(paths, calibration=None, constants=DEFAULT, calibration_for=None):
+    """(dataset, one row per usable record: predicted vs measured). `calibration_for(record,
+    calibration)`: the calibration a record is predicted with (default: `calibration` itself), e.g.
+    with the run's measured router skew (bench/te_check.py)."""
     ds = load(paths)
     rows = []
     # the memory figure holds the default runtime overhead unless a fitted memory level replaced it
@@ -48,7 +51,8 @@ def evaluate(paths, calibration=None, constants=DEFAULT):
                      and calibration.targets["memory_gib_per_gpu"]["mode"] != "analytical")
     for r in ds.records:
         if calibration is not None:
-            p = calibration.predict(r.model, r.cluster, r.cfg)
+            cal = calibration if calibration_for is None else calibration_for(r, calibration)
+            p = cal.predict(r.model, r.cluster, r.cfg)
         else:
             p = predict(r.model, r.cluster, r.cfg, constants, check_legal=False)
         used = calibration.screening_constants if calibration is not None else constants

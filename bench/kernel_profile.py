@@ -89,7 +89,26 @@ def columns(rs: list[dict]) -> list[str]:
             lambda r, kp: ((kp.get("host_cpu") or {}).get(when) or {}).get("main_thread_ms"), "{:.0f}")
         row(f"all threads CPU ms ({when[:4]})",
             lambda r, kp: ((kp.get("host_cpu") or {}).get(when) or {}).get("all_threads_ms"), "{:.0f}")
+    # which of the profiled rank's host and GPU paces it: its non-NCCL GPU work (busy fraction x
+    # profiled step, over the profiler's overhead) against its main thread's CPU time, both per
+    # measured step; the rest of the step is the exposed collectives and the waits for other ranks
+    row("GPU work ms (meas)", gpu_work_ms, "{:.0f}")
+    row("step - max(host, GPU) ms", lambda r, kp: beyond_host_and_gpu_ms(r, kp), "{:.0f}")
     return lines
+
+
+def gpu_work_ms(r: dict, kp: dict) -> float:
+    """The profiled rank's non-NCCL GPU work per measured step (ms)."""
+    return 1000 * kp["gpu"]["non_nccl_busy"] * kp["overhead"]["profiled_step_s"] / kp["overhead"]["ratio"]
+
+
+def beyond_host_and_gpu_ms(r: dict, kp: dict):
+    """Measured step minus the longer of the rank's main-thread CPU time and its GPU work (ms)."""
+    host = ((kp.get("host_cpu") or {}).get("measured") or {}).get("main_thread_ms")
+    step = (r.get("steps") or {}).get("median_s")
+    if host is None or not step:
+        return None
+    return 1000 * step - max(host, gpu_work_ms(r, kp))
 
 
 def main(argv=None) -> int:

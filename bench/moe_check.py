@@ -64,8 +64,11 @@ def moe_rows(stack: str = "local") -> list[dict]:
     rows = [{"rec": r, "terms": probes.get(r.id)} for r in ds.records
             if r.model.is_moe and r.stack == stack]
     skews = runner_router_skews(files, stack)
+    # the te stack's runs: each run's own at-init skew (run_router_skews: it falls with the
+    # microbatch); the local runs keep their shape's (the estimate section 1's fit was checked with)
+    own = run_router_skews(files, stack) if stack == "te" else {}
     for row in rows:
-        row["skew"] = skews.get(shape_of(row["rec"].model))
+        row["skew"] = own.get(row["rec"].id, skews.get(shape_of(row["rec"].model)))
     for row in rows:  # memory of jobs that started on a GPU still holding an earlier job's leak
         if leaked.get(row["rec"].id, 0.0) > 1.0:  # (fixed in the worker since): not a memory target
             row["rec"].y = dict(row["rec"].y, memory_gib_per_gpu=math.nan)
@@ -82,16 +85,34 @@ def runner_router_skews(files, stack: str = "local") -> dict[str, float]:
     layout is. A trained router's skew (models/constants.py moe_router_skew, 0.3) is what the
     shipped profiles predict with."""
     calls, experts = defaultdict(lambda: ([], [])), {}
+    for r in aux_loss_probes(files, stack):
+        shape = r["model"]["name"].split("[")[0].replace("-proxy", "")
+        calls[shape][0 if r["config"].get("ep") == 1 else 1].extend(r["moe_probe"]["tokens_per_expert"])
+        experts[shape] = r["model"]["moe"]["num_experts"]
+    return {s: MOE.router_skew_from_counts(ep1 or epn, experts[s]) for s, (ep1, epn) in calls.items()}
+
+
+def run_router_skews(files, stack: str = "te") -> dict[str, float]:
+    """{record id: moe_router_skew} of each aux-loss run of `stack` with recorded tokens per expert:
+    its own at-init router skew (moe.router_skew_from_counts of the counts runners/moe_probe.py
+    recorded in that run: all E experts at EP = 1, rank 0's local experts at EP > 1). What the
+    runner's untrained router did in that run: the skew falls with the sequences per microbatch
+    (te Qwen3 proxy, EP 4: 6.3 / 4.5 / 3.1 / 0.8 at mbs 1 / 2 / 4 / 16, about skew_1 / sqrt(mbs) up
+    to mbs 4: a sequence's tokens lean to the same experts at init, and more sequences average the
+    lean out), which one skew per shape (runner_router_skews) cannot follow."""
+    return {r["id"]: MOE.router_skew_from_counts(r["moe_probe"]["tokens_per_expert"], r["model"]["moe"]["num_experts"])
+            for r in aux_loss_probes(files, stack)}
+
+
+def aux_loss_probes(files, stack: str):
+    """The ok records of `stack` in `files` with an aux-loss router and recorded tokens per expert."""
     for f in files:
         for line in open(f):
             r = json.loads(line)
             cfg, probe = r.get("config") or {}, r.get("moe_probe") or {}
             if (r.get("status") == "ok" and r.get("stack", "local") == stack
                     and cfg.get("moe_router") == "aux_loss" and probe.get("tokens_per_expert")):
-                shape = r["model"]["name"].split("[")[0].replace("-proxy", "")
-                calls[shape][0 if cfg.get("ep") == 1 else 1].extend(probe["tokens_per_expert"])
-                experts[shape] = r["model"]["moe"]["num_experts"]
-    return {s: MOE.router_skew_from_counts(ep1 or epn, experts[s]) for s, (ep1, epn) in calls.items()}
+                yield r
 
 
 _RUN_C: dict = {}

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_measurements import evaluate, group_stats  # noqa: E402  (beside this file)
+from moe_check import run_router_skews, runner_router_skews, shape_of  # noqa: E402  (beside this file)
 
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 from advisor.models.profile_fit import on_vm  # noqa: E402
@@ -76,15 +77,40 @@ def pair_detail(bf, f8, tel: dict) -> str:
             f"(pred {f8['clock_pred']:.0f}); util {a['util']:.1f} / {b['util']:.1f}%")
 
 
+def run_skew(paths):
+    """`calibration_for` of compare_measurements.evaluate: a MoE record with an aux-loss router is
+    predicted with the router skew its shape's runs on the te stack measured at init
+    (moe_check.runner_router_skews, from the tokens per expert the runner recorded: the router the
+    runner ran, untrained), not the trained router's moe_router_skew the profile ships; every other
+    record with the calibration as it is."""
+    import dataclasses
+
+    skews, own, memo = runner_router_skews(paths, "te"), run_router_skews(paths, "te"), {}
+
+    def cal_for(rec, cal):
+        s = (own.get(rec.id, skews.get(shape_of(rec.model)))
+             if rec.model.is_moe and rec.cfg.moe_router == "aux_loss" else None)
+        if s is None:
+            return cal
+        if (id(cal), s) not in memo:
+            memo[(id(cal), s)] = (cal, dataclasses.replace(cal, constants=cal.constants.replace(moe_router_skew=s)))
+        return memo[(id(cal), s)][1]
+    return cal_for, skews
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*", default=[str(DEFAULT)])
     ap.add_argument("--calibration", default="te", help="a profile name or calibration file (default te)")
     ap.add_argument("--rows", action="store_true", help="print every run")
+    ap.add_argument("--trained-router", action="store_true",
+                    help="predict the MoE runs with the profile's trained-router skew (moe_router_skew), "
+                         "not the skew the runner's untrained routers measured")
     a = ap.parse_args(argv)
     # with our VM's host issue costs (profile_fit.on_vm): these are our runs
     cal = on_vm(resolve_calibration("default" if a.calibration == "te" else a.calibration, "te"))
-    ds, rows = evaluate(a.paths, cal)
+    cal_for, skews = (None, {}) if a.trained_router else run_skew(a.paths)
+    ds, rows = evaluate(a.paths, cal, calibration_for=cal_for)
     recs = {r.id: r for r in ds.records}
     first, seen = [], set()  # each job's first usable record (a job whose first run crashed: its rerun)
     for r in rows:
@@ -92,6 +118,9 @@ def main(argv=None) -> int:
             seen.add(REPEAT.sub("", r["id"]))
             first.append(r)
     print(ds.summary())
+    if skews:
+        print("MoE runs (aux-loss router) predicted with the runner's measured at-init router skew: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(skews.items())))
     print(f"\nprofile {cal.profile} vs {len(first)} distinct runs (repeats left out here)")
     head = f"{'group':<24} {'n':>3} {'tok/s MAPE':>10} {'bias':>7} {'rank ρ':>6} {'mem MAPE':>9}"
     print(head)

@@ -259,3 +259,22 @@ def test_s24_batches_profile_the_pairs_first_with_new_ids():
         assert not M.entry_from_line(j, 4).refused, j["id"]
     for name in ("x4-te-s24a", "x4-te-s24b"):  # the written batch files are these
         assert [json.loads(x) for x in (T.CONFIGS / f"{name}.jsonl").read_text().splitlines()] == T.BATCHES[name]()
+
+
+def test_mixtral_ep4_fp8_is_host_paced():
+    """Mixtral proxy EP4 mbs1 (te-mix-kp-10 / -11): FP8 cuts the profiled rank's GPU work by ~110 ms
+    but the step by 18 ms: in BF16 its GPU work (370 ms) paces it, in FP8 its main thread's CPU time
+    (350 ms, unchanged) does, and what the step holds beyond the longer of the two (exposed
+    all-to-alls, waits for the other ranks: 142 / 145 ms) is the same in both precisions."""
+    from tests.support import ROOT, load_bench
+
+    kp = load_bench("kernel_profile")
+    recs = {json.loads(x)["id"]: json.loads(x) for x in (ROOT / "data/measurements/h100x4-te.jsonl").read_text().splitlines()
+            if x.strip() and '"te-mix-kp-1' in x}
+    bf, f8 = recs["te-mix-kp-10"], recs["te-mix-kp-11"]
+    host = lambda r: r["kernel_profile"]["host_cpu"]["measured"]["main_thread_ms"]  # noqa: E731
+    gpu = lambda r: kp.gpu_work_ms(r, r["kernel_profile"])  # noqa: E731
+    assert gpu(bf) > host(bf) and gpu(f8) < host(f8)
+    assert gpu(bf) - gpu(f8) > 90 and abs(host(bf) - host(f8)) < 10
+    rest = [kp.beyond_host_and_gpu_ms(r, r["kernel_profile"]) for r in (bf, f8)]
+    assert abs(rest[0] - rest[1]) < 10, rest

@@ -4,6 +4,7 @@ predicts our own TE MoE runs (data/measurements/h100x4-te.jsonl) without being f
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -146,3 +147,28 @@ def test_te_profile_predicts_our_te_moe_runs():
     assert statistics.mean(err.values()) <= 0.12
     for shape, bound in (("-mix-", 0.14), ("-qw3-", 0.10)):
         assert statistics.mean(v for k, v in err.items() if shape in k) <= bound, shape
+
+
+def test_te_runs_predicted_with_their_own_router_skew():
+    """bench/te_check.py (and moe_check section 3's te rows) predict each aux-loss MoE run with the
+    at-init router skew its own recorded tokens per expert show (moe_check.run_router_skews): the
+    te Qwen3 proxy's, EP 4, falls with the sequences per microbatch (about 1 / sqrt(mbs) up to
+    mbs 4), which one skew per shape cannot follow; dense runs keep the profile's constants."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from moe_check import run_router_skews
+    from te_check import run_skew
+
+    from advisor.models.calibrate import resolve_calibration
+    from advisor.models.dataset import load
+
+    path = ROOT / "data/measurements/h100x4-te.jsonl"
+    own = run_router_skews([path], "te")
+    by_mbs = [own[i] for i in ("te-qw3-ep-00", "te-qw3-ep-01", "te-qw3-top-11", "te-qw3-top-12")]  # mbs 1, 2, 4, 16
+    assert by_mbs == sorted(by_mbs, reverse=True) and by_mbs[0] > 5 * by_mbs[-1]
+    for i, j in (("te-qw3-ep-00", "te-qw3-ep-01"), ("te-qw3-ep-01", "te-qw3-top-11")):  # skew_1 / sqrt(mbs)
+        assert abs(own[i] / own[j] / math.sqrt(2) - 1) < 0.15, (i, j)
+    cal = resolve_calibration("default", "te")
+    cal_for, _ = run_skew([path])
+    recs = {r.id: r for r in load([path]).records}
+    assert cal_for(recs["te-qw3-top-11"], cal).constants.moe_router_skew == own["te-qw3-top-11"]
+    assert cal_for(recs["te-l8b-dp-00"], cal) is cal
