@@ -47,7 +47,9 @@ def pairs(paths: list[str]) -> list[dict]:
         top = max(stages, key=lambda s: s.total_gib)
         key = (r.model.name, r.stack, r.cfg.replace(precision="bf16").key())
         groups.setdefault(key, {})[r.cfg.precision] = {
-            "id": r.id, "measured": float(mem["max_gib"]), "predicted": top.total_gib - c.runtime_overhead_gib,
+            # measured: the allocated peak, so the prediction without the reserved-but-unallocated term
+            "id": r.id, "measured": float(mem["max_gib"]),
+            "predicted": top.total_gib - top.reserved_free_gib - c.runtime_overhead_gib,
             "weights": top.weights_gib, "activations": top.activations_gib, "moe": r.model.is_moe, "cfg": r.cfg}
     out = []
     for (model, stack, _), g in groups.items():

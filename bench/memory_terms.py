@@ -31,12 +31,13 @@ from advisor.models.calibrate import resolve_calibration
 from advisor.models.constants import GIB
 from advisor.models.dataset import load
 from advisor.models.memory import layer_activation_bytes, stage_memory
-from advisor.search_spaces.layout import in_flight_microbatches, layer_kind_counts, stage_layers
+from advisor.search_spaces.layout import in_flight_chunks, in_flight_microbatches, layer_kind_counts, stage_layers
 
 
 def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None = None):
     """Per measured stage: {id, stage, stack, moe, ep, alloc (allocated - static), free (reserved -
-    allocated), norm, sharded, logits (GiB, the model's, before fragmentation)}, with the stack's
+    allocated), norm, sharded, outputs (the pipeline's kept stage outputs), logits (GiB, the model's,
+    before fragmentation)}, with the stack's
     profile constants."""
     lines = {}
     for path in paths:
@@ -69,9 +70,16 @@ def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None 
             ranks = range(st * per_rank, (st + 1) * per_rank)
             free = (max(reserved[k] - alloc[k] for k in ranks) if per_rank and len(reserved) == len(alloc)
                     else float("nan"))
+            # the stage outputs a pipeline keeps when it does not free them once sent
+            # (deallocate_pipeline_outputs off: models.memory.output_in_flight_table)
+            kept = 0.0
+            if cfg.pp > 1 and not cfg.deallocate_pipeline_outputs:
+                chunks = in_flight_chunks(cfg, st)
+                kept = (sum(chunks[:-1] if st == cfg.pp - 1 else chunks) * cfg.seq / cfg.cp * cfg.mbs
+                        * m.hidden_size / sp * c.bytes_activation / GIB)
             out.append({"id": r.id, "stage": st, "stack": r.stack, "moe": m.is_moe, "ep": cfg.ep,
                         "alloc": per_stage[st] - static, "free": free, "norm": norm, "sharded": sharded,
-                        "logits": sm.logits_gib / (1.0 + c.fragmentation)})
+                        "outputs": kept, "logits": sm.logits_gib / (1.0 + c.fragmentation)})
     return out
 
 
@@ -89,10 +97,11 @@ def main() -> None:
     if len(rows) < 5:
         raise SystemExit(f"error: {len(rows)} measured stages without recompute; need at least 5")
     X = np.array([[1.0, r["norm"], r["sharded"], r["logits"]] for r in rows])
-    y = np.array([r["alloc"] for r in rows])
+    y = np.array([r["alloc"] - r["outputs"] for r in rows])  # the kept stage outputs are known
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
     fit = X @ coef
-    print(f"{len(rows)} measured stages ({len({r['id'] for r in rows})} trials), allocated - static GiB =")
+    print(f"{len(rows)} measured stages ({len({r['id'] for r in rows})} trials), allocated - static - kept "
+          "pipeline outputs GiB =")
     print(f"  {coef[0]:.2f} + {coef[1]:.2f} x norm + {coef[2]:.2f} x TP-sharded + {coef[3]:.2f} x logits"
           f"   (rms residual {np.sqrt(np.mean((y - fit) ** 2)):.2f} GiB)")
     model = X[:, 1:].sum(1)
@@ -104,12 +113,12 @@ def main() -> None:
         g = [r for r in rows if sel(r) and np.isfinite(r["free"])]
         if g:
             f = np.array([r["free"] for r in g])
-            act = np.array([r["norm"] + r["sharded"] + r["logits"] for r in g])
+            act = np.array([r["norm"] + r["sharded"] + r["outputs"] + r["logits"] for r in g])
             print(f"  {label:12s} {len(g):3d} stages: free {np.median(f):5.2f} GiB median ({f.min():.2f}-{f.max():.2f}),"
                   f" free / activations median {np.median(f / act):.3f} ({(f / act).min():.3f}-{(f / act).max():.3f})")
     if a.rows:
         for r, f in zip(rows, fit):
-            print(f"  {r['id']:20s} stage {r['stage']}  measured {r['alloc']:6.2f}  model "
+            print(f"  {r['id']:20s} stage {r['stage']}  measured {r['alloc'] - r['outputs']:6.2f}  model "
                   f"{r['norm'] + r['sharded'] + r['logits']:6.2f}  fit {f:6.2f}  free {r['free']:5.2f}")
 
 

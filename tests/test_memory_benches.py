@@ -25,7 +25,7 @@ def test_memory_terms_split_the_models_activations_and_logits():
     k = 1.0 + DEFAULT.fragmentation
     for r in rows:
         sm = stage_memory(recs[r["id"]].model, recs[r["id"]].cfg)[r["stage"]]
-        assert (r["norm"] + r["sharded"]) * k == pytest.approx(sm.activations_gib)
+        assert (r["norm"] + r["sharded"] + r["outputs"]) * k == pytest.approx(sm.activations_gib)
         assert r["logits"] * k == pytest.approx(sm.logits_gib)
         assert r["norm"] > 0 and r["sharded"] > 0 and r["stack"] == "local"
 
