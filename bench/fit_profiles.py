@@ -75,7 +75,9 @@ def te_run_rows() -> list[F.Row]:
     from advisor.models.dataset import load
 
     ds = load([str(f) for f in TE_RUNS])
-    return F.measured_rows([r for r in ds.records if r.stack == "te" and not r.model.is_moe], TE_SOURCE)
+    # a run whose allocator retried (memory edge) measured the retries too: not a speed row
+    return F.measured_rows([r for r in ds.records if r.stack == "te" and not r.model.is_moe and not r.alloc_retries],
+                           TE_SOURCE)
 
 
 def build(say=print) -> Calibration:

@@ -59,6 +59,10 @@ class Record:
     # the runner's software stack ("local": megatron-core local layers; "te": Transformer Engine);
     # records from before the te stack existed are local
     stack: str = "local"
+    # torch's caching allocator ran out of free blocks and retried after emptying its cache
+    # (memory_phases num_alloc_retries, max over ranks): the run was at the memory edge and its
+    # steps paid for the cudaFree / cudaMalloc cycles, which the step-time model does not price
+    alloc_retries: int = 0
 
     @property
     def group(self) -> str:
@@ -282,8 +286,10 @@ def parse_record(rec: Any, source: str = "?") -> Record | str:
         predict(model, cluster, cfg, check_legal=False)
     except (SpecError, ValueError, ZeroDivisionError) as e:
         raise _Bad(f"the analytical model cannot evaluate this layout: {e}") from None
+    phases = rec.get("memory_phases") if isinstance(rec.get("memory_phases"), list) else []
+    retries = max([int(p.get("num_alloc_retries") or 0) for p in phases if isinstance(p, dict)] or [0])
     return Record(id=str(rec.get("id", source)), source=source, model=model, cluster=cluster, cfg=cfg, y=y,
-                  stack=str(rec.get("stack") or "local"))
+                  stack=str(rec.get("stack") or "local"), alloc_retries=retries)
 
 
 def load(paths: Iterable[str | Path] = (), records: Iterable[tuple[str, dict]] = (),
