@@ -413,7 +413,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
                                                                 [s.reserved_free_gib for s in sms],
                                                                 cfg.expandable_segments, band,
                                                                 c.gpu.memory_gib, sc_margin,
-                                                                memory_band.periodic_layout(m, cfg))))
+                                                                memory_band.periodic_layout(m, cfg),
+                                                                [s.reserved_free_off_gib for s in sms])))
     return RecommendResult(model=m, cluster=c, workload=wl, objective=objective, candidates_evaluated=evaluated,
                            feasible=feasible, elapsed_s=time.perf_counter() - t0, recommendations=out,
                            calibration=(cal.source or "calibrated") if cal is not None else None,

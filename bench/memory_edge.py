@@ -106,7 +106,7 @@ def rows(paths: list[str]) -> list[dict]:
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
                         "gpu_gib": cluster.gpu.memory_gib, "predicted": top.total_gib,
-                        "rf": top.reserved_free_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
+                        "rf": top.reserved_free_gib, "rf_off": top.reserved_free_off_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
                         "periodic": MB.periodic_layout(model, cfg),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
                         "model_spec": model, "cfg": cfg, "phases": rec.get("memory_phases") or [],
@@ -219,9 +219,74 @@ def rf_upper(env: dict, R, periodic, pooled: dict):
 
 def expandable_spread(ok: list[dict]) -> dict:
     """measured - predicted reserved but unallocated over every run with expandable segments on
-    (all stacks and classes pooled: the term does not depend on the model's blocks)."""
-    d = np.array([r["measured"] - r["measured_alloc"] - r["rf"] for r in ok if r["x"]])
-    return {**spread(d), "n": int(len(d)), "runs": sorted(r["id"] for r in ok if r["x"])}
+    (all stacks and classes pooled: the lower line of a non-periodic layout), and its "periodic"
+    block: the same over the runs of a periodic layout alone (models.memory_band.periodic_layout:
+    each freed block is asked for again at its size, so the segment holds no hole; "used" where they
+    span MIN_ARCHITECTURES architectures), with its leave-one-architecture-out check ("loao": held-out
+    runs under the others' largest, and the largest GiB a held-out run is over it)."""
+    on = [r for r in ok if r["x"]]
+    d = np.array([r["measured"] - r["measured_alloc"] - r["rf"] for r in on])
+    per = np.array([bool(r["periodic"]) for r in on], bool)
+    arch = np.array([r["arch"] for r in on])
+    cov, over = 0, []
+    for a in sorted(set(arch[per].tolist())):
+        held, rest = per & (arch == a), per & (arch != a)
+        if rest.any():
+            cov += int((d[held] <= d[rest].max()).sum())
+            over.append(float((d[held] - d[rest].max()).max()))
+    n_arch = len(set(arch[per].tolist()))
+    periodic = {**spread(d[per]), "n": int(per.sum()), "architectures": n_arch, "used": n_arch >= MIN_ARCHITECTURES,
+                "runs": sorted(r["id"] for r, p in zip(on, per) if p),
+                "loao": {"covered": cov, "held": int(per.sum()), "max_over_gib": max(over) if over else float("nan")}}
+    return {**spread(d), "n": int(len(d)), "runs": sorted(r["id"] for r in on), "periodic": periodic}
+
+
+def expandable_check(ok: list[dict]) -> list[dict]:
+    """Every run with expandable segments on: its measured reserved but unallocated, the same
+    layout's with them off where it ran ("off": the largest such run's; expandable segments strand a
+    subset of what the caching allocator strands), and for the non-periodic ones the band's upper line
+    (models.memory_band: the expandable-off line of every run at the layout's R_off) and that line
+    fitted without the run's architecture (reserved_part on the other architectures' runs with them
+    off) and the ratio measured / R_off (the slope a line in R_off fitted on these runs would need)."""
+    out = []
+    for r in sorted((r for r in ok if r["x"]), key=lambda r: (r["periodic"], r["id"])):
+        meas = r["measured"] - r["measured_alloc"]
+        twin = r["cfg"].replace(expandable_segments=False).key()
+        offs = [q["measured"] - q["measured_alloc"] for q in ok if not q["x"] and q["model"] == r["model"]
+                and q["stack"] == r["stack"] and q["cfg"].key() == twin]
+        row = {"id": r["id"], "model": r["model"], "layout": twin, "periodic": bool(r["periodic"]), "measured": meas,
+               "off": max(offs) if offs else None, "rf_off": r["rf_off"], "upper": None, "upper_held_out": None}
+        if not r["periodic"]:
+            b = MB.band(r["stack"], r["moe"])
+            row["upper"] = float(b.reserved_free_interval(r["rf"], True, False, r["rf_off"])[1])
+            mine = [q for q in ok if q["stack"] == r["stack"] and bool(q["moe"]) == bool(r["moe"]) and not q["x"]]
+            R = np.array([q["rf"] for q in mine])
+            M = np.array([q["measured"] - q["measured_alloc"] for q in mine])
+            arch = np.array([q["arch"] for q in mine])
+            e = reserved_envelope(R[arch != r["arch"]], M[arch != r["arch"]], reserved_part(R, M, arch)["rf_form"])
+            row["upper_held_out"] = float(max(e["rf_hi_scale"] * r["rf_off"] + e["rf_hi_gib"], r["rf_off"]))
+        out.append(row)
+    return out
+
+
+def print_expandable(xs: dict, ok: list[dict]) -> None:
+    p = xs["periodic"]
+    print(f"expandable segments on: measured - predicted reserved but unallocated {xs['rf_lo_gib']:+.2f} to "
+          f"{xs['rf_hi_gib']:+.2f} GiB over {xs['n']} run(s) (R = Constants.alloc_reserved_expandable_gib; the lower "
+          f"line of a non-periodic layout); periodic layouts {p['rf_lo_gib']:+.2f} to {p['rf_hi_gib']:+.2f} over "
+          f"{p['n']} runs, {p['architectures']} architectures ({'used' if p['used'] else 'not used'}; held out: "
+          f"{p['loao']['covered']} of {p['loao']['held']} under the others' largest, at most "
+          f"{p['loao']['max_over_gib']:+.2f} GiB over it)")
+    print(f"{'id':18} {'model':24} {'layout':44} {'periodic':8} {'on':>5} {'off':>5} {'R_off':>5} {'upper':>6} "
+          f"{'held out':>8} {'on/R_off':>8}")
+    for r in expandable_check(ok):
+        f = (lambda v: f"{v:5.2f}" if v is not None else "    -")
+        print(f"{r['id'][:18]:18} {r['model'][:24]:24} {r['layout'][:44]:44} {str(r['periodic']):8} {r['measured']:5.2f} "
+              f"{f(r['off'])} {r['rf_off']:5.2f} {f(r['upper']):>6} {f(r['upper_held_out']):>8} "
+              f"{r['measured'] / r['rf_off']:8.2f}")
+    print("(on / off: measured reserved but unallocated GiB with expandable segments on / the same layout with them "
+          "off; R_off: the predicted term with them off; upper: a non-periodic layout's upper line, every run's "
+          "expandable-off line at R_off; held out: that line fitted without the run's architecture)")
 
 
 def loao(ok: list[dict], xs: dict | None = None) -> dict:
@@ -245,6 +310,7 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
             continue
         A = np.array([r["predicted"] for r in rs])
         R = np.array([r["rf"] for r in rs])
+        R_off = np.array([r["rf_off"] for r in rs])
         Aa = A - R
         Ma = np.array([r["measured_alloc"] for r in rs])
         M = np.array([r["measured"] for r in rs])
@@ -267,7 +333,12 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
             env_p = (reserved_envelope(R[off & P], (D + R)[off & P], periodic["rf_form"])
                      if periodic["used"] and (off & P).any() else env)
             d_mid = np.where(X[held], 0.0, float(np.median(D[off])) if off.any() else 0.0)
-            rf_hi = np.where(X[held], R[held] + xs["rf_hi_gib"], rf_upper(env_p, R[held], P[held], env))
+            # expandable segments on: a periodic layout R + the periodic runs' largest, any other the
+            # expandable-off line at its R_off (models.memory_band.Band.reserved_free_interval)
+            xp = xs["periodic"]["rf_hi_gib"] if xs["periodic"]["used"] else np.inf
+            x_hi = np.where(P[held] & np.isfinite(xp), R[held] + np.where(np.isfinite(xp), xp, 0.0),
+                            np.maximum(rf_upper(env, R_off[held], False, env), R[held]))
+            rf_hi = np.where(X[held], x_hi, rf_upper(env_p, R[held], P[held], env))
             rf_mid = R[held] + d_mid
             cov["ratio"] += int((M[held] <= ratio[rest].max() * Aa[held] + rf_hi).sum())
             err["ratio"] += list(np.abs(M[held] / (float(np.median(ratio[rest])) * Aa[held] + rf_mid) - 1.0))
@@ -354,7 +425,7 @@ def recipes(margin: float | None) -> list[dict]:
             notes.append(f"{len(r.unmodelled)} not modelled")
         out.append({"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "predicted": pred, "outside": outside,
                     "upper": float(b.interval(pred, outside, top.reserved_free_gib, cfg.expandable_segments,
-                                              MB.periodic_layout(r.model, cfg))[1]),
+                                              MB.periodic_layout(r.model, cfg), top.reserved_free_off_gib)[1]),
                     "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
@@ -403,10 +474,11 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                     "weights": sm.weights_gib - fp8, "fp8_copies": fp8, "grads": sm.grads_gib,
                     "optimizer": sm.optimizer_gib, "activations": sm.activations_gib, "logits": sm.logits_gib,
                     "transient": sm.step_transient_gib, "overhead": sm.overhead_gib,
-                    "reserved_free": sm.reserved_free_gib, "total": sm.total_gib,
+                    "reserved_free": sm.reserved_free_gib, "reserved_free_off": sm.reserved_free_off_gib,
+                    "total": sm.total_gib,
                     "outside": sm.outside_gib,
                     "upper": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
-                                              cfg.expandable_segments, periodic)[1])})
+                                              cfg.expandable_segments, periodic, sm.reserved_free_off_gib)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
             "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b, "expandable": cfg.expandable_segments,
@@ -431,7 +503,8 @@ def print_recipe(row_id: str) -> None:
     top = max(stages, key=lambda s: s["upper"])
     print(f"tightest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
           f"(allocated x {b.hi:.3f} + {b.add_hi_gib:.1f}, reserved free {top['reserved_free']:.2f} "
-          f"-> {float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'])[1]):.2f}, "
+          f"(expandable segments off {top['reserved_free_off']:.2f}) -> "
+          f"{float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'], top['reserved_free_off'])[1]):.2f}, "
           f"+ {top['outside']:.1f} outside the allocator), "
           f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
 
@@ -625,10 +698,10 @@ def main() -> None:
     fit_oom = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
-        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])[1]
+        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"])[1]
         usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
         ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]],
-                          r["periodic"]))
+                          r["periodic"], r["rf_off"]))
         fit_oom += ok
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
         print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
@@ -648,7 +721,7 @@ def main() -> None:
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
             rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"],
-                                       margins[stack], r["periodic"]) for r in mine)
+                                       margins[stack], r["periodic"], r["rf_off"]) for r in mine)
             print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
                   f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} " + rf_cells(s) + " "
                   f"{s['loao_covered']:6d} of {s['n']:<4d} "
@@ -674,9 +747,7 @@ def main() -> None:
         print("recipe settings of these rows the advisor has no field for (models/published.py RECIPES):")
         for u in unmodelled:
             print(f"  - {', '.join(r['id'] for r in rec if u in r['unmodelled'])}: {u}")
-    print(f"expandable segments on: measured - predicted reserved but unallocated {xs['rf_lo_gib']:+.2f} to "
-          f"{xs['rf_hi_gib']:+.2f} GiB over {xs['n']} run(s) ({', '.join(xs['runs'])}; "
-          f"Constants.alloc_reserved_expandable_gib)")
+    print_expandable(xs, [r for r in rs if r["status"] == "ok"])
     print("(form: the one with the smaller LOAO MAPE of the peak reserved, both shown; lo / hi and +lo / +hi: the "
           "allocated part, the affine form's GiB; reserved free lo / hi: the envelope of the measured reserved but "
           "unallocated GiB against the predicted R, runs with expandable segments off, of the rf form that holds the "

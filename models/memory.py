@@ -46,6 +46,10 @@ class StageMemory:
     # torch's caching allocator: reserved but unallocated at the peak (models/allocator_memory.py);
     # in total_gib (the runs measure peak reserved)
     reserved_free_gib: float = 0.0
+    # the same term with expandable segments off (equal to it where they are off; not in total_gib):
+    # with them on, a non-periodic layout strands at most what the caching allocator would
+    # (models.memory_band.Band.reserved_free_interval)
+    reserved_free_off_gib: float = 0.0
 
     @property
     def total_gib(self) -> float:
@@ -472,6 +476,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         moe_bytes = np.maximum(moe_bytes, per_key[:, j, 2][key])
     xseg = L.xseg[r] if L.xseg is not None else False
     reserved = reserved_free_gib(block, moe_layers, moe_bytes, xseg, c)
+    reserved_off = reserved_free_gib(block, moe_layers, moe_bytes, False, c)
     # the stage's peak is the larger of its two phases, not a sum of their maxima: the forward-backward
     # schedule holds the activations and the loss stage's logits; the optimizer step runs after the
     # last backward has freed both and holds its transient instead
@@ -482,7 +487,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     parts = {"weights_gib": weights / GIB, "grads_gib": grads / GIB, "optimizer_gib": opt / GIB,
              "activations_gib": acts * f / GIB, "logits_gib": logits * f / GIB,
              "step_transient_gib": np.maximum(0.0, transient - held) / GIB,
-             "reserved_free_gib": reserved,
+             "reserved_free_gib": reserved, "reserved_free_off_gib": reserved_off,
              # dropless MoE buffers whose size follows the routing (allocator_memory.moe_buffer_bytes):
              # the step's allocations change from micro-batch to micro-batch (memory_band.periodic_schedule)
              "routing_sized": moe_layers * moe_bytes > 0,
@@ -503,12 +508,12 @@ def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
         mat = S.cache["memory_matrix"] = np.stack(
             [layers, params] + [parts[k] for k in ("weights_gib", "grads_gib", "optimizer_gib", "activations_gib",
                                                    "logits_gib", "step_transient_gib", "outside_gib",
-                                                   "reserved_free_gib")], 1)
+                                                   "reserved_free_gib", "reserved_free_off_gib")], 1)
     over = c.runtime_overhead_gib
     return [StageMemory(stage=k, layers=int(n), params=int(p), weights_gib=w, grads_gib=g, optimizer_gib=o,
                         activations_gib=a, logits_gib=lg, overhead_gib=over, step_transient_gib=t, outside_gib=out,
-                        reserved_free_gib=rf)
-            for k, (n, p, w, g, o, a, lg, t, out, rf) in enumerate(S.rows(mat, i).tolist())]
+                        reserved_free_gib=rf, reserved_free_off_gib=rf_off)
+            for k, (n, p, w, g, o, a, lg, t, out, rf, rf_off) in enumerate(S.rows(mat, i).tolist())]
 
 
 def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
@@ -526,7 +531,7 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
     outside = parts["outside_gib"]
     xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
     periodic = periodic_schedule(L.pp, L.cp)[S.row] & ~parts["routing_sized"]
-    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic)[1]
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic, parts["reserved_free_off_gib"])[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 

@@ -68,7 +68,7 @@ from advisor.catalog.specs import SpecError
 from advisor.models.allocator_memory import moe_buffer_bytes
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
-FORMAT = "advisor.memory_band/6"  # 6: the reserved-but-unallocated spread affine in R (5: a constant GiB range)
+FORMAT = "advisor.memory_band/7"  # 7: expandable segments' spread per schedule (6: pooled; 5: a constant GiB range)
 CLASSES = ("dense", "moe")
 
 
@@ -89,43 +89,61 @@ class Band:
     rf_hi_scale: float = 1.0
     # the same lines fitted on the runs with a periodic schedule alone (periodic_schedule; None: the above)
     rf_periodic: tuple[float, float, float, float] | None = None  # (lo_scale, lo_gib, hi_scale, hi_gib)
-    # measured - predicted reserved but unallocated (GiB) with expandable segments on
+    # measured - predicted reserved but unallocated (GiB) with expandable segments on, every run pooled
+    # (the lower line of a non-periodic layout with them on)
     rf_lo_expandable_gib: float = 0.0
     rf_hi_expandable_gib: float = 0.0
+    # the same range over the runs with them on and a periodic layout alone (None: fewer than
+    # MIN_ARCHITECTURES architectures; such layouts are then bounded as non-periodic ones)
+    rf_expandable_periodic: tuple[float, float] | None = None  # (lo_gib, hi_gib)
 
-    def interval(self, predicted_gib, outside_gib, reserved_free_gib, expandable, periodic=False):
+    def interval(self, predicted_gib, outside_gib, reserved_free_gib, expandable, periodic=False,
+                 reserved_free_off_gib=None):
         """(lower, upper) GiB on the device of a predicted allocator peak (floats or arrays): its
         allocated part (predicted - reserved_free_gib) scaled by lo / hi plus add_lo / add_hi, the
         reserved-but-unallocated term's envelope for the allocator setting (`expandable`: expandable
         segments on) and the schedule (`periodic`: periodic_schedule), plus the memory outside the
-        allocator (models/outside_memory.py) once."""
+        allocator (models/outside_memory.py) once. `reserved_free_off_gib`: the term the caching
+        allocator would hold with expandable segments off (StageMemory.reserved_free_off_gib; None:
+        reserved_free_gib), which bounds a non-periodic layout's with them on."""
         x = np.asarray(expandable, bool)
         alloc = predicted_gib - reserved_free_gib
-        rf_lo, rf_hi = self.reserved_free_interval(reserved_free_gib, x, periodic)
+        rf_lo, rf_hi = self.reserved_free_interval(reserved_free_gib, x, periodic, reserved_free_off_gib)
         lo = alloc * self.lo + self.add_lo_gib + rf_lo + outside_gib
         hi = alloc * self.hi + self.add_hi_gib + rf_hi + outside_gib
         if np.ndim(lo) == 0:
             return float(lo), float(hi)
         return lo, hi
 
-    def reserved_free_interval(self, reserved_free_gib, expandable, periodic=False):
+    def reserved_free_interval(self, reserved_free_gib, expandable, periodic=False, reserved_free_off_gib=None):
         """(lower, upper) GiB of the reserved-but-unallocated memory of a predicted term R (floats
         or arrays): expandable segments off, the lines rf_*_scale R + rf_*_gib (where `periodic`, the
         narrower of them and those fitted on the periodic-schedule runs, which hold those runs both),
         the upper one never under R itself (a line of slope
-        < 1 is not extrapolated below the term's own prediction past the measured R); on, R plus the
-        runs' measured - predicted range."""
+        < 1 is not extrapolated below the term's own prediction past the measured R). On: a periodic
+        layout, R plus the periodic runs' measured - predicted range (rf_expandable_periodic); any
+        other, from R plus every run's smallest measured - predicted up to the expandable-off upper
+        line (every run's lines, not the periodic ones) at the layout's expandable-off term R_off
+        (`reserved_free_off_gib`; None: R): a segment that grows by pages strands no tail, but the
+        holes between live blocks stay reserved, a subset of what the caching allocator strands
+        on the same layout."""
         x = np.asarray(expandable, bool)
+        p = np.asarray(periodic, bool)
         r = np.asarray(reserved_free_gib, float)
+        r_off = r if reserved_free_off_gib is None else np.asarray(reserved_free_off_gib, float)
         lo = self.rf_lo_scale * r + self.rf_lo_gib
         hi = self.rf_hi_scale * r + self.rf_hi_gib
+        hi_off = np.maximum(self.rf_hi_scale * r_off + self.rf_hi_gib, r_off)  # every run's line at R_off
         if self.rf_periodic is not None:  # both lines hold the periodic runs: the narrower of the two
-            p = np.asarray(periodic, bool)
             pls, plg, phs, phg = self.rf_periodic
             lo = np.where(p, np.maximum(lo, pls * r + plg), lo)
             hi = np.where(p, np.minimum(hi, phs * r + phg), hi)
-        lo = np.where(x, r + self.rf_lo_expandable_gib, lo)
-        hi = np.where(x, r + self.rf_hi_expandable_gib, np.maximum(hi, r))
+        x_lo, x_hi = r + self.rf_lo_expandable_gib, np.maximum(hi_off, r)
+        if self.rf_expandable_periodic is not None:
+            elo, ehi = self.rf_expandable_periodic
+            x_lo, x_hi = np.where(p, r + elo, x_lo), np.where(p, r + ehi, x_hi)
+        lo = np.where(x, x_lo, lo)
+        hi = np.where(x, x_hi, np.maximum(hi, r))
         if np.ndim(lo) == 0:
             return float(lo), float(hi)
         return lo, hi
@@ -170,11 +188,14 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
     x = s.get("expandable", {})
     p = b.get("periodic")
     rf_periodic = None if p is None or not p.get("used", True) else (p["rf_lo_scale"], p["rf_lo_gib"], p["rf_hi_scale"], p["rf_hi_gib"])
+    xp = x.get("periodic")
+    x_periodic = None if xp is None or not xp.get("used", True) else (xp["rf_lo_gib"], xp["rf_hi_gib"])
     return Band(lo=b["lo"], hi=b["hi"], stack=name, kind=k, source=src,
                 add_lo_gib=b.get("add_lo_gib", 0.0), add_hi_gib=b.get("add_hi_gib", 0.0), form=b.get("form", "ratio"),
                 rf_lo_gib=b.get("rf_lo_gib", 0.0), rf_hi_gib=b.get("rf_hi_gib", 0.0),
                 rf_lo_scale=b.get("rf_lo_scale", 1.0), rf_hi_scale=b.get("rf_hi_scale", 1.0), rf_periodic=rf_periodic,
-                rf_lo_expandable_gib=x.get("rf_lo_gib", 0.0), rf_hi_expandable_gib=x.get("rf_hi_gib", 0.0))
+                rf_lo_expandable_gib=x.get("rf_lo_gib", 0.0), rf_hi_expandable_gib=x.get("rf_hi_gib", 0.0),
+                rf_expandable_periodic=x_periodic)
 
 
 def default_margin(memory_usable_fraction: float) -> float:
@@ -193,24 +214,28 @@ def usable_gib(gpu_memory_gib: float, margin: float) -> float:
 
 
 def fits(predicted_gib, outside_gib, reserved_free_gib, expandable, b: Band, gpu_memory_gib: float, margin: float,
-         periodic=False):
+         periodic=False, reserved_free_off_gib=None):
     """True (or a boolean array) where the upper bound of the prediction is under usable memory."""
-    return (b.interval(predicted_gib, outside_gib, reserved_free_gib, expandable, periodic)[1]
+    return (b.interval(predicted_gib, outside_gib, reserved_free_gib, expandable, periodic, reserved_free_off_gib)[1]
             <= usable_gib(gpu_memory_gib, margin))
 
 
 def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib,
-               expandable: bool, b: Band, gpu_memory_gib: float, margin: float, periodic: bool = False) -> dict:
+               expandable: bool, b: Band, gpu_memory_gib: float, margin: float, periodic: bool = False,
+               reserved_free_off_per_stage_gib=None) -> dict:
     """What recommend / predict say about one layout's memory: each stage's interval (the band on
     its allocator peak and its reserved-but-unallocated term, plus its own memory outside the
     allocator), the usable memory, and for the stage whose upper bound is largest (the tightest
-    stage) its interval and the headroom (usable - upper bound; negative: does not fit)."""
-    uppers = [b.interval(m, o, r, expandable, periodic)[1]
-              for m, o, r in zip(per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib)]
+    stage) its interval and the headroom (usable - upper bound; negative: does not fit).
+    `reserved_free_off_per_stage_gib`: each stage's term with expandable segments off (None: the
+    reserved_free terms), which bounds a non-periodic layout's with them on."""
+    offs = reserved_free_off_per_stage_gib or reserved_free_per_stage_gib
+    uppers = [b.interval(m, o, r, expandable, periodic, f)[1]
+              for m, o, r, f in zip(per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib, offs)]
     k = int(np.argmax(uppers))
     lo, hi = b.interval(per_stage_gib[k], outside_per_stage_gib[k], reserved_free_per_stage_gib[k], expandable,
-                        periodic)
-    rlo, rhi = b.reserved_free_interval(reserved_free_per_stage_gib[k], expandable, periodic)
+                        periodic, offs[k])
+    rlo, rhi = b.reserved_free_interval(reserved_free_per_stage_gib[k], expandable, periodic, offs[k])
     usable = usable_gib(gpu_memory_gib, margin)
     return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_per_stage_gib[k]),
             "interval_gib": [float(lo), float(hi)],

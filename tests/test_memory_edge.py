@@ -106,10 +106,14 @@ def test_te_band_is_fitted_on_te_runs_and_the_outside_term_matches_the_oom_messa
             assert json.loads(MB.BAND_FILE.read_text())["stacks"][stack][b.kind]["n"] >= 18
             assert b.interval(50.0, 8.0, 2.0, False)[1] == pytest.approx(
                 b.hi * 48.0 + b.add_hi_gib + max(b.rf_hi_scale * 2.0 + b.rf_hi_gib, 2.0) + 8.0)
-            # expandable segments: the spread of the runs that had them on, not the fragmentation's
-            assert b.interval(50.0, 8.0, 0.44, True)[1] == pytest.approx(b.hi * 49.56 + b.add_hi_gib + 0.44
-                                                                         + b.rf_hi_expandable_gib + 8.0)
-            assert b.rf_hi_expandable_gib < 0.5 < b.rf_hi_scale * 0.44 + b.rf_hi_gib
+            # expandable segments: a periodic layout, the spread of the periodic runs that had them on;
+            # any other, the expandable-off line at its own expandable-off term (2.0 GiB here)
+            ehi = b.rf_expandable_periodic[1]
+            assert b.interval(50.0, 8.0, 0.44, True, True, 2.0)[1] == pytest.approx(
+                b.hi * 49.56 + b.add_hi_gib + 0.44 + ehi + 8.0)
+            assert b.interval(50.0, 8.0, 0.44, True, False, 2.0)[1] == pytest.approx(
+                b.hi * 49.56 + b.add_hi_gib + max(b.rf_hi_scale * 2.0 + b.rf_hi_gib, 2.0) + 8.0)
+            assert ehi < 0.5 < b.rf_hi_scale * 0.44 + b.rf_hi_gib
             # a periodic schedule is bounded by the narrower of its own lines and the pooled ones
             R = np.linspace(0.5, 20.0, 40)
             assert np.all(b.reserved_free_interval(R, False, True)[1] <= b.reserved_free_interval(R, False, False)[1])
@@ -197,10 +201,10 @@ def test_the_band_keeps_the_form_with_the_smaller_held_out_error():
                     routing = r["moe"] and (cfg.ep > 1 or not cfg.moe_grouped_gemm or cfg.precision != "bf16") \
                         and not cfg.moe_pad_to_capacity
                     assert r["periodic"] == (cfg.pp == 1 and cfg.cp == 1 and not routing), r["id"]
-                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"])
+                    lo, hi = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"])
                     # the interval holds the allocator's measured peak plus the outside memory
                     assert lo - 1e-6 <= r["measured"] + r["outside_pred"] <= hi + 1e-6, r["id"]
-                    rlo, rhi = b.reserved_free_interval(r["rf"], r["x"], r["periodic"])
+                    rlo, rhi = b.reserved_free_interval(r["rf"], r["x"], r["periodic"], r["rf_off"])
                     assert rlo - 1e-6 <= r["measured"] - r["measured_alloc"] <= rhi + 1e-6, r["id"]
     assert forms == {"ratio", "affine"} and {"ratio", "affine"} <= rf_forms
 
@@ -224,7 +228,7 @@ def test_no_oom_record_is_predicted_to_fit():
     assert len(oom) >= 8
     for r in oom:
         assert not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], MB.band(r["stack"], r["moe"]),
-                           r["gpu_gib"], 0.05, r["periodic"]), r["id"]
+                           r["gpu_gib"], 0.05, r["periodic"], r["rf_off"]), r["id"]
     # the shipped band is what the command makes of the data
     shipped, fitted = json.loads(MB.BAND_FILE.read_text())["stacks"], mod.fit(rs)["stacks"]
     for stack in ("local", "te"):
@@ -305,3 +309,34 @@ def test_reserved_envelope_forms():
     assert (e["rf_hi_scale"] * R + e["rf_hi_gib"]).sum() <= (R + c["rf_hi_gib"]).sum() + 1e-9
     r = mod.reserved_envelope(R, M, "ratio")
     assert r["rf_hi_gib"] == r["rf_lo_gib"] == 0.0 and r["rf_hi_scale"] == pytest.approx(1.5)
+
+
+def test_expandable_segments_spread_follows_the_schedule():
+    """With expandable segments on, a periodic layout strands about nothing (R + the periodic runs'
+    range, under 0.2 GiB over R), a pipeline-interleaved or CP layout up to the expandable-off line
+    at its own R_off: every run with them on lies inside its interval, and the pooled form (every
+    layout R + the largest residual, 6.2 GiB for GPT-3 PP2 VP16's) fails the periodic bound."""
+    mod, rs = memory_edge_rows()
+    on = [r for r in rs if r["status"] == "ok" and r["x"]]
+    assert len(on) >= 9 and {r["periodic"] for r in on} == {True, False}
+    for r in on:
+        b = MB.band(r["stack"], r["moe"])
+        lo, hi = b.reserved_free_interval(r["rf"], True, r["periodic"], r["rf_off"])
+        assert lo - 1e-9 <= r["measured"] - r["measured_alloc"] <= hi + 1e-9, r["id"]
+        pooled = r["rf"] + b.rf_hi_expandable_gib
+        if r["periodic"]:
+            assert hi - r["rf"] < 0.2 and pooled - r["rf"] > 5.0, r["id"]  # the pooled form: 30x wider
+        else:  # never under what a periodic layout gets, and the expandable-off line at R_off
+            assert hi >= r["rf"] + b.rf_expandable_periodic[1]
+            assert hi == pytest.approx(max(b.reserved_free_interval(r["rf_off"], False, False)[1], r["rf"]))
+    # the shipped expandable block is what the command makes of the data
+    got = json.loads(MB.BAND_FILE.read_text())["stacks"]["te"]["expandable"]["periodic"]
+    want = mod.fit(rs)["stacks"]["te"]["expandable"]["periodic"]
+    assert [got["rf_lo_gib"], got["rf_hi_gib"], got["used"]] == pytest.approx([want["rf_lo_gib"], want["rf_hi_gib"], True])
+    # one stage, through StageMemory: the expandable-off term rides along and bounds a CP layout
+    m = load_model("llama3-8b")
+    cfg = TrainConfig(tp=1, pp=1, dp=2, cp=2, mbs=8, gbs=32, seq=4096, expandable_segments=True)
+    sm = max(stage_memory(m, cfg, DEFAULT), key=lambda s: s.total_gib)
+    assert sm.reserved_free_off_gib > sm.reserved_free_gib
+    off = max(stage_memory(m, cfg.replace(expandable_segments=False), DEFAULT), key=lambda s: s.total_gib)
+    assert sm.reserved_free_off_gib == pytest.approx(off.reserved_free_gib)
