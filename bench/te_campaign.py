@@ -247,6 +247,18 @@ def s24d() -> list[dict]:
             + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=14)
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=14))
 
+
+def s24e() -> list[dict]:
+    """Session 24's last call, issue #27: does an interleaved pipeline still strand memory when it
+    frees each stage output once sent (deallocate_pipeline_outputs, as Megatron-LM's training and
+    NVIDIA's recipes run)? GPT-3 2.7B PP2 VP16 mbs8 FP8, whose reserved-but-unallocated memory
+    was 8.1 GiB (expandable segments off) and 6.6 GiB (on) with the outputs kept: the same with
+    them freed, expandable segments on and off."""
+    dpo = {"deallocate_pipeline_outputs": True}
+    gpt = [("dpo", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", expandable_segments=True, **dpo)),
+           ("dpo", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo))]
+    return _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=15)
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -357,7 +369,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
-           "x4-te-s24c": s24c, "x4-te-s24d": s24d}
+           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

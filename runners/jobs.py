@@ -59,7 +59,8 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
     defaults to world_size / (tp*pp*cp); gbs defaults to 8 microbatches. Illegal or unrunnable
     layouts come back with ``refused`` set (a one-line reason). Torch's allocator runs with
     expandable segments only where the layout keys say ``expandable_segments: true`` (the worker
-    sets it per job); a layout's own default is off (MA.runner_config)."""
+    sets it per job), and the pipeline frees its sent outputs only where they say
+    ``deallocate_pipeline_outputs: true``; a layout's own default is off for both (MA.runner_config)."""
     if isinstance(model, ModelSpec):
         spec, name = model, model.name
     else:
@@ -79,6 +80,7 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
             raise SpecError(f"{k} must be an integer >= {1 if k == 'steps' else 0}, got {v!r}")
     lay = dict(layout)
     expandable = lay.get("expandable_segments") is True
+    dealloc = lay.get("deallocate_pipeline_outputs") is True
     run = dict(stack=stack, fp8_recipe=fp8_recipe, kernel_profile_steps=kernel_profile_steps)
     mp = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)
     if "dp" not in lay or lay["dp"] is None:
@@ -87,11 +89,11 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         if world_size % mp:
             lay["dp"] = 1
             cfg = TrainConfig.from_dict(_with_gbs(lay))
-            return Entry(name, spec, layers, MA.runner_config(cfg, expandable), steps, warmup, min_seconds,
+            return Entry(name, spec, layers, MA.runner_config(cfg, expandable, dealloc), steps, warmup, min_seconds,
                          max_steps, save_trace, id or uuidlib.uuid4().hex[:12],
                          refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}", **run)
         lay["dp"] = world_size // mp
-    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)), expandable)
+    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)), expandable, dealloc)
     return Entry(name, spec, layers, cfg, steps, warmup, min_seconds, max_steps, save_trace,
                  id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size, stack), **run)
 

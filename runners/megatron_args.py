@@ -101,17 +101,20 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def runner_config(cfg: TrainConfig, expandable_segments: bool = False) -> TrainConfig:
+def runner_config(cfg: TrainConfig, expandable_segments: bool = False,
+                  deallocate_pipeline_outputs: bool = False) -> TrainConfig:
     """The layout as this project's runner runs it: effective_config with BF16 weights (the worker
     does not build FP8 primary weights: fp8_param_gather off) and torch's allocator as it comes
     (expandable segments off) unless `expandable_segments` (a batch line that asks for them: the
     worker then turns them on for that job, megatron_worker.set_allocator), and megatron-core's
-    default deallocate_pipeline_outputs (off: the worker's TransformerConfig does not set it), and
+    default deallocate_pipeline_outputs (off) unless `deallocate_pipeline_outputs` (a batch line
+    that asks: its TransformerConfig then sets it), and
     megatron-core's DDP with the distributed optimizer, not Megatron FSDP (fsdp off: the worker
     builds DistributedDataParallel itself); its records say so."""
     cfg = effective_config(cfg)
     off = {k: False for k in ("fp8_param_gather", "expandable_segments", "deallocate_pipeline_outputs", "fsdp")
-           if getattr(cfg, k) and not (k == "expandable_segments" and expandable_segments)}
+           if getattr(cfg, k) and not (k == "expandable_segments" and expandable_segments)
+           and not (k == "deallocate_pipeline_outputs" and deallocate_pipeline_outputs)}
     return cfg.replace(**off) if off else cfg
 
 
@@ -183,6 +186,8 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "account_for_embedding_in_pipeline_split": cfg.account_for_embedding,
         "account_for_loss_in_pipeline_split": cfg.account_for_loss,
         "pipeline_model_parallel_layout": cfg.pipeline_layout,
+        # the pipeline frees each stage output once sent (megatron-core's default keeps it)
+        **({"deallocate_pipeline_outputs": True} if cfg.deallocate_pipeline_outputs else {}),
         # Precision.
         "bf16": True,  # every format keeps bf16 params (the quantized copies are TE's)
         "params_dtype": "bfloat16",
