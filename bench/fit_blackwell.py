@@ -7,6 +7,9 @@ touched: `advisor` answers for a Blackwell GPU (catalog generation "blackwell") 
     python bench/fit_blackwell.py --rows GB300,GB200   # the shipped profile, per row: predicted vs
                                              # measured, the step's terms (% of the step), the clock
     python bench/fit_blackwell.py --clock-check  # an 8192^3 GEMM under B300's limit vs gemm_clock_share
+    python bench/fit_blackwell.py --pairs    # GB300 / GB200 on the same model, format and GPU count:
+                                             # measured vs the shipped profile at three V-f slopes
+    python bench/fit_blackwell.py --dry-run --fit-vf-slope   # also fit the V-f slope (vf_slope)
 
 Rows: the usable dense pretraining rows of data/published/published_fit.csv on B200, GB200, B300
 and GB300 (FP8 delayed / current scaling, MXFP8, NVFP4; no MoE, as the H100 profile). Start and
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +43,14 @@ NAMES = ("gemm_efficiency_max_fp8", "gemm_efficiency_max_fp4", "attention_effici
 # which run at the SM clock). GB200 and GB300 are the same silicon at the same dense BF16 / FP8 rates
 # (catalog/data/gpus) under a 1,200 vs 1,400 W limit: the published rows' GB300 / GB200 ratio at one
 # layout and container is the clock's effect, and it pins this share.
-BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85), "gemm_clock_share": (0.1, 1.0)}
+# vf_slope (only with --fit-vf-slope; the shipped profile keeps the H100's 0.331): the slope of the
+# linear V-f curve (models/dvfs.py: voltage / voltage at the maximum clock = 1 - vf_slope x (1 - f / f_max),
+# above the floor vf_min_voltage), which sets how convex power is in the clock (P_dyn ~ f V^2) and so
+# what clock a power limit buys near the maximum one; range that of the H100 sweep fit (bench/dvfs_fit.py).
+# Freed, the Blackwell rows drive it to its floor 0.05 (voltage all but constant over the clock range, P
+# linear in f: not what a DVFS part does), and leaving a family out gets no better (docs/calibration.md).
+BOUNDS = {**F.TE_FIT, "gemm_efficiency_max_fp4": (0.30, 0.85), "gemm_clock_share": (0.1, 1.0),
+          "vf_slope": (0.05, 1.5)}
 
 
 # The NVFP4 GEMM fraction before its shape factor, measured on B200 (the K=64 FP4 rate, 4 x BF16,
@@ -61,6 +72,11 @@ FP4_GEMM_PRIOR = (0.64, 0.06)
 # models/dvfs.py gives 0.854 / 0.856 at share 1 and 0.900 / 0.901 at 0.415 (python bench/fit_blackwell.py --clock-check)
 CLOCK_SHARE_PRIOR = (0.415, 0.3)
 
+# The V-f slope with --fit-vf-slope: centred on the H100's fitted 0.331 (models/constants.py; TSMC 4N
+# there, 4NP on Blackwell), wide: 0.2 lets the rows move it from near-constant voltage (0.1) to V at
+# 0.65 of the maximum at half clock (0.7).
+VF_SLOPE_PRIOR = (0.331, 0.2)
+
 
 def priors(h100) -> dict[str, tuple[float, float]]:
     """The H100 fit's values as centres (the TE stack's physics carries over), the H100 prior's
@@ -68,6 +84,7 @@ def priors(h100) -> dict[str, tuple[float, float]]:
     out = {n: (getattr(h100, n), F.TE_PRIOR[n][1]) for n in NAMES if n in F.TE_PRIOR}
     out["gemm_efficiency_max_fp4"] = FP4_GEMM_PRIOR
     out["gemm_clock_share"] = CLOCK_SHARE_PRIOR
+    out["vf_slope"] = VF_SLOPE_PRIOR
     return out
 
 
@@ -82,11 +99,11 @@ def grouped(rows, e, key) -> dict[str, dict]:
     return {k: F.summary(e[idx], [rows[i].weight for i in idx]) for k, idx in sorted(g.items())}
 
 
-def build(say=print, max_nfev: int = 40) -> Calibration:
+def build(say=print, max_nfev: int = 40, names: tuple[str, ...] = NAMES) -> Calibration:
     h100 = resolve_calibration("te")
     base, pri = h100.constants, priors(h100.constants)
     rows, left = F.fit_rows(P.load(), "te", in_fit)
-    kw = dict(names=NAMES, bounds=BOUNDS, priors=pri, max_nfev=max_nfev)
+    kw = dict(names=names, bounds=BOUNDS, priors=pri, max_nfev=max_nfev)
     say(f"fitting te/blackwell on {len(rows)} published rows ({', '.join(GPUS)}, dense)")
     c, info = F.fit(rows, base, **kw)
     say("  fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in info["fitted"].items()))
@@ -170,6 +187,33 @@ def clock_check(say=print) -> None:
                 f"throughput {1.0 / D.compute_stretch(s.x, c):.3f} of the maximum clock's")
 
 
+def pair_ratios(slopes=(0.05, 0.331, 1.0), say=print) -> dict:
+    """GB300 / GB200 tokens/s per GPU on the fit rows of one model, format and GPU count (every
+    GB200 row against every GB300 row: layouts and containers may differ): measured, and the
+    shipped profile's with the V-f slope at each of `slopes`, with the clock ratios it holds
+    (median over the pairs). Returns {(model, format, gpus): {"measured": m, slope: (ratio, x200, x300)}}."""
+    cal = resolve_calibration("te", gpu=type("G", (), {"generation": "blackwell"})())
+    rows, _ = F.fit_rows(P.load(), "te", lambda r: r.gpu_type in ("GB200", "GB300") and not r.moe)
+    groups = defaultdict(lambda: {"GB200": [], "GB300": []})
+    for i, x in enumerate(rows):
+        groups[(x.run.model_key, x.cfg.quant, x.run.num_gpus)][x.run.gpu_type].append(i)
+    pairs = {k: [(a, b) for a in v["GB200"] for b in v["GB300"]] for k, v in groups.items()}
+    pairs = {k: v for k, v in sorted(pairs.items()) if v}
+    out = {k: {"measured": float(np.median([rows[b].y / rows[a].y for a, b in v]))} for k, v in pairs.items()}
+    for k in slopes:
+        pred = F.predict_rows(rows, cal.constants.replace(vf_slope=float(k)))
+        for g, v in pairs.items():
+            out[g][k] = tuple(float(np.median(q)) for q in zip(*[
+                (pred[b].tokens_per_s_per_gpu / pred[a].tokens_per_s_per_gpu, pred[a].clock_ratio, pred[b].clock_ratio)
+                for a, b in v]))
+    say("model            format          gpus pairs measured | model ratio (clock GB200 / GB300) at vf_slope "
+        + ", ".join(f"{k:.3f}" for k in slopes))
+    for g, v in out.items():
+        say(f"{g[0]:16} {g[1]:15} {g[2]:4} {len(pairs[g]):5} {v['measured']:8.3f} | " + " | ".join(
+            f"{v[k][0]:.3f} ({v[k][1]:.3f} / {v[k][2]:.3f})" for k in slopes))
+    return out
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -178,6 +222,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--rows")
     ap.add_argument("--clock-check", action="store_true")
+    ap.add_argument("--pairs", action="store_true")
+    ap.add_argument("--fit-vf-slope", action="store_true")
     a, rest = ap.parse_known_args(argv)
     if a.rows:
         print_rows({g.strip().upper() for g in a.rows.split(",")})
@@ -185,7 +231,11 @@ def main(argv=None) -> int:
     if a.clock_check:
         clock_check()
         return 0
-    return fit_main(rest, build, STACKS["te"].generations["blackwell"], __doc__)
+    if a.pairs:
+        pair_ratios()
+        return 0
+    fit = partial(build, names=NAMES + ("vf_slope",)) if a.fit_vf_slope else build
+    return fit_main(rest, fit, STACKS["te"].generations["blackwell"], __doc__)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ FP8 = TrainConfig(tp=1, pp=1, dp=64, gbs=128, mbs=2, seq=8192, precision="fp8", 
 
 
 def clock(cluster, cfg=FP8):
-    p = predict(M, cluster, cfg, DEFAULT, check_legal=False)
+    return clock_at(cluster, DEFAULT, cfg)
+
+
+def clock_at(cluster, c, cfg=FP8):
+    p = predict(M, cluster, cfg, c, check_legal=False)
     return min(s["clock_ratio"] for s in p.power["stages"]), p.tokens_per_s_per_gpu
 
 
@@ -77,3 +81,34 @@ def test_nvfp4_casts_priced_from_te_kernels():
     cfg = TrainConfig(tp=2, pp=4, dp=8, vp=5, gbs=256, seq=8192, sequence_parallel=True)
     b = {p: predict(M, cl, cfg.replace(precision=p), c, check_legal=False).breakdown for p in ("mxfp8", "nvfp4")}
     assert b["nvfp4"]["fp8_cast_s"] > 2 * b["mxfp8"]["fp8_cast_s"] > 0
+
+
+def test_steeper_vf_curve_narrows_what_the_extra_limit_buys():
+    """P_dyn ~ f V(f)^2 with V rising along the V-f curve: the steeper it is, the more power the
+    last few hundred MHz cost, so a power deficit costs less clock and GB300's 200 W over GB200
+    buys less. Power linear in f (vf_slope 0.05) gives the widest gap."""
+    c200, c300 = load_cluster("gb200x64"), load_cluster("gb300x64")
+    gaps = []
+    for k in (0.05, DEFAULT.vf_slope, 1.0):
+        c = DEFAULT.replace(vf_slope=k)
+        (x200, t200), (x300, t300) = (clock_at(cl, c) for cl in (c200, c300))
+        assert x300 > x200
+        gaps.append((x300 / x200, t300 / t200))
+    assert gaps[0][0] > gaps[1][0] > gaps[2][0] and gaps[0][1] > gaps[1][1] > gaps[2][1]
+
+
+def test_pair_ratios_follow_the_vf_slope():
+    """bench/fit_blackwell.py --pairs: GB300 / GB200 on the same model, format and GPU count; every
+    group's modelled ratio falls as the V-f slope rises, GB300 holds the higher clock, and the
+    measured medians are those of the published rows (llama3-70b FP8 on 64 GPUs: 1.25)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from fit_blackwell import pair_ratios
+
+    out = pair_ratios((0.05, 0.331, 1.0), say=lambda *_: None)
+    assert len(out) >= 8
+    for v in out.values():
+        assert v[0.05][0] > v[0.331][0] > v[1.0][0]
+        assert all(v[k][2] >= v[k][1] for k in (0.05, 0.331, 1.0))
+    assert out[("llama3_70b", "fp8", 64)]["measured"] == pytest.approx(1.249, abs=0.002)
