@@ -12,7 +12,7 @@ import numpy as np
 
 from advisor.catalog import ClusterSpec, ModelSpec, SpecError
 from advisor.models import memory_band as MB
-from advisor.models.memory import band_upper_many
+from advisor.models.memory_band import band_upper_many
 from advisor.models.constants import Constants
 from advisor.search_spaces.runnable import left_out_line, refused
 

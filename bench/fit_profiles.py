@@ -80,11 +80,25 @@ def te_run_rows() -> list[F.Row]:
                            TE_SOURCE)
 
 
+def te_fit_set(runs) -> tuple[list, list, dict, np.ndarray, np.ndarray]:
+    """The te fit's rows (the published rows in_fit keeps, then ours: te_run_rows), the published
+    ones, what fit_rows left out, which rows are ours, and their weights."""
+    pub, left = F.fit_rows(runs, "te", in_fit)
+    rows = pub + te_run_rows()
+    mine = np.array([x.run.source_group == TE_SOURCE for x in rows])
+    return rows, pub, left, mine, np.array([x.weight for x in rows])
+
+
+def te_runs_by_group(rows, oof, mine, w, by, groups) -> dict:
+    """Out-of-fold summary of our TE runs per group (`by(row)` in `groups`)."""
+    return {g: F.summary(oof[mine & np.array([by(x) == g for x in rows])], w[mine & np.array([by(x) == g for x in rows])])
+            for g in groups}
+
+
 def build(say=print) -> Calibration:
     runs = P.load()
-    pub, left = F.fit_rows(runs, "te", in_fit)
-    ours = te_run_rows()
-    rows = pub + ours
+    rows, pub, left, mine, w = te_fit_set(runs)
+    ours = rows[len(pub):]
     base = F.te_base()
     t0 = time.time()
     say(f"fitting te on {len(pub)} published rows ({', '.join(FIT_GPUS)}, dense) and {len(ours)} of our TE runs "
@@ -92,8 +106,6 @@ def build(say=print) -> Calibration:
     c, info = F.fit(rows, base)
     say(f"  fitted in {time.time() - t0:.0f} s: " + ", ".join(f"{k}={v:.4g}" for k, v in info["fitted"].items())
         + (f"; at a bound: {', '.join(info['at_bound'])}" if info["at_bound"] else ""))
-    mine = np.array([x.run.source_group == TE_SOURCE for x in rows])
-    w = np.array([x.weight for x in rows])
     e = F.log_errors(rows, c)
     in_sample = F.summary(e[~mine], w[~mine])
     say(f"  in sample: published MAPE {in_sample['mape']:.1f}%, bias {in_sample['bias']:+.1f}%; our TE runs "
@@ -109,9 +121,7 @@ def build(say=print) -> Calibration:
         s_te = F.summary(oof[mine], w[mine])
         cv[name] = {"overall": s, "groups": per, "te_runs": s_te}
         if only is not None:
-            cv[name]["te_runs_by_group"] = {g: F.summary(oof[mine & np.array([by(x) == g for x in rows])],
-                                                         w[mine & np.array([by(x) == g for x in rows])])
-                                            for g in only}
+            cv[name]["te_runs_by_group"] = te_runs_by_group(rows, oof, mine, w, by, only)
         say(f"  {name.replace('_', ' ')}: published MAPE {s['mape']:.1f}%, bias {s['bias']:+.1f}%; our TE runs "
             f"MAPE {s_te['mape']:.1f}%, bias {s_te['bias']:+.1f}% (n={s_te['n']})")
         for g, v in cv[name].get("te_runs_by_group", {}).items():

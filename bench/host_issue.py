@@ -26,11 +26,12 @@ them against its profile.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from advisor.runners.records import read_jsonl  # noqa: E402
 RUNS = ROOT / "data/measurements/h100x4-te.jsonl"
 # a step that ends with at least this many kernels still queued was issued against a full launch
 # queue (the measured leads of GPU-bound runs: 770-1,020; of unblocked ones: <= 570). Pipeline-
@@ -82,16 +83,8 @@ def host_row(r: dict) -> dict | None:
 
 
 def load(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        row = host_row(r) if isinstance(r, dict) and r.get("status") == "ok" else None
-        if row:
-            out.append(row)
-    return out
+    rows = (host_row(r) for r in read_jsonl(path) if r.get("status") == "ok")
+    return [row for row in rows if row]
 
 
 def profiler_slowdown(rows: list[dict]) -> float:

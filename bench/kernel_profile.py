@@ -10,24 +10,18 @@ A record with a profile but no partner in the other precision is printed alone.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from advisor.runners.records import read_jsonl  # noqa: E402
 
 LAYOUT = ("tp", "pp", "vp", "cp", "ep", "etp", "dp", "mbs", "recompute", "sequence_parallel")
 
 
 def load(paths: list[str]) -> list[dict]:
-    out = []
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(r, dict) and r.get("kernel_profile"):
-                out.append(r)
-    return out
+    """The records of `paths` that carry a kernel profile."""
+    return [r for p in paths for r in read_jsonl(p) if r.get("kernel_profile")]
 
 
 def pair_key(r: dict) -> tuple:

@@ -209,12 +209,15 @@ def rf_cells(s: dict) -> str:
                        for f in RF_FORMS))
 
 
-def rf_upper(env: dict, R, periodic, pooled: dict):
+def rf_upper(env: dict, R, periodic, pooled: dict, expandable=False, r_off=None, x_periodic_hi=None):
     """The band's upper end of the reserved-but-unallocated memory (models.memory_band.Band.
-    reserved_free_interval) with the lines of reserved_part `pooled` and `env` (the periodic-schedule runs')."""
+    reserved_free_interval) with the lines of reserved_part `pooled` and `env` (the periodic-schedule
+    runs'); with expandable segments on (`expandable`, `r_off`: the term with them off), a periodic
+    layout's R + `x_periodic_hi` (None: not used) and any other layout's `pooled` line at `r_off`."""
     b = MB.Band(lo=1.0, hi=1.0, stack="", kind="", source="", rf_hi_scale=pooled["rf_hi_scale"],
-                rf_hi_gib=pooled["rf_hi_gib"], rf_periodic=(1.0, 0.0, env["rf_hi_scale"], env["rf_hi_gib"]))
-    return b.reserved_free_interval(R, False, periodic)[1]
+                rf_hi_gib=pooled["rf_hi_gib"], rf_periodic=(1.0, 0.0, env["rf_hi_scale"], env["rf_hi_gib"]),
+                rf_expandable_periodic=None if x_periodic_hi is None else (0.0, x_periodic_hi))
+    return b.reserved_free_interval(R, expandable, periodic, r_off)[1]
 
 
 def expandable_spread(ok: list[dict]) -> dict:
@@ -335,10 +338,8 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
             d_mid = np.where(X[held], 0.0, float(np.median(D[off])) if off.any() else 0.0)
             # expandable segments on: a periodic layout R + the periodic runs' largest, any other the
             # expandable-off line at its R_off (models.memory_band.Band.reserved_free_interval)
-            xp = xs["periodic"]["rf_hi_gib"] if xs["periodic"]["used"] else np.inf
-            x_hi = np.where(P[held] & np.isfinite(xp), R[held] + np.where(np.isfinite(xp), xp, 0.0),
-                            np.maximum(rf_upper(env, R_off[held], False, env), R[held]))
-            rf_hi = np.where(X[held], x_hi, rf_upper(env_p, R[held], P[held], env))
+            xp = xs["periodic"]["rf_hi_gib"] if xs["periodic"]["used"] else None
+            rf_hi = rf_upper(env_p, R[held], P[held], env, X[held], R_off[held], xp)
             rf_mid = R[held] + d_mid
             cov["ratio"] += int((M[held] <= ratio[rest].max() * Aa[held] + rf_hi).sum())
             err["ratio"] += list(np.abs(M[held] / (float(np.median(ratio[rest])) * Aa[held] + rf_mid) - 1.0))
@@ -398,7 +399,7 @@ def recipes(margin: float | None) -> list[dict]:
     each with the te stack's layout defaults (TE's cross entropy, as the recipes set it): the
     fullest stage's predicted peak, the band's upper bound and the usable memory."""
     from advisor.models import published as P
-    from advisor.models.memory import band_upper_gib
+    from advisor.models.memory_band import band_upper_gib
     from advisor.models.profiles import apply_layout_defaults
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -415,7 +416,7 @@ def recipes(margin: float | None) -> list[dict]:
         outside = outside_allocator_gib(r.model, cfg, None, c)
         b = MB.band("te", r.model.is_moe)
         # each stage's own allocator total with its own outside term: recommend's rule
-        # (models.memory.band_upper_many); "upper" pairs the fullest stage with the largest outside term
+        # (models.memory_band.band_upper_many); "upper" pairs the fullest stage with the largest outside term
         per_stage = band_upper_gib(r.model, cfg, b, c)
         top = max(stage_memory(r.model, cfg, c), key=lambda sm: sm.total_gib)
         notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]

@@ -30,8 +30,8 @@ import numpy as np
 from advisor.models.calibrate import resolve_calibration
 from advisor.models.constants import GIB
 from advisor.models.dataset import load
-from advisor.models.memory import layer_activation_bytes, stage_memory
-from advisor.search_spaces.layout import in_flight_chunks, in_flight_microbatches, layer_kind_counts, stage_layers
+from advisor.models.memory import layer_activation_bytes, outputs_in_flight, stage_memory
+from advisor.search_spaces.layout import in_flight_microbatches, layer_kind_counts, stage_layers
 
 
 def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None = None):
@@ -72,11 +72,8 @@ def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None 
                     else float("nan"))
             # the stage outputs a pipeline keeps when it does not free them once sent
             # (deallocate_pipeline_outputs off: models.memory.output_in_flight_table)
-            kept = 0.0
-            if cfg.pp > 1 and not cfg.deallocate_pipeline_outputs:
-                chunks = in_flight_chunks(cfg, st)
-                kept = (sum(chunks[:-1] if st == cfg.pp - 1 else chunks) * cfg.seq / cfg.cp * cfg.mbs
-                        * m.hidden_size / sp * c.bytes_activation / GIB)
+            kept = 0.0 if cfg.deallocate_pipeline_outputs else (
+                outputs_in_flight(cfg, st) * cfg.seq / cfg.cp * cfg.mbs * m.hidden_size / sp * c.bytes_activation / GIB)
             out.append({"id": r.id, "stage": st, "stack": r.stack, "moe": m.is_moe, "ep": cfg.ep,
                         "alloc": per_stage[st] - static, "free": free, "norm": norm, "sharded": sharded,
                         "outputs": kept, "logits": sm.logits_gib / (1.0 + c.fragmentation)})

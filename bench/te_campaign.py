@@ -265,7 +265,8 @@ def predict(names: list[str]) -> int:
     from advisor.catalog import load_gpu
     from advisor.models import memory_band as MB
     from advisor.models.calibrate import resolve_calibration
-    from advisor.models.memory import band_upper_gib, peak_memory_gib
+    from advisor.models.memory import peak_memory_gib
+    from advisor.models.memory_band import band_upper_gib
     from advisor.runners import measure as M
 
     c = resolve_calibration("default", "te").screening_constants

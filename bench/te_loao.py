@@ -5,7 +5,6 @@ GPT-3 2.7B's per-run errors.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 import time
@@ -13,38 +12,27 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
+import fit_profiles as fp  # noqa: E402  (beside this file)
 from advisor.models import profile_fit as F  # noqa: E402
 from advisor.models import published as P  # noqa: E402
 
 
-def _fit_profiles():
-    spec = importlib.util.spec_from_file_location("fit_profiles", ROOT / "bench/fit_profiles.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main(argv: list[str]) -> int:
-    fp = _fit_profiles()
     only = argv or fp.ARCHITECTURES
     bad = [g for g in only if g not in fp.ARCHITECTURES]
     if bad:
         print(f"error: unknown architecture {bad[0]} (one of {', '.join(fp.ARCHITECTURES)})", file=sys.stderr)
         return 2
-    pub, _ = F.fit_rows(P.load(), "te", fp.in_fit)
-    rows = pub + fp.te_run_rows()
-    mine = np.array([x.run.source_group == fp.TE_SOURCE for x in rows])
-    w = np.array([x.weight for x in rows])
+    rows, _, _, mine, w = fp.te_fit_set(P.load())
     t = time.time()
     oof, _ = F.cross_validate(rows, F.te_base(), F.architecture, only=only)
     print(f"LOAO in {time.time() - t:.0f} s; our TE runs overall {F.summary(oof[mine], w[mine])['mape']:.1f}% "
           f"(n={int(np.isfinite(oof[mine]).sum())})")
-    for g in only:
-        sel = mine & np.array([F.architecture(x) == g for x in rows])
-        s = F.summary(oof[sel], w[sel])
+    for g, s in fp.te_runs_by_group(rows, oof, mine, w, F.architecture, only).items():
         print(f"  {g:<12} {s['mape']:.1f}% bias {s['bias']:+.1f}% n={s['n']}")
     for i, x in enumerate(rows):
         if mine[i] and F.architecture(x) == "gpt3" and np.isfinite(oof[i]):

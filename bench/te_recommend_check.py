@@ -46,17 +46,12 @@ def short(cfg) -> str:
             + (f" vp{cfg.vp}" if cfg.vp > 1 else "") + f" mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute}"))
 
 
-def expandable(record: dict) -> bool:
-    """Whether the run had torch's allocator with expandable segments (its env.alloc_conf; records
-    before session 24 have no key: the runner left it off)."""
-    return "expandable_segments:True" in ((record.get("env") or {}).get("alloc_conf") or "")
-
-
 def failed_layouts(paths) -> dict:
     """{(model name, layers, GPUs, seq, gbs, precision, match key, expandable segments): status} of
     the runs that did not finish (OOM, crash), read from the raw records (models.dataset skips
-    them). The allocator setting is part of the key: a layout that ran out of memory with
-    expandable segments off may run with them on (the te stack's default)."""
+    them). The allocator setting (the record's TrainConfig.expandable_segments) is part of the key: a
+    layout that ran out of memory with expandable segments off may run with them on (the te stack's
+    default)."""
     import json
 
     from advisor.catalog.specs import TrainConfig
@@ -69,7 +64,7 @@ def failed_layouts(paths) -> dict:
                 continue
             cfg = TrainConfig.from_dict(d["config"])
             key = (d.get("model_name"), d.get("layers"), cfg.world_size, cfg.seq, cfg.gbs, cfg.precision, match_key(cfg),
-                   expandable(d))
+                   cfg.expandable_segments)
             if d.get("status", "ok") == "ok":
                 ran.add(key)
             else:

@@ -41,12 +41,6 @@ RANGES = {"alloc_reserved_base_gib": (0.0, 4.0),   # segments of small / mid req
           "alloc_reserved_block": (0.0, 2.0),      # at most one stranded copy per size class of the block
           "alloc_reserved_moe": (0.0, 1.0)}        # at most one layer's buffers per MoE layer
 
-# bytes per logit of the largest fp32 / bf16 logits tensor each cross entropy allocates
-# (catalog.specs.CROSS_ENTROPY_IMPLS order: unfused, native, te): megatron-core's upcast copy (4 B);
-# Transformer Engine's kernel works in the bf16 logits (2 B)
-LOGIT_BLOCK_BYTES = {"unfused": 4.0, "native": 4.0, "te": 2.0}
-
-
 def dense_block_bytes(model: ModelSpec, tp, cp, mbs, seq) -> np.ndarray:
     """A dense layer's FC1 output for one micro-batch (its largest activation), bytes: s b (2 f if
     gated) / TP in BF16. 0 for a MoE model (its MLP buffers are the MoE term)."""
@@ -91,11 +85,11 @@ def moe_buffer_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT)
     return (elems + gemm_in) * c.bytes_activation
 
 
-def reserved_free_gib(block_bytes, moe_layers, moe_bytes, expandable, c: Constants = DEFAULT) -> np.ndarray:
-    """GiB reserved but unallocated at the stage's peak (arrays broadcast): base + block x the
-    largest transient block + moe x MoE layers x one layer's buffers; with expandable segments the
-    measured residual alloc_reserved_expandable_gib."""
-    caching = (c.alloc_reserved_base_gib
-               + (c.alloc_reserved_block * np.asarray(block_bytes, float)
-                  + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)
-    return np.where(np.asarray(expandable, bool), c.alloc_reserved_expandable_gib, caching)
+def reserved_free_gib(block_bytes, moe_layers, moe_bytes, c: Constants = DEFAULT) -> np.ndarray:
+    """GiB reserved but unallocated at the stage's peak with torch's caching allocator as it comes
+    (arrays broadcast): base + block x the largest transient block + moe x MoE layers x one layer's
+    buffers. With expandable segments it is the measured residual alloc_reserved_expandable_gib
+    (models.memory.memory_arrays)."""
+    return (c.alloc_reserved_base_gib
+            + (c.alloc_reserved_block * np.asarray(block_bytes, float)
+               + c.alloc_reserved_moe * np.asarray(moe_layers, float) * np.asarray(moe_bytes, float)) / GIB)

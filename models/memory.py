@@ -16,10 +16,8 @@ import numpy as np
 from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
-from advisor.models.memory_band import periodic_schedule
 from advisor.models.moe import moe_activation_elements
-from advisor.models.allocator_memory import (LOGIT_BLOCK_BYTES, dense_block_bytes, logits_block_bytes,
-                                             moe_buffer_bytes, reserved_free_gib)
+from advisor.models.allocator_memory import dense_block_bytes, logits_block_bytes, moe_buffer_bytes, reserved_free_gib
 from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
 from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
@@ -347,9 +345,17 @@ def output_in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
         if plan.pp == 1:
             return np.zeros(1)
         cfg = TrainConfig(pp=plan.pp, vp=plan.vp, gbs=m)
-        return np.array([float(sum(in_flight_chunks(cfg, r)[:-1] if r == plan.pp - 1 else in_flight_chunks(cfg, r)))
-                         for r in range(plan.pp)])
+        return np.array([float(outputs_in_flight(cfg, r)) for r in range(plan.pp)])
     return memo.get("outputs_in_flight", (plan.pp, plan.vp, m), make)
+
+
+def outputs_in_flight(cfg: TrainConfig, rank: int) -> int:
+    """Stage outputs pipeline rank `rank` keeps at its peak with deallocate_pipeline_outputs off
+    (output_in_flight_table, for one layout): its chunk-microbatches in flight but the loss's."""
+    if cfg.pp == 1:
+        return 0
+    chunks = in_flight_chunks(cfg, rank)
+    return sum(chunks[:-1] if rank == cfg.pp - 1 else chunks)
 
 
 def unit_param_table(memo: Memo, tp: int, ep_etp: int) -> np.ndarray:
@@ -465,7 +471,10 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     # largest transient block (the loss stage's logits tensor, a dense layer's FC1 output) and its
     # dropless MoE layers' token buffers
     tp_r, cp_r, mbs_r, seq_r = L.tp[r], L.cp[r], L.mbs[r], L.seq[r]
-    ce_bytes = np.array([LOGIT_BLOCK_BYTES[impl] for impl in CROSS_ENTROPY_IMPLS])
+    # bytes per logit of the largest logits tensor each cross entropy allocates: its fp32 copy where
+    # it makes one (megatron-core's upcast), else the bf16 logits (Transformer Engine's kernel)
+    ce_bytes = np.array([c.bytes_logits_fp32 if CROSS_ENTROPY_FP32_COPIES[impl] else c.bytes_activation
+                         for impl in CROSS_ENTROPY_IMPLS])
     ce_b = ce_bytes[L.ce[r]] if L.ce is not None else ce_bytes[0]
     block = np.where(counts.sum(axis=1) > 0, dense_block_bytes(model, tp_r, cp_r, mbs_r, seq_r), 0.0)
     block = np.where(last, np.maximum(block, logits_block_bytes(model, tp_r, cp_r, mbs_r, seq_r, ce_b)), block)
@@ -475,8 +484,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         moe_layers = moe_layers + np.where(per_key[:, j, 2][key] > 0, counts[:, j], 0.0)
         moe_bytes = np.maximum(moe_bytes, per_key[:, j, 2][key])
     xseg = L.xseg[r] if L.xseg is not None else False
-    reserved = reserved_free_gib(block, moe_layers, moe_bytes, xseg, c)
-    reserved_off = reserved_free_gib(block, moe_layers, moe_bytes, False, c)
+    reserved_off = reserved_free_gib(block, moe_layers, moe_bytes, c)
+    reserved = np.where(xseg, c.alloc_reserved_expandable_gib, reserved_off)
     # the stage's peak is the larger of its two phases, not a sum of their maxima: the forward-backward
     # schedule holds the activations and the loss stage's logits; the optimizer step runs after the
     # last backward has freed both and holds its transient instead
@@ -489,7 +498,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
              "step_transient_gib": np.maximum(0.0, transient - held) / GIB,
              "reserved_free_gib": reserved, "reserved_free_off_gib": reserved_off,
              # dropless MoE buffers whose size follows the routing (allocator_memory.moe_buffer_bytes):
-             # the step's allocations change from micro-batch to micro-batch (memory_band.periodic_schedule)
+             # the step's allocations change from micro-batch to micro-batch (memory_band.periodic_layout)
              "routing_sized": moe_layers * moe_bytes > 0,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
                                                      model.is_moe, L.fp8[r] != 0, c)}
@@ -515,27 +524,3 @@ def stage_memory_of(S: Stages, i: int, c: Constants) -> list[StageMemory]:
                         reserved_free_gib=rf, reserved_free_off_gib=rf_off)
             for k, (n, p, w, g, o, a, lg, t, out, rf, rf_off) in enumerate(S.rows(mat, i).tolist())]
 
-
-def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
-    stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
-    the band (models.memory_band.Band.interval) on its own allocator peak and reserved-but-unallocated
-    term (with the spread of its allocator setting and its schedule, memory_band.periodic_schedule)
-    plus its own memory outside the allocator (the first stage holds more communicators than a middle
-    one), so a layout fits when every stage does."""
-
-    S = Stages(L)
-    peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
-    parts = S.cache["memory"][0]
-    outside = parts["outside_gib"]
-    xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
-    periodic = periodic_schedule(L.pp, L.cp)[S.row] & ~parts["routing_sized"]
-    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic, parts["reserved_free_off_gib"])[1]
-    top = S.start + S.argmax(upper)
-    return peak, upper[top], total[top], outside[top]
-
-
-def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT) -> float:
-    """One layout's largest band upper bound over its stages (band_upper_many of one row)."""
-    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c)[1][0])

@@ -45,7 +45,7 @@ rf_lo_expandable / R + rf_hi_expandable in place of the R terms)
 
 with U counted once: the stage's own outside-allocator term (the first stage holds the most
 communicators; the OOM messages' "memory in use" less torch's reserved memory check it: `python
-bench/memory_edge.py --outside`). recommend bounds every stage so (models.memory.band_upper_many)
+bench/memory_edge.py --outside`). recommend bounds every stage so (band_upper_many)
 and a layout fits when every stage does. Fitted on the records of data/measurements/ (`python
 bench/memory_edge.py --fit`, written to models/data/memory_band.json with the command). A stack
 with no measured run has the band [1, 1] and says so.
@@ -64,8 +64,12 @@ from pathlib import Path
 
 import numpy as np
 
-from advisor.catalog.specs import SpecError
+from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
 from advisor.models.allocator_memory import moe_buffer_bytes
+from advisor.models.constants import DEFAULT, Constants
+from advisor.models.memory import memory_arrays
+from advisor.models.stages import Stages, memo_for
+from advisor.search_spaces.columns import Layouts
 
 BAND_FILE = Path(__file__).parent / "data" / "memory_band.json"
 FORMAT = "advisor.memory_band/7"  # 7: expandable segments' spread per schedule (6: pooled; 5: a constant GiB range)
@@ -153,7 +157,7 @@ def periodic_schedule(pp, cp):
     """Whether a layout's schedule allocates the same tensors in the same order every micro-batch
     (floats or arrays): PP = 1 (no pipeline schedule) and CP = 1 (no ring-attention steps on a second
     stream). A dropless MoE stage whose buffers follow the routing is not periodic whatever its
-    schedule (periodic_layout; models.memory.band_upper_many per stage)."""
+    schedule (periodic_layout; band_upper_many per stage)."""
     return (np.asarray(pp) == 1) & (np.asarray(cp) == 1)
 
 
@@ -230,11 +234,10 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
     `reserved_free_off_per_stage_gib`: each stage's term with expandable segments off (None: the
     reserved_free terms), which bounds a non-periodic layout's with them on."""
     offs = reserved_free_off_per_stage_gib or reserved_free_per_stage_gib
-    uppers = [b.interval(m, o, r, expandable, periodic, f)[1]
-              for m, o, r, f in zip(per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib, offs)]
-    k = int(np.argmax(uppers))
-    lo, hi = b.interval(per_stage_gib[k], outside_per_stage_gib[k], reserved_free_per_stage_gib[k], expandable,
-                        periodic, offs[k])
+    los, his = b.interval(np.asarray(per_stage_gib, float), np.asarray(outside_per_stage_gib, float),
+                          np.asarray(reserved_free_per_stage_gib, float), expandable, periodic, np.asarray(offs, float))
+    k = int(np.argmax(his))
+    lo, hi = float(los[k]), float(his[k])
     rlo, rhi = b.reserved_free_interval(reserved_free_per_stage_gib[k], expandable, periodic, offs[k])
     usable = usable_gib(gpu_memory_gib, margin)
     return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_per_stage_gib[k]),
@@ -253,3 +256,27 @@ def fit_line(mf: dict) -> str:
     lo, hi = mf["interval_gib"]
     return (f"{mf['predicted_gib']:.1f} GiB + {mf['outside_gib']:.1f} outside the allocator ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
             f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")
+
+
+def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
+    stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
+    the band (Band.interval) on its own allocator peak and reserved-but-unallocated
+    term (with the spread of its allocator setting and its schedule, periodic_schedule)
+    plus its own memory outside the allocator (the first stage holds more communicators than a middle
+    one), so a layout fits when every stage does."""
+    S = Stages(L)
+    peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
+    parts = S.cache["memory"][0]
+    outside = parts["outside_gib"]
+    xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
+    periodic = periodic_schedule(L.pp, L.cp)[S.row] & ~parts["routing_sized"]
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic, parts["reserved_free_off_gib"])[1]
+    top = S.start + S.argmax(upper)
+    return peak, upper[top], total[top], outside[top]
+
+
+def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT) -> float:
+    """One layout's largest band upper bound over its stages (band_upper_many of one row)."""
+    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c)[1][0])

@@ -623,8 +623,7 @@ def te_moe_constants(c: Constants) -> Constants:
     """`c` (a te profile's constants) with the MoE settings of the TE stack: MOE_TE_SETTINGS, the
     unfused router / permutation constants as measured (MOE_UNFUSED), and no MoE host issue cost
     (MOE_HOST: the published runs' hosts; our VM's are MOE_TE_VM_HOST)."""
-    return c.replace(**{n: getattr(DEFAULT, n) for n in MOE_UNFUSED}, **MOE_TE_SETTINGS,
-                     **{n: 0.0 for n in MOE_HOST})
+    return without_moe_host(c.replace(**{n: getattr(DEFAULT, n) for n in MOE_UNFUSED}, **MOE_TE_SETTINGS))
 
 
 MOE_TE_FIT: dict[str, tuple[float, float]] = {

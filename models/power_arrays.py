@@ -161,8 +161,7 @@ def waits_and_gaps(ins: InStep, c: Constants, extra) -> tuple[list, list]:
     fill = np.maximum(0.0, ins.pipeline_s - m * ins.slow_s)
     waits = [(m * behind, limiter_weight(behind, c)), (fill, limiter_weight(fill / 2, c)),
              (ins.overhead_s, limiter_weight(ins.overhead_s, c))]
-    g1 = m * ins.gaps_s + np.minimum(0.0, extra)
-    gaps = [(np.maximum(g1, 0.0), 1.0), (np.maximum(extra, 0.0), limiter_weight(extra / m, c))]
+    gaps = [(sampled_gaps(ins, extra), 1.0), (np.maximum(extra, 0.0), limiter_weight(extra / m, c))]
     return waits, gaps
 
 
@@ -203,11 +202,11 @@ def stage_limiter_load(ins: InStep, busy: list[Phase], c: Constants, extra) -> t
     """What the power limiter averages on a stage: its busy phases, the step-end phases (one
     longer than the ~30 ms window, the optimizer, is seen on its own like a wait, with weight
     window / (window + L); it does not dilute the microbatches), waits and gaps. Also the step-end
-    phases and the gaps' length."""
+    phases, the gaps' length and the launch gaps inside the microbatches (sampled_gaps)."""
     end = step_end_phases(ins.dp_exposed_s, ins.optimizer_s, c)
     waits, gaps = waits_and_gaps(ins, c, extra)
     seen = [Phase(p.kind, p.seconds * limiter_weight(p.seconds, c), p.utilization, p.fp8) for p in end]
-    return Load.of(busy + seen, waits, c, gaps), end, sum(length for length, _ in gaps)
+    return Load.of(busy + seen, waits, c, gaps), end, sum(length for length, _ in gaps), gaps[0][0]
 
 
 def stage_power_arrays(ins: InStep, busy: list[Phase], gpu, cap, c: Constants, power_scale=1.0, extra=0.0,
@@ -217,7 +216,7 @@ def stage_power_arrays(ins: InStep, busy: list[Phase], gpu, cap, c: Constants, p
     clock, the step and the peaks); `ep_idle`: ep_idle_phases_of, the part of that work the mean
     EP rank does not do and waits instead (its mean power and energy are the stage's: the mean
     over the stage's GPUs). A stage slowed below the step's pace sets its own step."""
-    load, end, gap_s = stage_limiter_load(ins, busy, c, extra)
+    load, end, gap_s, gaps = stage_limiter_load(ins, busy, c, extra)
     xs, demand, capped = solve_loads(load, gpu, cap, c, power_scale)
     x = xs if clock is None else clock
     work = Load.of(busy + end, (), c)
@@ -232,7 +231,7 @@ def stage_power_arrays(ins: InStep, busy: list[Phase], gpu, cap, c: Constants, p
             p_wait = Load(wait_s=1.0).power(x, gpu, c, power_scale)
             e = np.where(spare_s > 0, e - spare_s * (spare.power(x, gpu, c, power_scale) - p_wait), e)
     mb = Load.of(busy, (), c)
-    phase_peak = busiest_stretch(Load.of(busy, (), c, [(sampled_gaps(ins, extra), 1.0)]), end, x, gpu, c, power_scale)
+    phase_peak = busiest_stretch(Load.of(busy, (), c, [(gaps, 1.0)]), end, x, gpu, c, power_scale)
     stretch_demand = busiest_stretch(mb, end, np.ones(np.shape(x)), gpu, c, power_scale)
     return {"power_cap_w": cap, "clock_ratio": x, "demand_w": demand, "busy_power_w": load.power(x, gpu, c, power_scale),
             "mean_power_w": e / step_s, "peak_power_w": peak(phase_peak, capped, c), "throttled": capped,
@@ -287,7 +286,7 @@ class FixedPoint:
         return InStep.of(st, self.S, self.full["overhead_s"], self.c)
 
     def clocks(self, st: dict) -> np.ndarray:
-        load, _, _ = stage_limiter_load(self.inputs(st), self.busy, self.c, self.extra_s)
+        load, _, _, _ = stage_limiter_load(self.inputs(st), self.busy, self.c, self.extra_s)
         return solve_loads(load, self.gpu, self.cap, self.c, self.ps)[0]
 
     def sub(self, rows: np.ndarray) -> "FixedPoint":

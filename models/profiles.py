@@ -13,7 +13,7 @@ stack: knobs a stack turns on by itself that the user does not set per run. A us
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -91,9 +91,10 @@ def get_stack(name: str | None) -> Stack:
 
 
 # SpaceOptions fields a stack sets when the user leaves them None, with the value for a stack
-# that does not say (Megatron's defaults)
-STACK_OPTION_FALLBACKS = {"cross_entropy_impl": "unfused", "fp8_param_gather": False, "expandable_segments": False,
-                          "deallocate_pipeline_outputs": False}
+# that does not say: TrainConfig's own defaults (Megatron's)
+STACK_OPTION_FALLBACKS = {f.name: f.default for f in fields(TrainConfig)
+                          if f.name in ("cross_entropy_impl", "fp8_param_gather", "expandable_segments",
+                                        "deallocate_pipeline_outputs")}
 
 
 def stack_option_defaults(stack: str | None) -> dict[str, Any]:

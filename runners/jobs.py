@@ -79,8 +79,6 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "steps" else 0):
             raise SpecError(f"{k} must be an integer >= {1 if k == 'steps' else 0}, got {v!r}")
     lay = dict(layout)
-    expandable = lay.get("expandable_segments") is True
-    dealloc = lay.get("deallocate_pipeline_outputs") is True
     run = dict(stack=stack, fp8_recipe=fp8_recipe, kernel_profile_steps=kernel_profile_steps)
     mp = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)
     if "dp" not in lay or lay["dp"] is None:
@@ -89,11 +87,11 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         if world_size % mp:
             lay["dp"] = 1
             cfg = TrainConfig.from_dict(_with_gbs(lay))
-            return Entry(name, spec, layers, MA.runner_config(cfg, expandable, dealloc), steps, warmup, min_seconds,
+            return Entry(name, spec, layers, MA.runner_config(cfg, keep_requested=True), steps, warmup, min_seconds,
                          max_steps, save_trace, id or uuidlib.uuid4().hex[:12],
                          refused=f"world size {world_size} is not divisible by tp*pp*cp = {mp}", **run)
         lay["dp"] = world_size // mp
-    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)), expandable, dealloc)
+    cfg = MA.runner_config(TrainConfig.from_dict(_with_gbs(lay)), keep_requested=True)
     return Entry(name, spec, layers, cfg, steps, warmup, min_seconds, max_steps, save_trace,
                  id or uuidlib.uuid4().hex[:12], refused=MA.refusal_reason(spec, cfg, world_size, stack), **run)
 

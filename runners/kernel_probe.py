@@ -150,6 +150,7 @@ def summarize(events: Iterable[Ev], n_steps: int, step_walls_s: list[float],
     cats: dict[str, list[float]] = {}
     kern: dict[str, list[float]] = {}
     stream_us: dict[Any, float] = {}
+    no_comm = []  # the kernels that are neither NCCL nor copies
     for e in dev:
         d = e.end_us - e.start_us
         c = categorize(e.name)
@@ -161,8 +162,8 @@ def summarize(events: Iterable[Ev], n_steps: int, step_walls_s: list[float],
         k[1] += 1
         if not c.startswith(("nccl", "memcpy")):
             stream_us[e.stream] = stream_us.get(e.stream, 0.0) + d
+            no_comm.append(e)
     compute = max(stream_us, key=stream_us.get) if stream_us else None
-    no_comm = [e for e in dev if not categorize(e.name).startswith(("nccl", "memcpy"))]
     gpu_total = sum(v[0] for v in cats.values())
     ranked = sorted(kern.items(), key=lambda kv: -kv[1][0])
 

@@ -262,11 +262,11 @@ def test_tune_megatron_never_samples_a_refused_layout(tmp_path):
 
 
 def test_each_stage_is_bounded_with_its_own_outside_term():
-    """recommend's screen (models.memory.band_upper_many) and memory_fit take, per pipeline stage, the
+    """recommend's screen (models.memory_band.band_upper_many) and memory_fit take, per pipeline stage, the
     band on that stage's allocator peak plus that stage's own memory outside the allocator: a middle
     stage holds fewer communicators than the first, so pairing the fullest stage with the first
     stage's outside term over-states the bound when the fullest stage is not the first."""
-    from advisor.models.memory import band_upper_many
+    from advisor.models.memory_band import band_upper_many
     from advisor.models.vectorized import Layouts
 
     m = load_model("llama3-70b")
