@@ -259,6 +259,52 @@ def s24e() -> list[dict]:
            ("dpo", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo))]
     return _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=15)
 
+def s25() -> list[dict]:
+    """Session 25, issue #27: is what torch's caching allocator holds beyond the allocated peak
+    (reserved but unallocated) given back when the device fills? Each "press" job runs its warmup,
+    then a ballast leaves it its peak allocated so far plus 1 GiB (pressure_headroom_gib,
+    megatron_worker.apply_pressure) for the measured steps: an OOM says the cached memory was
+    stranded, a run says it was releasable (and its allocator retries and step time say at what
+    cost). GPT-3 2.7B PP2 VP16 mbs8 (stranded 6.5 / 7.5 GiB unpressed, expandable segments on / off),
+    llama3-8b CP2 mbs8 (3.9 / 12.1), the Mixtral proxy EP4 mbs1 (7.5-10.8, off). Then interleaved
+    pipelines like the published llama3-70b recipe's (PP with VP, outputs freed, FP8): llama3-70b[8L]
+    PP4 VP2 and llama3-8b[32L] PP4 VP4, expandable segments off and on, unpressed and pressed (on);
+    and nemotron4-15b's runner #1 (bench/te_recommend_check.py)."""
+    pr = {"pressure_headroom_gib": 1.0}
+    es = {"expandable_segments": True}
+    dpo = {"deallocate_pipeline_outputs": True}
+    gpt = [("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **es, **dpo, **pr)),
+           ("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo, **pr))]
+    l70 = [("vpp", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **dpo)),
+           ("vpp", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **es, **dpo)),
+           ("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **es, **dpo, **pr))]
+    l8pp = [("vpp", dict(pp=4, vp=4, dp=1, mbs=1, **dpo)), ("vpp", dict(pp=4, vp=4, dp=1, mbs=1, **es, **dpo)),
+            ("press", dict(pp=4, vp=4, dp=1, mbs=1, **es, **dpo, **pr))]
+    l8 = [("press", dict(cp=2, dp=2, mbs=8, **es, **pr)), ("press", dict(cp=2, dp=2, mbs=8, **pr))]
+    mix = [("press", dict(dp=4, ep=4, mbs=1, **pr))]
+    return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=17)
+            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=14)
+            + _jobs("llama3-8b", "l8b", l8pp, layers=32, seq=4096, gbs=16, first=46)
+            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=49)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=15))
+
+
+def s25b() -> list[dict]:
+    """Session 25, issue #22: the #1 layouts of `recommend --stack te` no run had measured (`python
+    bench/te_recommend_check.py`), with the runner's settings (nemotron4-15b, the Mixtral proxy in
+    FP8) and with the stack's (expandable segments on: the Mixtral proxy in FP8, the Qwen3 proxy at
+    6 layers). llama3-8b's stack #1s (BF16 mbs8 at seq 4096, mbs4 at 8192) are left out: under the
+    runner's settings they are predicted at 76.3 GiB allocated, over the usable 75.7."""
+    es = {"expandable_segments": True}
+    nem = [("top", dict(tp=2, dp=2, mbs=4, sequence_parallel=True))]
+    mix = [("top", dict(dp=4, ep=4, etp=1, mbs=4, precision="fp8")),
+           ("top", dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, precision="fp8", **es))]
+    qw = [("top", dict(dp=4, ep=2, etp=1, mbs=8, **es))]
+    return (_jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=7)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=16)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=15))
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -370,7 +416,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
-           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e}
+           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

@@ -21,7 +21,7 @@ RUNNER_ENV = ("attention", "interleaved_p2p", "grouped_mm")
 HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "transformer_engine", "python",
              "hostname") + RUNNER_ENV
 RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag", "stack", "fp8_recipe",
-            "kernel_profile_steps")
+            "kernel_profile_steps", "pressure_headroom_gib")
 GPU_PEAK_FALLBACK_TFLOPS = {"h100": 989.0, "h200": 989.0}  # only if the catalog lacks the GPU
 
 
@@ -48,13 +48,16 @@ class Entry:
     # train steps run under torch.profiler after the measured ones, summarized in the record's
     # kernel_profile (runners/kernel_probe.py); 0: none
     kernel_profile_steps: int = 0
+    # allocator pressure after the warmup steps: a ballast leaves the job its peak allocated so far
+    # plus this many GiB (megatron_worker.apply_pressure, mem_probe.pressure_plan); None: none
+    pressure_headroom_gib: float | None = None
 
 
 def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | None = None,
                steps: int = 10, warmup: int = 3, min_seconds: float = 0.0,
                max_steps: int | None = None, save_trace: bool = False, id: str | None = None,
                stack: str = "local", fp8_recipe: str = "delayed", kernel_profile_steps: int = 0,
-               **layout: Any) -> Entry:
+               pressure_headroom_gib: float | None = None, **layout: Any) -> Entry:
     """Resolve a model name / config.json path / ModelSpec and layout keys into an Entry. dp
     defaults to world_size / (tp*pp*cp); gbs defaults to 8 microbatches. Illegal or unrunnable
     layouts come back with ``refused`` set (a one-line reason). Torch's allocator runs with
@@ -78,8 +81,15 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
     for k, v in (("steps", steps), ("warmup", warmup), ("kernel_profile_steps", kernel_profile_steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "steps" else 0):
             raise SpecError(f"{k} must be an integer >= {1 if k == 'steps' else 0}, got {v!r}")
+    if pressure_headroom_gib is not None:
+        if isinstance(pressure_headroom_gib, bool) or not isinstance(pressure_headroom_gib, (int, float)) \
+                or not 0 <= pressure_headroom_gib <= 1024:
+            raise SpecError(f"pressure_headroom_gib must be a number of GiB in [0, 1024], got {pressure_headroom_gib!r}")
+        if warmup < 1:
+            raise SpecError("pressure_headroom_gib needs warmup >= 1 (the ballast is sized on the warmup's peak)")
     lay = dict(layout)
-    run = dict(stack=stack, fp8_recipe=fp8_recipe, kernel_profile_steps=kernel_profile_steps)
+    run = dict(stack=stack, fp8_recipe=fp8_recipe, kernel_profile_steps=kernel_profile_steps,
+               pressure_headroom_gib=pressure_headroom_gib)
     mp = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)
     if "dp" not in lay or lay["dp"] is None:
         if world_size is None:
@@ -132,6 +142,8 @@ def job_for(entry: Entry, index: int) -> dict[str, Any]:
         # only where asked: the worker's job dicts stay as they were otherwise
         **({"kernel_profile_steps": entry.kernel_profile_steps} if entry.kernel_profile_steps else {}),
         **({"expandable_segments": True} if c.expandable_segments else {}),
+        **({"pressure_headroom_gib": float(entry.pressure_headroom_gib)}
+           if entry.pressure_headroom_gib is not None else {}),
     }
 
 
@@ -251,6 +263,13 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
     probe = ((ranks.get(0) or {}).get("done") or {}).get("moe_probe")
     if probe:  # MoE sub-step times of rank 0 (runners/moe_probe.py), from steps after the measured ones
         rec["moe_probe"] = probe
+    pressure = {}
+    for r in sorted(ranks):
+        last = (ranks[r] or {}).get("done") or (ranks[r] or {}).get("oom") or {}
+        if last.get("pressure"):
+            pressure[str(r)] = last["pressure"]
+    if pressure:  # per rank: the ballast of the allocator-pressure run and what the steps did beside it
+        rec["pressure"] = pressure
     kprof = ((ranks.get(0) or {}).get("done") or {}).get("kernel_profile")
     if kprof:  # rank 0's kernel profile (runners/kernel_probe.py), from steps after the measured ones
         rec["kernel_profile"] = kprof
@@ -338,7 +357,8 @@ def entry_to_dict(e: Entry) -> dict[str, Any]:
     return {"model_name": e.model_name, "model": e.model.to_dict(), "layers": e.layers,
             "config": e.config.to_dict(), "steps": e.steps, "warmup": e.warmup,
             "min_seconds": e.min_seconds, "max_steps": e.max_steps, "save_trace": e.save_trace,
-            "id": e.id, "stack": e.stack, "fp8_recipe": e.fp8_recipe, "kernel_profile_steps": e.kernel_profile_steps}
+            "id": e.id, "stack": e.stack, "fp8_recipe": e.fp8_recipe, "kernel_profile_steps": e.kernel_profile_steps,
+            "pressure_headroom_gib": e.pressure_headroom_gib}
 
 
 def entry_from_dict(d: Mapping[str, Any]) -> Entry:
@@ -346,4 +366,5 @@ def entry_from_dict(d: Mapping[str, Any]) -> Entry:
                  TrainConfig.from_dict(d["config"]), d["steps"], d["warmup"], d.get("min_seconds", 0.0),
                  d.get("max_steps"), d.get("save_trace", False), d["id"],
                  stack=d.get("stack", "local"), fp8_recipe=d.get("fp8_recipe", "delayed"),
-                 kernel_profile_steps=d.get("kernel_profile_steps", 0))
+                 kernel_profile_steps=d.get("kernel_profile_steps", 0),
+                 pressure_headroom_gib=d.get("pressure_headroom_gib"))

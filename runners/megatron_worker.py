@@ -45,7 +45,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from kernel_probe import profile_summary, thread_cpu_snapshot  # beside this file
-from mem_probe import point as mem_point, summarize as summarize_memory  # beside this file
+from mem_probe import (point as mem_point, pressure_plan, pressure_result,  # beside this file
+                       summarize as summarize_memory)
 from moe_probe import (MoEPhaseTimer, patch_grouped_experts, probe_grouped_mm,  # beside this file
                        summarize as summarize_moe)
 from parent_watch import die_with_parent  # beside this file (sys.path[0] when run as a script)
@@ -305,6 +306,26 @@ def set_allocator(job):
     return f"expandable_segments:{EXPANDABLE}"
 
 
+def apply_pressure(job, state):
+    """After the warmup steps: a ballast tensor leaves the job its peak allocated so far plus
+    pressure_headroom_gib (mem_probe.pressure_plan), so the measured steps show whether the memory the
+    allocator cached beyond that was releasable (issue #27). A ballast the allocator cannot place is
+    recorded (ballast_error) and the steps run without it. Peak counters restart after it."""
+    plan = pressure_plan(torch.cuda, float(job["pressure_headroom_gib"]))
+    n = int(plan["ballast_gib"] * GIB) // (2 << 20) * (2 << 20)  # whole 2 MiB pages: reserved = n
+    plan["ballast_gib"] = n / GIB
+    try:
+        if n > 0:
+            state["ballast"] = torch.empty(n, dtype=torch.uint8, device="cuda")
+    except torch.cuda.OutOfMemoryError as e:
+        plan["ballast_error"] = str(e).splitlines()[0][:300]
+    torch.cuda.synchronize()
+    plan["reserved_with_ballast_gib"] = torch.cuda.memory_reserved() / GIB
+    plan["retries_placing"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - plan["retries_before"]
+    state["pressure"] = plan
+    torch.cuda.reset_peak_memory_stats()
+
+
 def run_job(job, ev, rank, state):
     i = job["index"]
     alloc_conf = set_allocator(job)
@@ -353,6 +374,8 @@ def run_job(job, ev, rank, state):
                              device="cuda", dtype=torch.int64)
             dist.broadcast(n, src=0)
             n_total = job["warmup"] + min(int(n.item()), job.get("max_steps") or 10 ** 6)
+        if k == job["warmup"] and job.get("pressure_headroom_gib") is not None:
+            apply_pressure(job, state)
         if k == job["warmup"] and kernel_steps:
             cpu.append(thread_cpu_snapshot())  # the measured steps begin
     if kernel_steps:
@@ -360,6 +383,14 @@ def run_job(job, ev, rank, state):
     peaks = {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
              "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
     extra = {}
+    if "pressure" in state:  # the steps' peaks without the ballast; then the ballast goes
+        ballast = state.pop("ballast", None)
+        extra["pressure"] = pressure_result(torch.cuda, state["pressure"],
+                                            ballast.numel() if ballast is not None else 0)
+        peaks = {"peak_allocated_gib": extra["pressure"]["steps_peak_allocated_gib"],
+                 "peak_reserved_gib": extra["pressure"]["steps_peak_reserved_gib"]}
+        del ballast
+        torch.cuda.empty_cache()
     if MEMORY_PHASES:
         extra["memory_phases"] = probe_memory(job, model, optimizer, iters, points, state)
     state["phase"] = "after"
@@ -552,7 +583,8 @@ def main(argv=None):
                reserved_gib=torch.cuda.memory_reserved() / GIB,
                peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, phase=state.get("phase"),
-               num_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries"))
+               num_alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries"),
+               **({"pressure": state["pressure"]} if "pressure" in state else {}))
             if world > 1:
                 sys.stdout.flush()
                 os._exit(EXIT_OOM)

@@ -91,3 +91,32 @@ def per_stage(ranks: dict[int, dict]) -> list[dict] | None:
         if stage not in best or mp["peak_gib"] > best[stage]["peak_gib"]:
             best[stage] = {"stage": stage, "rank": r, **mp}
     return [best[s] for s in sorted(best)] or None
+
+
+def pressure_plan(cuda, headroom_gib: float) -> dict:
+    """Allocator pressure (issue #27): how many bytes a ballast tensor must take so that the rest of
+    the job can hold at most its peak allocated so far plus ``headroom_gib`` in torch's allocator.
+    Read after the warmup steps (the peak and the memory outside the allocator are then steady):
+    ballast = device total - outside the allocator - (peak allocated + headroom), where outside =
+    device used - reserved. The allocator can satisfy the ballast only by giving back what it caches
+    beyond that (reserved but unallocated): whole free segments with expandable segments off, free
+    pages with them on. So a job that then runs its steps without an OOM shows that its cached memory
+    was releasable; ``num_alloc_retries`` says how often the allocator had to free its cache."""
+    free, total = cuda.mem_get_info()
+    reserved, peak = cuda.memory_reserved(), cuda.max_memory_allocated()
+    outside = (total - free) - reserved
+    limit = peak + headroom_gib * GIB
+    ballast = max(0, int(total - outside - limit))
+    return {"headroom_gib": headroom_gib, "total_gib": _gib(total), "outside_gib": _gib(outside),
+            "peak_allocated_gib": _gib(peak), "allocated_gib": _gib(cuda.memory_allocated()),
+            "reserved_gib": _gib(reserved), "free_gib": _gib(free), "ballast_gib": _gib(ballast),
+            "retries_before": cuda.memory_stats().get("num_alloc_retries", 0)}
+
+
+def pressure_result(cuda, plan: dict, ballast_bytes: int) -> dict:
+    """After the measured steps ran beside the ballast (its peak counters reset once the ballast was
+    placed): the steps' own peak allocated / reserved (ballast taken out) and the allocator retries
+    since the plan (placing the ballast included)."""
+    return {**plan, "steps_peak_allocated_gib": _gib(cuda.max_memory_allocated() - ballast_bytes),
+            "steps_peak_reserved_gib": _gib(cuda.max_memory_reserved() - ballast_bytes),
+            "retries": cuda.memory_stats().get("num_alloc_retries", 0) - plan["retries_before"]}

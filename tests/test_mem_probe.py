@@ -103,3 +103,85 @@ def test_record_carries_memory_phases_and_the_oom_phase():
     assert rec["memory"]["at_failure"]["1"] == {"peak_allocated_gib": 79.0, "allocated_gib": 70.0,
                                                 "phase": "steps", "num_alloc_retries": 3}
     assert "memory_phases" not in rec
+
+
+# ------------------------------------------------------------------------ allocator pressure
+class FakeCuda:
+    """torch.cuda as pressure_plan / pressure_result read it."""
+
+    def __init__(self, total, free, reserved, allocated, max_allocated, max_reserved=0.0, retries=0):
+        self.total, self.free, self.reserved, self.allocated = total, free, reserved, allocated
+        self.max_alloc, self.max_resv, self.retries = max_allocated, max_reserved, retries
+
+    def mem_get_info(self):
+        return self.free * GIB, self.total * GIB
+
+    def memory_reserved(self):
+        return self.reserved * GIB
+
+    def memory_allocated(self):
+        return self.allocated * GIB
+
+    def max_memory_allocated(self):
+        return self.max_alloc * GIB
+
+    def max_memory_reserved(self):
+        return self.max_resv * GIB
+
+    def memory_stats(self):
+        return {"num_alloc_retries": self.retries}
+
+
+def test_pressure_plan_leaves_the_peak_plus_headroom():
+    from advisor.runners.mem_probe import pressure_plan, pressure_result
+    # 80 GiB device, 20 free: used 60 = 52 reserved + 8 outside; peak allocated 45 (7 cached beyond it)
+    cuda = FakeCuda(total=80, free=20, reserved=52, allocated=30, max_allocated=45, retries=3)
+    plan = pressure_plan(cuda, 1.0)
+    assert plan["outside_gib"] == pytest.approx(8.0)
+    assert plan["ballast_gib"] == pytest.approx(80 - 8 - 46)  # what is left: peak 45 + 1 headroom
+    assert plan["retries_before"] == 3 and plan["headroom_gib"] == 1.0
+    # more headroom than the device has: no ballast
+    assert pressure_plan(FakeCuda(80, 1, 70, 60, 70), 20.0)["ballast_gib"] == 0.0
+    # the steps beside a 26 GiB ballast: their own peaks with the ballast taken out
+    cuda.max_alloc, cuda.max_resv, cuda.retries = 26 + 44.5, 26 + 45.5, 5
+    res = pressure_result(cuda, plan, 26 * GIB)
+    assert res["steps_peak_allocated_gib"] == pytest.approx(44.5)
+    assert res["steps_peak_reserved_gib"] == pytest.approx(45.5)
+    assert res["retries"] == 2 and res["ballast_gib"] == plan["ballast_gib"]
+    json.dumps(res, allow_nan=False)
+
+
+def test_pressure_key_reaches_the_job_and_the_record(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+    from advisor.catalog.specs import SpecError
+    data = Path(__file__).parent / "data" / "measure"
+
+    e = M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "gbs": 8,
+                           "pressure_headroom_gib": 1.5}, 4)
+    assert e.pressure_headroom_gib == 1.5 and M.job_for(e, 0)["pressure_headroom_gib"] == 1.5
+    assert M.entry_from_dict(M.entry_to_dict(e)).pressure_headroom_gib == 1.5
+    assert "pressure_headroom_gib" not in M.job_for(M.entry_from_line({"model": "llama3-8b", "layers": 2,
+                                                                       "dp": 4, "mbs": 1}, 4), 0)
+    for bad in (-1, True, "1", 5000):
+        with pytest.raises(SpecError, match="pressure_headroom_gib"):
+            M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "pressure_headroom_gib": bad}, 4)
+    with pytest.raises(SpecError, match="warmup >= 1"):
+        M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "warmup": 0,
+                           "pressure_headroom_gib": 1.0}, 4)
+
+    def cmd(nproc, run_dir, start=0, python=None):
+        return [sys.executable, str(data / "fake_worker.py"), str(run_dir), str(start), str(nproc)]
+    monkeypatch.setattr(M, "torchrun_command", cmd)
+    monkeypatch.setattr(M, "WORKER", data / "fake_worker.py")
+    tiny = ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                     vocab_size=256)
+    es = [M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2, pressure_headroom_gib=1.0),
+          M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2)]
+    es[0].id, es[1].id = "pressed", "plain"
+    ds = tmp_path / "out.jsonl"
+    M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=20.0, telemetry="off")
+    by_id = {r["id"]: r for r in M.read_jsonl(ds)}
+    assert by_id["pressed"]["status"] == "ok"
+    assert by_id["pressed"]["pressure"]["0"] == {"headroom_gib": 1.0, "ballast_gib": 60.0, "retries": 2}
+    assert set(by_id["pressed"]["pressure"]) == {"0", "1"} and "pressure" not in by_id["plain"]

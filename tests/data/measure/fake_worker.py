@@ -104,6 +104,8 @@ for job in jobs:
         evs = [Ev("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", True, 1000.0 * s, 1000.0 * s + 600, 7, None)
                for s in range(n)]
         extra["kernel_profile"] = summarize(evs, n, [0.1] * n, 0.1)
+    if job.get("pressure_headroom_gib") is not None:  # the plan as mem_probe.pressure_plan words it
+        extra["pressure"] = {"headroom_gib": job["pressure_headroom_gib"], "ballast_gib": 60.0, "retries": 2}
     for r in range(nproc):
         ev(r, "done", cfg=i, bounds=bounds,
            peak_allocated_gib=10.0 + r, peak_reserved_gib=12.0 + r, **extra)
