@@ -305,6 +305,28 @@ def s25b() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=15))
 
 
+def s25c() -> list[dict]:
+    """Session 25's second call, issue #27: x4-te-s25's pressure runs again with 2.5 GiB of headroom
+    (at 1 GiB six of seven ran out of memory, the allocator holding 1.0-2.9 GiB it could not give
+    back), and llama3-70b[8L] PP4 VP2 FP8 pressed with expandable segments off (x4-te-s25b's two
+    #1s that had no time run after it in the same call)."""
+    pr = {"pressure_headroom_gib": 2.5}
+    es = {"expandable_segments": True}
+    dpo = {"deallocate_pipeline_outputs": True}
+    gpt = [("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **es, **dpo, **pr)),
+           ("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo, **pr))]
+    l70 = [("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **es, **dpo, **pr)),
+           ("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **dpo, **pr))]
+    l8pp = [("press", dict(pp=4, vp=4, dp=1, mbs=1, **es, **dpo, **pr))]
+    l8 = [("press", dict(cp=2, dp=2, mbs=8, **pr))]
+    mix = [("press", dict(dp=4, ep=4, mbs=1, **pr))]
+    return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=19)
+            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=17)
+            + _jobs("llama3-8b", "l8b", l8pp, layers=32, seq=4096, gbs=16, first=51)
+            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=52)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=18))
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -416,7 +438,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
-           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b}
+           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
