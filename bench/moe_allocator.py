@@ -1,0 +1,124 @@
+"""The caching allocator under a dropless MoE (issue #27): measured reserved-but-unallocated memory of
+every MoE pipeline stage against what models/allocator_memory.py's MoE term is made of, and how well
+one-constant forms of it predict the runs, leave-one-architecture-out.
+
+    python bench/moe_allocator.py [--stack te] [paths ...]
+
+Per stage: the measured term (peak reserved - peak allocated, max and min over the stage's ranks:
+records' memory.peak_*_gib_per_rank, expandable segments off), the shipped prediction R, and the
+parts of its MoE term: the stage's MoE layers L and one layer's routing-sized token buffers b on the
+busiest rank (allocator_memory.moe_buffer_bytes) with the router skew the run's own router measured
+(moe_check.run_router_skews: the runner's untrained routers, not the trained-router skew the profile
+ships), the busiest rank's load over the mean and its spread (cv: (load - 1) / z_EP, models.moe). The
+residual is the measured term less the shipped base and largest-block parts. Then, for each form
+F (L b: the shipped one; b; sqrt(L) b; L b cv), the residual = k F fitted by least squares on the
+other architecture's stages and its mean |error| on the held-out one (GiB), and the spread of the
+measured term over repeats of one layout (same model and TrainConfig): the floor any form meets.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from advisor.models import moe as MOE  # noqa: E402
+from advisor.models.allocator_memory import moe_buffer_bytes  # noqa: E402
+from advisor.models.calibrate import resolve_calibration  # noqa: E402
+from advisor.models.constants import GIB  # noqa: E402
+from memory_edge import allocator_stages, rows  # noqa: E402  (beside this file)
+from moe_check import run_router_skews  # noqa: E402
+
+FORMS = ("L b", "b", "sqrt(L) b", "L b cv")
+
+
+def stage_rows(paths: list[str], stack: str = "te") -> list[dict]:
+    """Every MoE stage of `stack` with EP > 1 (routing-sized buffers) and its measured and predicted terms."""
+    rs = {r["id"]: r for r in rows(paths)}
+    skews = run_router_skews(paths, stack)
+    c = resolve_calibration("default", stack).screening_constants
+    out = []
+    for s in allocator_stages(list(rs.values())):
+        r = rs[s["id"]]
+        cfg, model = r["cfg"], r["model_spec"]
+        if s["stack"] != stack or not s["moe"] or cfg.ep <= 1:
+            continue
+        cr = dataclasses.replace(c, moe_router_skew=skews.get(s["id"], c.moe_router_skew))
+        load = MOE.imbalance(model, cfg, cr)
+        per = len(r["memory"]["peak_reserved_gib_per_rank"]) // cfg.pp
+        res, al = r["memory"]["peak_reserved_gib_per_rank"], r["memory"]["peak_allocated_gib_per_rank"]
+        ranks = [res[i] - al[i] for i in range(s["stage"] * per, (s["stage"] + 1) * per)]
+        moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers)) / cfg.pp
+        out.append({"id": s["id"], "arch": s["arch"], "model": model.name, "model_spec": model, "cfg": cfg, "stage": s["stage"],
+                    "measured": s["measured"], "rank_min": min(ranks),
+                    "R": float(np.dot(s["x"], [c.alloc_reserved_base_gib, c.alloc_reserved_block, c.alloc_reserved_moe])),
+                    "other": s["x"][0] * c.alloc_reserved_base_gib + s["x"][1] * c.alloc_reserved_block,
+                    "L": moe_layers, "b": moe_buffer_bytes(model, cfg, cr) / GIB, "load": load,
+                    "cv": (load - 1.0) / MOE.expected_max_normal(cfg.ep),
+                    "key": json.dumps([model.name, dataclasses.asdict(cfg)], sort_keys=True, default=str)})
+    return out
+
+
+def form_values(st: list[dict], form: str) -> np.ndarray:
+    L, b, cv = (np.array([s[k] for s in st], float) for k in ("L", "b", "cv"))
+    return {"L b": L * b, "b": b, "sqrt(L) b": np.sqrt(L) * b, "L b cv": L * b * cv}[form]
+
+
+def one_constant_loao(y: np.ndarray, F: np.ndarray, arch: np.ndarray) -> tuple[float, float]:
+    """(k, mean |y - k F| over held-out architectures): y = k F by least squares without an intercept,
+    k fitted on every stage for the first value and without each architecture for the second."""
+    err = []
+    for a in sorted(set(arch)):
+        h = arch == a
+        k = float(F[~h] @ y[~h] / (F[~h] @ F[~h])) if (F[~h] @ F[~h]) > 0 else 0.0
+        err.append(np.abs(y[h] - k * F[h]))
+    return float(F @ y / (F @ F)), float(np.concatenate(err).mean())
+
+
+def repeat_spread(st: list[dict]) -> list[tuple[str, int, float, float]]:
+    """(first id, repeats, smallest, largest measured term) of every layout run more than once."""
+    groups = defaultdict(list)
+    for s in st:
+        groups[(s["key"], s["stage"])].append(s)
+    return [(g[0]["id"], len(g), min(x["measured"] for x in g), max(x["measured"] for x in g))
+            for g in groups.values() if len(g) > 1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("paths", nargs="*")
+    ap.add_argument("--stack", default="te")
+    a = ap.parse_args()
+    st = stage_rows(a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl"))), a.stack)
+    print(f"{a.stack} MoE stages with EP > 1, expandable segments off: {len(st)} "
+          "(GiB; measured: max over the stage's ranks, rank min beside it)")
+    print(f"{'id':20} {'model':24} {'tp':>2} {'ep':>2} {'mbs':>3} {'prec':4} {'L':>3} {'b':>6} {'load':>5} {'cv':>5} "
+          f"{'meas':>6} {'min':>5} {'R':>6} {'resid':>6}")
+    for s in st:
+        c = s["cfg"]
+        print(f"{s['id'][:20]:20} {s['model'][:24]:24} {c.tp:2d} {c.ep:2d} {c.mbs:3d} {c.precision[:4]:4} {s['L']:3.0f} "
+              f"{s['b']:6.3f} {s['load']:5.2f} {s['cv']:5.2f} {s['measured']:6.2f} {s['rank_min']:5.2f} {s['R']:6.2f} "
+              f"{s['measured'] - s['other']:6.2f}")
+    y = np.array([s["measured"] - s["other"] for s in st])
+    arch = np.array([s["arch"] for s in st])
+    print(f"\nresidual (measured - base - block part) = k F, one constant; {len(set(arch))} architectures")
+    for f in FORMS:
+        k, mae = one_constant_loao(y, form_values(st, f), arch)
+        print(f"  {f:10} k {k:6.3f}  LOAO mean |error| {mae:5.2f} GiB")
+    print(f"  shipped    mean |measured - R| {np.abs(np.array([s['measured'] - s['R'] for s in st])).mean():5.2f} GiB")
+    print("repeats of one layout (the same model and TrainConfig): measured term smallest - largest")
+    for rid, n, lo, hi in repeat_spread(st):
+        print(f"  {rid:20} x{n}  {lo:5.2f} - {hi:5.2f}  (spread {hi - lo:4.2f})")
+
+
+if __name__ == "__main__":
+    main()
