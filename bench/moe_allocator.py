@@ -9,9 +9,11 @@ records' memory.peak_*_gib_per_rank, expandable segments off), the shipped predi
 parts of its MoE term: the stage's MoE layers L and one layer's routing-sized token buffers b on the
 busiest rank (allocator_memory.moe_buffer_bytes) with the router skew the run's own router measured
 (moe_check.run_router_skews: the runner's untrained routers, not the trained-router skew the profile
-ships), the busiest rank's load over the mean and its spread (cv: (load - 1) / z_EP, models.moe). The
+ships), the busiest rank's load over the mean and its spread (cv: (load - 1) / z_EP, models.moe), the
+tokens T entering a MoE layer per micro-batch on one GPU (models.moe.moe_tokens) and the micro-batches
+per step n_mb = gbs / (DP mbs). The
 residual is the measured term less the shipped base and largest-block parts. Then, for each form
-F (L b: the shipped one; b; sqrt(L) b; L b cv), the residual = k F fitted by least squares on the
+F (L b: the shipped one; b; sqrt(L) b; L b cv; L b / n_mb), the residual = k F fitted by least squares on the
 other architecture's stages and its mean |error| on the held-out one (GiB), and the spread of the
 measured term over repeats of one layout (same model and TrainConfig): the floor any form meets.
 """
@@ -38,7 +40,7 @@ from advisor.models.constants import GIB  # noqa: E402
 from memory_edge import allocator_stages, rows  # noqa: E402  (beside this file)
 from moe_check import run_router_skews  # noqa: E402
 
-FORMS = ("L b", "b", "sqrt(L) b", "L b cv")
+FORMS = ("L b", "b", "sqrt(L) b", "L b cv", "L b / n_mb")
 
 
 def stage_rows(paths: list[str], stack: str = "te") -> list[dict]:
@@ -63,14 +65,15 @@ def stage_rows(paths: list[str], stack: str = "te") -> list[dict]:
                     "R": float(np.dot(s["x"], [c.alloc_reserved_base_gib, c.alloc_reserved_block, c.alloc_reserved_moe])),
                     "other": s["x"][0] * c.alloc_reserved_base_gib + s["x"][1] * c.alloc_reserved_block,
                     "L": moe_layers, "b": moe_buffer_bytes(model, cfg, cr) / GIB, "load": load,
+                    "tokens": MOE.moe_tokens(model, cfg), "n_mb": cfg.gbs / (cfg.dp * cfg.mbs),
                     "cv": (load - 1.0) / MOE.expected_max_normal(cfg.ep),
                     "key": json.dumps([model.name, dataclasses.asdict(cfg)], sort_keys=True, default=str)})
     return out
 
 
 def form_values(st: list[dict], form: str) -> np.ndarray:
-    L, b, cv = (np.array([s[k] for s in st], float) for k in ("L", "b", "cv"))
-    return {"L b": L * b, "b": b, "sqrt(L) b": np.sqrt(L) * b, "L b cv": L * b * cv}[form]
+    L, b, cv, n = (np.array([s[k] for s in st], float) for k in ("L", "b", "cv", "n_mb"))
+    return {"L b": L * b, "b": b, "sqrt(L) b": np.sqrt(L) * b, "L b cv": L * b * cv, "L b / n_mb": L * b / n}[form]
 
 
 def one_constant_loao(y: np.ndarray, F: np.ndarray, arch: np.ndarray) -> tuple[float, float]:
@@ -102,11 +105,11 @@ def main() -> None:
     print(f"{a.stack} MoE stages with EP > 1, expandable segments off: {len(st)} "
           "(GiB; measured: max over the stage's ranks, rank min beside it)")
     print(f"{'id':20} {'model':24} {'tp':>2} {'ep':>2} {'mbs':>3} {'prec':4} {'L':>3} {'b':>6} {'load':>5} {'cv':>5} "
-          f"{'meas':>6} {'min':>5} {'R':>6} {'resid':>6}")
+          f"{'T':>6} {'n_mb':>4} {'meas':>6} {'min':>5} {'R':>6} {'resid':>6}")
     for s in st:
         c = s["cfg"]
         print(f"{s['id'][:20]:20} {s['model'][:24]:24} {c.tp:2d} {c.ep:2d} {c.mbs:3d} {c.precision[:4]:4} {s['L']:3.0f} "
-              f"{s['b']:6.3f} {s['load']:5.2f} {s['cv']:5.2f} {s['measured']:6.2f} {s['rank_min']:5.2f} {s['R']:6.2f} "
+              f"{s['b']:6.3f} {s['load']:5.2f} {s['cv']:5.2f} {s['tokens']:6.0f} {s['n_mb']:4.0f} {s['measured']:6.2f} {s['rank_min']:5.2f} {s['R']:6.2f} "
               f"{s['measured'] - s['other']:6.2f}")
     y = np.array([s["measured"] - s["other"] for s in st])
     arch = np.array([s["arch"] for s in st])
