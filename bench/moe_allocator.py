@@ -16,14 +16,26 @@ residual is the measured term less the shipped base and largest-block parts. The
 F (L b: the shipped one; b; sqrt(L) b; L b cv; L b / n_mb), the residual = k F fitted by least squares on the
 other architecture's stages and its mean |error| on the held-out one (GiB), and the spread of the
 measured term over repeats of one layout (same model and TrainConfig): the floor any form meets.
+
+    python bench/moe_allocator.py --pipeline      # the forms through bench/memory_edge.py's band and OOM check
+
+--pipeline: the MoE term as alloc_reserved_moe x L^p x b for p = 1 (shipped), 0.5, 0, with
+alloc_reserved_moe refitted per stack (least squares of each stack's MoE stages' measured term less
+the shipped base and block parts, the profile's own constants: te_calibration.json / the default
+one), the band refitted as `memory_edge.py --fit` does (in memory, the shipped file untouched), and
+memory_edge's leave-one-architecture-out MAPE per stack and class and its OOM check. The forms are
+put in by replacing models.memory.reserved_free_gib and memory_edge's calibrations for the run.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import glob
 import json
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,7 +49,8 @@ from advisor.models import moe as MOE  # noqa: E402
 from advisor.models.allocator_memory import moe_buffer_bytes  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
 from advisor.models.constants import GIB  # noqa: E402
-from memory_edge import allocator_stages, rows  # noqa: E402  (beside this file)
+import memory_edge as ME  # noqa: E402  (beside this file)
+from memory_edge import allocator_stages, rows  # noqa: E402
 from moe_check import run_router_skews  # noqa: E402
 
 FORMS = ("L b", "b", "sqrt(L) b", "L b cv", "L b / n_mb")
@@ -96,12 +109,95 @@ def repeat_spread(st: list[dict]) -> list[tuple[str, int, float, float]]:
             for g in groups.values() if len(g) > 1]
 
 
+@contextlib.contextmanager
+def moe_form(p: float, k_by_stack: dict[str, float] | None = None):
+    """models.memory's reserved-but-unallocated term with the MoE part alloc_reserved_moe x L^p x b, and
+    (k_by_stack) memory_edge's calibrations with alloc_reserved_moe per stack, for the block's duration."""
+    import advisor.models.memory as MM
+
+    shipped_rf, shipped_cal = MM.reserved_free_gib, ME.resolve_calibration
+
+    def rf(block, moe_layers, moe_bytes, c):
+        layers = np.asarray(moe_layers, float)
+        return (c.alloc_reserved_base_gib + (c.alloc_reserved_block * np.asarray(block, float)
+                + c.alloc_reserved_moe * np.where(layers > 0, layers ** p, 0.0) * np.asarray(moe_bytes, float)) / GIB)
+
+    @functools.lru_cache(maxsize=None)
+    def cal(name, stack):
+        c = shipped_cal(name, stack)
+        if not k_by_stack or stack not in k_by_stack:
+            return c
+        return dataclasses.replace(c, constants=dataclasses.replace(c.constants, alloc_reserved_moe=k_by_stack[stack]))
+
+    MM.reserved_free_gib = rf
+    ME.resolve_calibration = cal
+    try:
+        yield
+    finally:
+        MM.reserved_free_gib, ME.resolve_calibration = shipped_rf, shipped_cal
+
+
+def fit_moe_constant(paths: list[str], p: float) -> dict[str, float]:
+    """alloc_reserved_moe per stack for the form L^p b: least squares of the MoE stages' measured term
+    less the profile's base and block parts on the MoE feature (expandable segments off)."""
+    with moe_form(p):
+        st = allocator_stages(rows(paths))
+    out = {}
+    for stack in sorted({s["stack"] for s in st}):
+        c = resolve_calibration("default", stack).screening_constants
+        mine = [s for s in st if s["stack"] == stack and s["moe"] and s["x"][2] > 0]
+        y = np.array([s["measured"] - s["x"][0] * c.alloc_reserved_base_gib - s["x"][1] * c.alloc_reserved_block
+                      for s in mine])
+        F = np.array([s["x"][2] for s in mine])
+        out[stack] = float(F @ y / (F @ F))
+    return out
+
+
+def pipeline(paths: list[str], p: float, k_by_stack: dict[str, float] | None) -> dict:
+    """memory_edge's LOAO MAPE per (stack, class) and its OOM check (records predicted to fit, of all
+    OOM records) with the form and constants, the band refitted in memory."""
+    from advisor.models import memory_band as MB
+
+    with moe_form(p, k_by_stack):
+        rs = rows(paths)
+        ok = [r for r in rs if r["status"] == "ok"]
+        xs = ME.expandable_spread(ok)
+        mape = {(stack, kind): s["mape_loao_pct"] for stack in sorted({r["stack"] for r in ok})
+                for kind, s in ME.loao([r for r in ok if r["stack"] == stack], xs).items()}
+        with tempfile.TemporaryDirectory() as d:
+            band_file = Path(d) / "memory_band.json"
+            band_file.write_text(json.dumps(ME.fit(rs)), encoding="utf-8")
+            ooms = [r for r in rs if r["status"] == "oom"]
+            fit_oom = sum(bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"],
+                                       MB.band(r["stack"], r["moe"], band_file), r["gpu_gib"],
+                                       MB.default_margin(resolve_calibration("default", r["stack"])
+                                                         .screening_constants.memory_usable_fraction),
+                                       r["periodic"], r["rf_off"])) for r in ooms)
+    return {"mape": mape, "oom_fit": fit_oom, "oom": len(ooms)}
+
+
+def print_pipeline(paths: list[str]) -> None:
+    print("MoE term alloc_reserved_moe x L^p x b through memory_edge's band: LOAO MAPE per stack / class, OOM records "
+          "predicted to fit")
+    for p, ks in ((1.0, None), (1.0, "fit"), (0.5, "fit"), (0.0, "fit")):
+        k = fit_moe_constant(paths, p) if ks else None
+        r = pipeline(paths, p, k)
+        label = "shipped" if k is None else "k " + " ".join(f"{s} {v:.3f}" for s, v in k.items())
+        print(f"  p {p:3.1f} {label:28} " + " | ".join(f"{s} {c} {v:4.2f}%" for (s, c), v in sorted(r["mape"].items()))
+              + f" | OOM predicted to fit {r['oom_fit']} of {r['oom']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("paths", nargs="*")
     ap.add_argument("--stack", default="te")
+    ap.add_argument("--pipeline", action="store_true", help="the forms through memory_edge's band and OOM check")
     a = ap.parse_args()
-    st = stage_rows(a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl"))), a.stack)
+    paths = a.paths or sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))
+    if a.pipeline:
+        print_pipeline(paths)
+        return
+    st = stage_rows(paths, a.stack)
     print(f"{a.stack} MoE stages with EP > 1, expandable segments off: {len(st)} "
           "(GiB; measured: max over the stage's ranks, rank min beside it)")
     print(f"{'id':20} {'model':24} {'tp':>2} {'ep':>2} {'mbs':>3} {'prec':4} {'L':>3} {'b':>6} {'load':>5} {'cv':>5} "
