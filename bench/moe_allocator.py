@@ -19,7 +19,8 @@ measured term over repeats of one layout (same model and TrainConfig): the floor
 
     python bench/moe_allocator.py --pipeline      # the forms through bench/memory_edge.py's band and OOM check
 
---pipeline: the MoE term as alloc_reserved_moe x L^p x b for p = 1 (shipped), 0.5, 0, with
+--pipeline: the shipped term, then its MoE part as alloc_reserved_moe x L^p x b for p = 1 (the form
+before), 0.5 (the shipped form), 0, with
 alloc_reserved_moe refitted per stack (least squares of each stack's MoE stages' measured term less
 the shipped base and block parts, the profile's own constants: te_calibration.json / the default
 one), the band refitted as `memory_edge.py --fit` does (in memory, the shipped file untouched), and
@@ -110,9 +111,10 @@ def repeat_spread(st: list[dict]) -> list[tuple[str, int, float, float]]:
 
 
 @contextlib.contextmanager
-def moe_form(p: float, k_by_stack: dict[str, float] | None = None):
-    """models.memory's reserved-but-unallocated term with the MoE part alloc_reserved_moe x L^p x b, and
-    (k_by_stack) memory_edge's calibrations with alloc_reserved_moe per stack, for the block's duration."""
+def moe_form(p: float | None, k_by_stack: dict[str, float] | None = None):
+    """models.memory's reserved-but-unallocated term with the MoE part alloc_reserved_moe x L^p x b (p
+    None: the shipped term), and (k_by_stack) memory_edge's calibrations with alloc_reserved_moe per
+    stack, for the block's duration."""
     import advisor.models.memory as MM
 
     shipped_rf, shipped_cal = MM.reserved_free_gib, ME.resolve_calibration
@@ -129,7 +131,8 @@ def moe_form(p: float, k_by_stack: dict[str, float] | None = None):
             return c
         return dataclasses.replace(c, constants=dataclasses.replace(c.constants, alloc_reserved_moe=k_by_stack[stack]))
 
-    MM.reserved_free_gib = rf
+    if p is not None:
+        MM.reserved_free_gib = rf
     ME.resolve_calibration = cal
     try:
         yield
@@ -153,7 +156,7 @@ def fit_moe_constant(paths: list[str], p: float) -> dict[str, float]:
     return out
 
 
-def pipeline(paths: list[str], p: float, k_by_stack: dict[str, float] | None) -> dict:
+def pipeline(paths: list[str], p: float | None, k_by_stack: dict[str, float] | None) -> dict:
     """memory_edge's LOAO MAPE per (stack, class) and its OOM check (records predicted to fit, of all
     OOM records) with the form and constants, the band refitted in memory."""
     from advisor.models import memory_band as MB
@@ -179,11 +182,11 @@ def pipeline(paths: list[str], p: float, k_by_stack: dict[str, float] | None) ->
 def print_pipeline(paths: list[str]) -> None:
     print("MoE term alloc_reserved_moe x L^p x b through memory_edge's band: LOAO MAPE per stack / class, OOM records "
           "predicted to fit")
-    for p, ks in ((1.0, None), (1.0, "fit"), (0.5, "fit"), (0.0, "fit")):
-        k = fit_moe_constant(paths, p) if ks else None
+    for p in (None, 1.0, 0.5, 0.0):
+        k = fit_moe_constant(paths, p) if p is not None else None
         r = pipeline(paths, p, k)
-        label = "shipped" if k is None else "k " + " ".join(f"{s} {v:.3f}" for s, v in k.items())
-        print(f"  p {p:3.1f} {label:28} " + " | ".join(f"{s} {c} {v:4.2f}%" for (s, c), v in sorted(r["mape"].items()))
+        label = "shipped" if k is None else f"p {p:3.1f} k " + " ".join(f"{s} {v:.3f}" for s, v in k.items())
+        print(f"  {label:34} " + " | ".join(f"{s} {c} {v:4.2f}%" for (s, c), v in sorted(r["mape"].items()))
               + f" | OOM predicted to fit {r['oom_fit']} of {r['oom']}")
 
 

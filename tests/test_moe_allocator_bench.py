@@ -78,7 +78,7 @@ def test_pipeline_with_the_shipped_form_is_memory_edges_check_and_restores_the_m
     mod = load_bench("moe_allocator")
     paths = sorted(glob.glob(str(ROOT / "data/measurements/*.jsonl")))
     shipped = MM.reserved_free_gib
-    r = mod.pipeline(paths, 1.0, None)
+    r = mod.pipeline(paths, None, None)
     assert MM.reserved_free_gib is shipped
     edge = load_bench("memory_edge")
     rs = edge.rows(paths)
@@ -87,4 +87,6 @@ def test_pipeline_with_the_shipped_form_is_memory_edges_check_and_restores_the_m
     assert r["mape"][("te", "moe")] == pytest.approx(want, abs=1e-9)
     assert r["oom"] == sum(x["status"] == "oom" for x in rs) and r["oom_fit"] == 0
     # a form with the MoE part off (k 0) predicts less reserved memory for the te MoE runs: its MAPE differs
-    assert mod.pipeline(paths, 1.0, {"te": 0.0})["mape"][("te", "moe")] != pytest.approx(want, abs=1e-6)
+    assert mod.pipeline(paths, None, {"te": 0.0})["mape"][("te", "moe")] != pytest.approx(want, abs=1e-6)
+    # the shipped form through the L^p replacement (p 0.5) with the shipped constants: the same check
+    assert mod.pipeline(paths, 0.5, None)["mape"][("te", "moe")] == pytest.approx(want, abs=1e-9)
