@@ -107,9 +107,12 @@ class Constants:
     # that stays cached but unusable: a freed block cannot serve a larger request, so a new segment
     # is cudaMalloc'ed and the old one stays reserved.
     alloc_reserved_block: float = 0.54
-    # Fraction of one dropless MoE layer's token buffers (variable size every micro-batch), per MoE
-    # layer of the stage, that stays reserved.
-    alloc_reserved_moe: float = 0.45
+    # One dropless MoE layer's token buffers (variable size every micro-batch) that stay reserved, per
+    # sqrt(MoE layers of the stage) (allocator_memory.reserved_free_gib). Per stack, least squares on its
+    # MoE stages (measured less the base and block parts; `python bench/moe_allocator.py --pipeline`,
+    # p 0.5): the local stack 0.971 (59 stages, 6 architectures), here; the te stack's (1.641, 29
+    # stages) is moe.MOE_TE_SETTINGS.
+    alloc_reserved_moe: float = 0.97
     # With expandable segments (TrainConfig.expandable_segments) the whole term (GiB): segments grow
     # by mapped pages, so no freed block strands and the 20 MiB small-request segments are pages of
     # the one segment too. Measured: te-l8b-alloc-33 (llama3-8b[8L] DP4 mbs4 BF16, expandable on,

@@ -563,6 +563,10 @@ MOE_TE_SETTINGS: dict[str, float] = {
     "moe_act_hidden_per_token": 1.0,
     "moe_act_ffn_per_token": 2.0,
     "moe_act_router_fp32": 2.0,
+    # the caching allocator's stranded MoE token buffers (allocator_memory.reserved_free_gib), fitted on
+    # the te MoE stages: 1.641 by least squares (29 stages, 2 architectures; `python
+    # bench/moe_allocator.py --pipeline`, p 0.5), where the local stack's is 0.971 (Constants)
+    "alloc_reserved_moe": 1.64,
     # fitted within MOE_TE_FIT's ranges on the 19 published H100 MoE rows (no MoE host cost: their
     # hosts) and our TE MoE runs (our VM's, MOE_TE_VM_HOST) (`python bench/moe_check.py --quick`,
     # section 3's proposed values, rounded; in sample 13.4%). The permutation's passes and the

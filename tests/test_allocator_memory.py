@@ -1,5 +1,5 @@
 """torch's caching allocator, reserved but unallocated at a stage's peak (models/allocator_memory.py):
-base + block x the largest transient block + moe x MoE layers x one layer's token buffers; with
+base + block x the largest transient block + moe x sqrt(MoE layers) x one layer's token buffers; with
 expandable segments (TrainConfig.expandable_segments: the te stack's default, the runner's off) the
 measured residual of te-l8b-alloc-33 instead."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_the_loss_stage_strands_part_of_its_fp32_logits_block():
         + last.overhead_gib + last.step_transient_gib)
 
 
-def test_dropless_moe_layers_each_strand_token_buffers_and_padding_does_not():
+def test_dropless_moe_layers_strand_token_buffers_as_sqrt_of_the_layers_and_padding_does_not():
     m = load_model("mixtral-8x7b")
     cfg = TrainConfig(tp=1, pp=1, dp=4, ep=4, mbs=1, gbs=16, seq=4096)
     one = moe_buffer_bytes(m, cfg)
@@ -45,7 +45,12 @@ def test_dropless_moe_layers_each_strand_token_buffers_and_padding_does_not():
     sm = stage_memory(m, cfg)[0]
     block = cfg.seq * cfg.mbs * m.vocab_size * 4
     assert sm.reserved_free_gib == pytest.approx(DEFAULT.alloc_reserved_base_gib + (
-        DEFAULT.alloc_reserved_block * block + DEFAULT.alloc_reserved_moe * m.num_layers * one) / GIB)
+        DEFAULT.alloc_reserved_block * block + DEFAULT.alloc_reserved_moe * m.num_layers ** 0.5 * one) / GIB)
+    # two pipeline stages: the first holds half the MoE layers (and no logits), its MoE part sqrt(2)
+    # times smaller than the whole model's, not 2
+    first = stage_memory(m, cfg.replace(pp=2))[0]
+    whole = sm.reserved_free_gib - DEFAULT.alloc_reserved_base_gib - DEFAULT.alloc_reserved_block * block / GIB
+    assert first.reserved_free_gib - DEFAULT.alloc_reserved_base_gib == pytest.approx(whole / 2 ** 0.5)
     padded = cfg.replace(moe_capacity_factor=1.0, moe_pad_to_capacity=True)
     assert moe_buffer_bytes(m, padded) == 0.0
 
