@@ -365,13 +365,17 @@ def loao(ok: list[dict], xs: dict | None = None) -> dict:
 def fit(rs: list[dict]) -> dict:
     stacks = {}
     xs = expandable_spread([r for r in rs if r["status"] == "ok"])
+    # what the allocator could not give back when pressed (expandable segments on; bench/allocator_pressure.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from allocator_pressure import load, pressure_cap  # beside this file
+    pressure = pressure_cap(load(), expandable=True)
     for stack in sorted({r["stack"] for r in rs}):
         mine = [r for r in rs if r["stack"] == stack]
         ok = [r for r in mine if r["status"] == "ok"]
         s = loao(ok, xs)
         if set(s) != set(MB.CLASSES):
             continue
-        stacks[stack] = {**s, "expandable": xs, "records": f"{len(ok)} ok runs"}
+        stacks[stack] = {**s, "expandable": {**xs, "pressure": pressure}, "records": f"{len(ok)} ok runs"}
     if "te" not in stacks:
         stacks["te"] = {**{k: {"lo": 1.0, "hi": 1.0, "n": 0, "form": "ratio"} for k in MB.CLASSES},
                         "unmeasured": "no Transformer Engine run with a memory peak in data/measurements/ yet: "
@@ -418,6 +422,7 @@ def recipes(margin: float | None) -> list[dict]:
         # each stage's own allocator total with its own outside term: recommend's rule
         # (models.memory_band.band_upper_many); "upper" pairs the fullest stage with the largest outside term
         per_stage = band_upper_gib(r.model, cfg, b, c)
+        pressed = band_upper_gib(r.model, cfg, b, c, under_pressure=True)
         top = max(stage_memory(r.model, cfg, c), key=lambda sm: sm.total_gib)
         notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]
         if r.explicit:
@@ -430,6 +435,7 @@ def recipes(margin: float | None) -> list[dict]:
                     "stage_upper": per_stage,
                     "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "fits": per_stage <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
+                    "pressed_upper": pressed, "runs": pressed <= MB.usable_gib(r.cluster.gpu.memory_gib, m),
                     "assumed": "; ".join(notes), "unmodelled": r.unmodelled})
     return out
 
@@ -696,7 +702,7 @@ def main() -> None:
         margins[stack] = MB.check_margin(a.margin) if a.margin is not None else MB.default_margin(c.memory_usable_fraction)
     print("OOM records: predicted peak, the band's upper bound and the usable memory (GiB)")
     print(f"{'id':18} {'stack':5} {'model':28} {'pred':>6} {'out':>5} {'upper':>6} {'usable':>6} {'had':>6}  predicted")
-    fit_oom = 0
+    fit_oom = run_oom = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
         up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"])[1]
@@ -704,11 +710,14 @@ def main() -> None:
         ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]],
                           r["periodic"], r["rf_off"]))
         fit_oom += ok
+        run_oom += bool(b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"],
+                                   under_pressure=True)[1] <= usable)
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
         print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
               f"{up:6.1f} {usable:6.1f} {had}  {'FITS (wrong)' if ok else 'does not fit'}")
     print(f"OOM records predicted to fit: {fit_oom} of {sum(r['status'] == 'oom' for r in rs)} "
-          f"('had': the GPU's memory less the memory outside torch's allocator and the trial's start allocation)")
+          f"('had': the GPU's memory less the memory outside torch's allocator and the trial's start allocation); "
+          f"predicted to run with the allocator giving back its cache under pressure: {run_oom}")
     print()
     print("Runs that fit: measured / predicted peak (leave-one-architecture-out)")
     xs = expandable_spread([r for r in rs if r["status"] == "ok"])
@@ -735,14 +744,18 @@ def main() -> None:
     rec = recipes(a.margin)
     print("Published recipes of the te fit set (NVIDIA, H100, dense): predicted allocator peak, outside it, "
           "upper bound (fullest stage + largest outside term), the largest upper bound of one stage with its own "
-          "outside term (the verdict), usable (GiB)")
+          "outside term (the verdict), the same under pressure (the cache the allocator gives back with expandable "
+          "segments: runs, with allocator retries), usable (GiB)")
     for r in rec:
         print(f"{r['id']:>4} {r['model'][:16]:16} {r['layout'][:58]:58} {r['predicted']:6.1f} {r['outside']:5.1f} "
               f"{r['upper']:6.1f} {r['stage_upper']:6.1f} "
-              f"{r['usable']:6.1f}  {'fits' if r['fits'] else 'DOES NOT FIT'}  {r['assumed']}")
+              f"{r['pressed_upper']:6.1f} {r['usable']:6.1f}  "
+              f"{'fits' if r['fits'] else 'runs (retries)' if r['runs'] else 'DOES NOT FIT'}  {r['assumed']}")
     print(f"published recipes predicted not to fit: {sum(not r['fits'] for r in rec)} of {len(rec)} "
           f"(each stage with its own outside term, as recommend screens; pairing the fullest stage with "
-          f"the largest outside term: {sum(r['upper'] > r['usable'] for r in rec)})")
+          f"the largest outside term: {sum(r['upper'] > r['usable'] for r in rec)}); predicted not to run even with "
+          f"the allocator giving back its cache under pressure (expandable segments; bench/allocator_pressure.py): "
+          f"{sum(not r['runs'] for r in rec)} of {len(rec)}")
     unmodelled = sorted({u for r in rec for u in r["unmodelled"]})
     if unmodelled:
         print("recipe settings of these rows the advisor has no field for (models/published.py RECIPES):")

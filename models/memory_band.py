@@ -50,6 +50,13 @@ and a layout fits when every stage does. Fitted on the records of data/measureme
 bench/memory_edge.py --fit`, written to models/data/memory_band.json with the command). A stack
 with no measured run has the band [1, 1] and says so.
 
+With expandable segments on, the reserved-but-unallocated memory is mostly cache the allocator gives
+back when an allocation would fail (it unmaps free pages and retries): pressed with a ballast
+(bench/allocator_pressure.py), every measured layout ran once it had 2.5 GiB beyond its peak
+allocated, where unpressed the same layouts held 2.3-10 GiB, at 0-39% of their speed in allocator
+retries. So the upper line bounds "fits at the predicted speed"; under_pressure=True (the line no
+higher than rf_pressure_expandable_gib) bounds "runs at all" (memory_fit's runs_under_pressure).
+
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
 (`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
 Works on floats and on numpy arrays alike (recommend's array path and the per-layout path use the
@@ -100,26 +107,35 @@ class Band:
     # the same range over the runs with them on and a periodic layout alone (None: fewer than
     # MIN_ARCHITECTURES architectures; such layouts are then bounded as non-periodic ones)
     rf_expandable_periodic: tuple[float, float] | None = None  # (lo_gib, hi_gib)
+    # with expandable segments on, the reserved-but-unallocated memory the allocator could not give
+    # back when the device filled: every pressed layout ran with this much headroom beside a ballast
+    # (bench/allocator_pressure.py; None: no pressure runs). Past it the cached memory is released
+    # (unmapped pages) at the cost of allocator retries, so it bounds whether a layout runs at all,
+    # not whether it runs at the predicted speed (interval(..., under_pressure=True)).
+    rf_pressure_expandable_gib: float | None = None
 
     def interval(self, predicted_gib, outside_gib, reserved_free_gib, expandable, periodic=False,
-                 reserved_free_off_gib=None):
+                 reserved_free_off_gib=None, under_pressure=False):
         """(lower, upper) GiB on the device of a predicted allocator peak (floats or arrays): its
         allocated part (predicted - reserved_free_gib) scaled by lo / hi plus add_lo / add_hi, the
         reserved-but-unallocated term's envelope for the allocator setting (`expandable`: expandable
         segments on) and the schedule (`periodic`: periodic_schedule), plus the memory outside the
         allocator (models/outside_memory.py) once. `reserved_free_off_gib`: the term the caching
         allocator would hold with expandable segments off (StageMemory.reserved_free_off_gib; None:
-        reserved_free_gib), which bounds a non-periodic layout's with them on."""
+        reserved_free_gib), which bounds a non-periodic layout's with them on. `under_pressure`: the
+        bound on whether the layout runs at all, with the allocator giving back its cache (allocator
+        retries) where expandable segments are on (rf_pressure_expandable_gib)."""
         x = np.asarray(expandable, bool)
         alloc = predicted_gib - reserved_free_gib
-        rf_lo, rf_hi = self.reserved_free_interval(reserved_free_gib, x, periodic, reserved_free_off_gib)
+        rf_lo, rf_hi = self.reserved_free_interval(reserved_free_gib, x, periodic, reserved_free_off_gib, under_pressure)
         lo = alloc * self.lo + self.add_lo_gib + rf_lo + outside_gib
         hi = alloc * self.hi + self.add_hi_gib + rf_hi + outside_gib
         if np.ndim(lo) == 0:
             return float(lo), float(hi)
         return lo, hi
 
-    def reserved_free_interval(self, reserved_free_gib, expandable, periodic=False, reserved_free_off_gib=None):
+    def reserved_free_interval(self, reserved_free_gib, expandable, periodic=False, reserved_free_off_gib=None,
+                               under_pressure=False):
         """(lower, upper) GiB of the reserved-but-unallocated memory of a predicted term R (floats
         or arrays): expandable segments off, the lines rf_*_scale R + rf_*_gib (where `periodic`, the
         narrower of them and those fitted on the periodic-schedule runs, which hold those runs both),
@@ -130,7 +146,8 @@ class Band:
         line (every run's lines, not the periodic ones) at the layout's expandable-off term R_off
         (`reserved_free_off_gib`; None: R): a segment that grows by pages strands no tail, but the
         holes between live blocks stay reserved, a subset of what the caching allocator strands
-        on the same layout."""
+        on the same layout. `under_pressure` (expandable segments on): the upper line no higher than
+        what the allocator could not give back when pressed (rf_pressure_expandable_gib)."""
         x = np.asarray(expandable, bool)
         p = np.asarray(periodic, bool)
         r = np.asarray(reserved_free_gib, float)
@@ -146,6 +163,9 @@ class Band:
         if self.rf_expandable_periodic is not None:
             elo, ehi = self.rf_expandable_periodic
             x_lo, x_hi = np.where(p, r + elo, x_lo), np.where(p, r + ehi, x_hi)
+        if under_pressure and self.rf_pressure_expandable_gib is not None:
+            x_hi = np.minimum(x_hi, np.maximum(r, self.rf_pressure_expandable_gib))
+            x_lo = np.minimum(x_lo, x_hi)
         lo = np.where(x, x_lo, lo)
         hi = np.where(x, x_hi, np.maximum(hi, r))
         if np.ndim(lo) == 0:
@@ -199,7 +219,8 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
                 rf_lo_gib=b.get("rf_lo_gib", 0.0), rf_hi_gib=b.get("rf_hi_gib", 0.0),
                 rf_lo_scale=b.get("rf_lo_scale", 1.0), rf_hi_scale=b.get("rf_hi_scale", 1.0), rf_periodic=rf_periodic,
                 rf_lo_expandable_gib=x.get("rf_lo_gib", 0.0), rf_hi_expandable_gib=x.get("rf_hi_gib", 0.0),
-                rf_expandable_periodic=x_periodic)
+                rf_expandable_periodic=x_periodic,
+                rf_pressure_expandable_gib=(x.get("pressure") or {}).get("cap_gib"))
 
 
 def default_margin(memory_usable_fraction: float) -> float:
@@ -240,10 +261,16 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
     lo, hi = float(los[k]), float(his[k])
     rlo, rhi = b.reserved_free_interval(reserved_free_per_stage_gib[k], expandable, periodic, offs[k])
     usable = usable_gib(gpu_memory_gib, margin)
+    pressed = float(np.max(b.interval(np.asarray(per_stage_gib, float), np.asarray(outside_per_stage_gib, float),
+                                      np.asarray(reserved_free_per_stage_gib, float), expandable, periodic,
+                                      np.asarray(offs, float), under_pressure=True)[1]))
     return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_per_stage_gib[k]),
             "interval_gib": [float(lo), float(hi)],
             "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
             "fits": bool(hi <= usable), "tightest_stage": k,
+            # runs at all: the upper bound with the cache the allocator gives back under pressure
+            # (expandable segments: at the cost of allocator retries); = the interval's without them
+            "upper_under_pressure_gib": pressed, "runs_under_pressure": bool(pressed <= usable),
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
                      "form": b.form, "kind": b.kind, "source": b.source,
                      "reserved_free_gib": float(reserved_free_per_stage_gib[k]), "expandable_segments": bool(expandable),
@@ -254,11 +281,15 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
 def fit_line(mf: dict) -> str:
     """One line for the terminal."""
     lo, hi = mf["interval_gib"]
-    return (f"{mf['predicted_gib']:.1f} GiB + {mf['outside_gib']:.1f} outside the allocator ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
+    line = (f"{mf['predicted_gib']:.1f} GiB + {mf['outside_gib']:.1f} outside the allocator ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
             f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")
+    if not mf["fits"] and mf.get("runs_under_pressure"):
+        line += (f"; runs only if the allocator gives back {hi - mf['upper_under_pressure_gib']:.1f} GiB of its cache "
+                 f"(expandable segments, allocator retries: measured 0-39% slower, bench/allocator_pressure.py)")
+    return line
 
 
-def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
+def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT, under_pressure: bool = False
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
@@ -272,11 +303,12 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT
     outside = parts["outside_gib"]
     xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
     periodic = periodic_schedule(L.pp, L.cp)[S.row] & ~parts["routing_sized"]
-    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic, parts["reserved_free_off_gib"])[1]
+    upper = band.interval(total, outside, parts["reserved_free_gib"], xseg, periodic, parts["reserved_free_off_gib"],
+                          under_pressure)[1]
     top = S.start + S.argmax(upper)
     return peak, upper[top], total[top], outside[top]
 
 
-def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT) -> float:
+def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT, under_pressure: bool = False) -> float:
     """One layout's largest band upper bound over its stages (band_upper_many of one row)."""
-    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c)[1][0])
+    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c, under_pressure)[1][0])
