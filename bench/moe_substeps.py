@@ -32,6 +32,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -146,6 +148,17 @@ def summary(res: list[dict]) -> None:
     for (s, t), xs in sorted(by_tokens.items()):
         print(f"| {s} | {t} | {len(xs)} | {100 * statistics.fmean(x['util'] for x in xs):.0f}% | "
               f"{100 * statistics.fmean(x['err'] for x in xs):+.1f}% |")
+    print("\n| shape | runs (grouped GEMM) | GPU idle (1 - util) | corr(idle, tokens/s error) | slope of unexplained step share on idle |")
+    print("|---|---|---|---|---|")
+    shapes = sorted({s for s, _ in by_tokens})
+    for s in shapes + ["all"]:
+        xs = [x for (sh, _), v in by_tokens.items() if s in ("all", sh) for x in v]
+        idle = np.array([1.0 - x["util"] for x in xs])
+        err = np.array([x["err"] for x in xs])
+        gap = np.array([1.0 - x["pred_step"] / x["step"] for x in xs])
+        if len(xs) > 2 and idle.std() > 0:
+            print(f"| {s} | {len(xs)} | {100 * idle.mean():.1f}% | {np.corrcoef(idle, err)[0, 1]:+.2f} | "
+                  f"{np.polyfit(idle, gap, 1)[0]:+.2f} |")
 
 
 def main(argv=None) -> int:
