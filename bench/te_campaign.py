@@ -327,6 +327,28 @@ def s25c() -> list[dict]:
             + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=18))
 
 
+def s25d() -> list[dict]:
+    """Session 25's third call: the #1s of the runner's settings that the band refit moved to
+    unmeasured layouts (the Qwen3 proxy at 6 layers EP4 mbs4, the Mixtral proxy EP4 mbs2 FP8), then
+    issue #27's pressure runs with expandable segments off at 4 GiB of headroom (the three dense
+    layouts that ran out at 2.5) and a second MoE layout pressed with them off (the Qwen3 proxy 12L
+    EP4 mbs4, 2.5 GiB)."""
+    dpo = {"deallocate_pipeline_outputs": True}
+    p4 = {"pressure_headroom_gib": 4.0}
+    qw = [("top", dict(dp=4, ep=4, etp=1, mbs=4))]
+    mix = [("top", dict(dp=4, ep=4, etp=1, mbs=2, precision="fp8"))]
+    gpt = [("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo, **p4))]
+    l70 = [("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **dpo, **p4))]
+    l8 = [("press", dict(cp=2, dp=2, mbs=8, **p4))]
+    qw12 = [("press", dict(dp=4, ep=4, etp=1, mbs=4, pressure_headroom_gib=2.5))]
+    return (_jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=16)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=19)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=21)
+            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=19)
+            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=53)
+            + _jobs(QWEN3_PROXY, "qw3", qw12, layers=12, seq=4096, gbs=32, first=17))
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -438,7 +460,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
-           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c}
+           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c, "x4-te-s25d": s25d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

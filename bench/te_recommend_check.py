@@ -89,9 +89,16 @@ def measured_groups(paths) -> dict:
     return {g: {k: (sum(v) / len(v), *info[(g, k)]) for k, v in d.items()} for g, d in acc.items()}
 
 
-def check(group, meas: dict, calibration: str, top: int, runner_settings: bool) -> dict:
+def check(group, meas: dict, calibration: str, top: int, runner_settings: bool, failed: dict | None = None) -> dict:
+    """recommend's #1 against the best measured layout of the group. With the runner's settings the
+    best is taken among the layouts the runner can run: one that ran out of memory with its allocator
+    setting (expandable segments off) and ran only with them on is not the runner's to beat."""
     name, gpus, seq, gbs, prec = group
     _, cfg0, model, cluster = next(iter(meas.values()))
+    if runner_settings and failed:
+        base = (model.name.split("[")[0], model.num_layers, gpus, seq, gbs, prec)
+        runnable = {k: v for k, v in meas.items() if (*base, k, False) not in failed}
+        meas = runnable or meas
     # the runner's settings (runners.megatron_args.runner_config): BF16 weights, torch's allocator as it
     # comes (expandable segments off) and megatron-core's default of keeping the pipeline's outputs
     options = SpaceOptions.wide(tp_comm_overlap=False, gradient_accumulation_fusion=False,
@@ -132,7 +139,7 @@ def main(argv=None) -> int:
         if len(meas) < 2:
             continue
         for runner in (False, True):
-            r = check(g, meas, cal, a.top, runner)
+            r = check(g, meas, cal, a.top, runner, failed)
             first = short(r["first"].config) if r["first"] else "-"
             _, c0, m0, _ = next(iter(meas.values()))
             # the stack's allocator default is expandable segments on, the runner's off
