@@ -6,6 +6,9 @@ with the value it would need.
                                                # token and GPU, GB200 vs GB300, and their ratio
     python bench/blackwell_terms.py --candidates   # each candidate's pair ratios (median per group) and
                                                # the value of its quantity that meets the measured one
+    python bench/blackwell_terms.py --offload  # the 70B FP8 pairs with the presets' CPU activation
+                                               # offloading priced over NVLink-C2C (OFFLOADED_LAYERS)
+    (--same-container: only pairs run in one NeMo container)
 
 Pairs: the fit rows (bench/fit_blackwell.py: dense, usable, legal) of one model, format and GPU count
 on both GB200 and GB300 (every GB200 row against every GB300 row: layouts and containers may
@@ -200,14 +203,55 @@ def _describe(name: str, r: dict) -> str:
     return f"{name}: {q:.3f} at {b:.4g}, needs {need}"
 
 
+# CPU activation offloading, the one Grace / NVLink-C2C term the pairs carry: Megatron-Bridge's
+# llama3-70B FP8 current-scaling presets (scripts/performance/configs/llama/llama3_workload_base_configs.py,
+# LLAMA3_70B_PRETRAIN_CONFIG_GB200_FP8_CS_V1 / _GB300_FP8_CS_V1: Megatron-FSDP, MBS 2) offload 40 of the
+# 80 layers' activations on GB200 and 20 on GB300 (more HBM); the model prices neither. The host link:
+# NVLink-C2C, 900 GB/s both directions per Grace, which serves two GPUs: 225 GB/s per GPU and direction
+# when both stream at once, 450 when one does (NVIDIA GB200 NVL72 datasheet's 900 GB/s C2C).
+OFFLOADED_LAYERS = {"GB200": 40, "GB300": 20}
+C2C_GBS = (225.0, 450.0)
+
+
+def offload_bound(c=None, bandwidths=C2C_GBS + (150.0, 100.0), say=print) -> dict:
+    """The 70B FP8 pairs with the presets' activation offloading priced at each host bandwidth (GB/s
+    per GPU, one direction): each offloaded layer's activations (models.memory.layer_activation_bytes)
+    go out during the next layer's forward and come back during the backward (twice the forward's
+    time); what the transfer takes beyond the compute it overlaps is exposed, per microbatch."""
+    from advisor.models.memory import layer_activation_bytes
+
+    c = c or blackwell_constants()
+    v = pair_groups(same_container=True)[("llama3_70b", "fp8", 64)]
+    tps = {}
+    for bw in (None,) + tuple(bandwidths):
+        for x in v["GB200"] + v["GB300"]:
+            p = predicted(x, c)
+            if bw is None:
+                tps[(None, id(x))] = p.tokens_per_s_per_gpu
+                continue
+            mb = x.cfg.gbs // (x.cfg.mbs * x.cfg.dp)
+            fwd = p.step_time_s / mb / 3.0 / x.run.model.num_layers  # forward of one layer, one microbatch
+            move = layer_activation_bytes(x.run.model, 0, x.cfg, c) / (bw * 1e9)
+            exposed = OFFLOADED_LAYERS[x.run.gpu_type] * (max(0.0, move - fwd) + max(0.0, move - 2.0 * fwd))
+            tps[(bw, id(x))] = p.tokens_per_s_per_gpu * p.step_time_s / (p.step_time_s + mb * exposed)
+    out = {bw: float(np.median([tps[(bw, id(b))] / tps[(bw, id(a))] for a, b in v["pairs"]]))
+           for bw in (None,) + tuple(bandwidths)}
+    say(f"llama3_70b fp8 64 GPUs, offloaded layers {OFFLOADED_LAYERS}: measured GB300 / GB200 {measured_ratio(v):.3f}; "
+        "model " + ", ".join(f"{r:.3f} ({'no offload' if bw is None else f'{bw:g} GB/s'})" for bw, r in out.items()))
+    return out
+
+
 def main(argv=None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--candidates", action="store_true")
     ap.add_argument("--same-container", action="store_true", help="only pairs of one NeMo container")
+    ap.add_argument("--offload", action="store_true", help="the 70B FP8 pairs with CPU offloading priced")
     a = ap.parse_args(argv)
-    if a.candidates:
+    if a.offload:
+        offload_bound()
+    elif a.candidates:
         candidates(same_container=a.same_container)
     else:
         term_table(same_container=a.same_container)
