@@ -31,7 +31,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -128,18 +130,29 @@ def gpu_entry(name: str):
     return load_gpu(name)
 
 
-def candidate_changes() -> dict[str, tuple]:
-    """name: (GPU it changes, function value -> changes, search range, shipped value)."""
-    g200, g300 = gpu_entry("gb200"), gpu_entry("gb300")
+@dataclass(frozen=True)
+class Candidate:
+    gpu: str                  # the GPU whose rows it changes
+    changes: Callable         # value -> with_gpu changes
+    span: tuple | None        # the range solve searches (None: no quantity, one fixed change)
+    shipped: float | None     # the value the catalog gives (the model as shipped)
+    reference: float | None   # a value to show the ratio at, with why
+    why: str = ""
+
+
+def candidate_changes() -> dict[str, Candidate]:
+    g200, g300, b200 = gpu_entry("gb200"), gpu_entry("gb300"), gpu_entry("b200")
     issue = (g300.sm_count * g300.max_sm_clock_mhz) / (g200.sm_count * g200.max_sm_clock_mhz)
     return {
-        "gb200_cap_w": ("GB200", lambda w: {"dynamic_power_w": g200.power_span_w, "power_cap_w": w},
-                        (g200.idle_w + 100.0, g200.max_power_limit_w), g200.max_power_limit_w),
-        "gb300_span_w": ("GB300", lambda w: {"dynamic_power_w": w}, (300.0, g300.power_span_w * 1.5),
-                         g300.power_span_w),
-        "gb300_max_clock": ("GB300", lambda _: {"dynamic_power_w": 1e-6}, None, None),
-        "hbm_sm_issue": ("GB300", lambda s: {"hbm_bandwidth_gbs": g300.hbm_bandwidth_gbs * s}, (1.0, 1.5), 1.0,
-                         issue),
+        "gb200_cap_w": Candidate("GB200", lambda w: {"dynamic_power_w": g200.power_span_w, "power_cap_w": w},
+                                 (g200.idle_w + 100.0, g200.max_power_limit_w), g200.max_power_limit_w,
+                                 b200.max_power_limit_w, "the HGX B200's limit (the same die)"),
+        "gb300_span_w": Candidate("GB300", lambda w: {"dynamic_power_w": w}, (300.0, g300.power_span_w * 1.5),
+                                  g300.power_span_w, g200.power_span_w, "GB200's span, not rescaled"),
+        "gb300_max_clock": Candidate("GB300", lambda _: {"dynamic_power_w": 1e-6}, None, None, None,
+                                     "no power limit"),
+        "hbm_sm_issue": Candidate("GB300", lambda k: {"hbm_bandwidth_gbs": g300.hbm_bandwidth_gbs * k}, (1.0, 1.5),
+                                  1.0, issue, "SMs x clock, GB300 / GB200"),
     }
 
 
@@ -181,17 +194,18 @@ def candidates(c=None, same_container: bool = False, say=print) -> dict:
         meas = measured_ratio(v)
         base = group_ratio(v, c, "GB200", {})
         row = {"measured": meas, "model": base}
-        for name, spec in cands.items():
-            gpu, fn, rng = spec[0], spec[1], spec[2]
-            if rng is None:
-                row[name] = {"ratio": group_ratio(v, c, gpu, fn(None))}
+        for name, cand in cands.items():
+            if cand.span is None:
+                row[name] = {"ratio": group_ratio(v, c, cand.gpu, cand.changes(None))}
                 continue
-            bound = spec[4] if len(spec) > 4 else rng[0]
-            row[name] = {"ratio_at": (bound, group_ratio(v, c, gpu, fn(bound))),
-                         "needed": solve(v, c, gpu, fn, rng[0], rng[1], meas)}
-        out[k] = row
+            row[name] = {"ratio_at": (cand.reference, group_ratio(v, c, cand.gpu, cand.changes(cand.reference))),
+                         "needed": solve(v, c, cand.gpu, cand.changes, cand.span[0], cand.span[1], meas)}
+        if not out:
+            say("candidates: " + "; ".join(f"{n} (reference {x.reference:.4g}: {x.why}; shipped {x.shipped:.4g})"
+                                           if x.span else f"{n} ({x.why})" for n, x in cands.items()))
         say(f"{k[0]:14} {k[1]:15} {k[2]:4} {len(v['pairs']):3} measured {meas:.3f} model {base:.3f} | "
             + " | ".join(_describe(n, row[n]) for n in cands))
+        out[k] = row
     return out
 
 
