@@ -102,6 +102,16 @@ def grouped(rows, e, key) -> dict[str, dict]:
     return {k: F.summary(e[idx], [rows[i].weight for i in idx]) for k, idx in sorted(g.items())}
 
 
+def change_gpus(rows, gpu_changes: dict[str, dict]) -> None:
+    """In place: each row of a GPU named in `gpu_changes` runs on its cluster with those changes
+    (blackwell_terms.with_gpu: GPUSpec fields, power_cap_w the cluster's cap)."""
+    from blackwell_terms import with_gpu
+
+    for x in rows:
+        if x.run.gpu_type in gpu_changes:
+            x.run = dataclasses.replace(x.run, cluster=with_gpu(x.run.cluster, **gpu_changes[x.run.gpu_type]))
+
+
 def build(say=print, max_nfev: int = 40, names: tuple[str, ...] = NAMES,
           gpu_changes: dict[str, dict] | None = None) -> Calibration:
     """`gpu_changes` (an experiment, never the shipped profile): {GPU name: changes to its rows'
@@ -110,11 +120,7 @@ def build(say=print, max_nfev: int = 40, names: tuple[str, ...] = NAMES,
     base, pri = h100.constants, priors(h100.constants)
     rows, left = F.fit_rows(P.load(), "te", in_fit)
     if gpu_changes:
-        from blackwell_terms import with_gpu
-
-        for x in rows:
-            if x.run.gpu_type in gpu_changes:
-                x.run = dataclasses.replace(x.run, cluster=with_gpu(x.run.cluster, **gpu_changes[x.run.gpu_type]))
+        change_gpus(rows, gpu_changes)
         say(f"  GPU entries changed (experiment): {gpu_changes}")
     kw = dict(names=names, bounds=BOUNDS, priors=pri, max_nfev=max_nfev)
     say(f"fitting te/blackwell on {len(rows)} published rows ({', '.join(GPUS)}, dense)")

@@ -1,5 +1,6 @@
 """bench/blackwell_terms.py: the GB200 / GB300 pairs, their per-term times and the candidates that
 could separate them (issue #25)."""
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -76,3 +77,19 @@ def test_gb300_power_alone_cannot_reach_the_405b_pairs(groups, consts):
         v = groups[("llama3.1_405b", fmt, 256)]
         top = T.group_ratio(v, consts, "GB300", fn(None))
         assert T.group_ratio(v, consts, "GB200", {}) <= top < T.measured_ratio(v)
+
+
+def test_fit_blackwell_changes_only_the_named_gpus_rows(groups, consts):
+    from fit_blackwell import change_gpus
+
+    v = groups[SEVENTY]
+    rows = [dataclasses.replace(x) for x in v["GB200"] + v["GB300"]]
+    before = [T.predicted(x, consts).tokens_per_s_per_gpu for x in rows]
+    change_gpus(rows, {"GB200": {"dynamic_power_w": 1050.0, "power_cap_w": 1100.0}})
+    after = [T.predicted(x, consts).tokens_per_s_per_gpu for x in rows]
+    for x, b, a in zip(rows, before, after):
+        if x.run.gpu_type == "GB200":
+            assert x.run.cluster.power_cap_w == 1100.0 and a < b * 0.99  # less budget, lower clock
+        else:
+            assert x.run.cluster.power_cap_w == 1400.0 and a == b
+    assert v["GB200"][0].run.cluster.power_cap_w == 1200.0  # the group's own rows are untouched
