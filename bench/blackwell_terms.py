@@ -22,6 +22,8 @@ the GPU's catalog entry (a replaced GPUSpec / ClusterSpec) under the shipped pro
                      in the catalog): lower = more efficient silicon, a higher clock under 1,400 W
     gb300_max_clock  GB300 at its maximum clock under any load (the upper bound of every GB300
                      power term)
+    hbm_watts        GB300's HBM power share (of its span) scaled so its HBM draws GB200's watts, and
+                     below (the share the measured ratio would need)
     hbm_sm_issue     memory-bound kernels' bandwidth scaling with SMs x clock (Little's law: bytes in
                      flight per SM) on GB300: its HBM rate x (160 x 2,070) / (152 x 2,062), the upper
                      bound of the candidate (every memory-bound byte issue-limited)
@@ -87,7 +89,11 @@ def with_gpu(cluster, **gpu_changes):
 
 
 def predicted(x, c, changes: dict | None = None):
-    cl = x.run.cluster if not changes else with_gpu(x.run.cluster, **changes)
+    """x's prediction with `changes` to its GPU (with_gpu's keywords; "constants": a dict of the
+    profile's constants to replace for this row)."""
+    changes = dict(changes or {})
+    c = c.replace(**changes.pop("constants")) if "constants" in changes else c
+    cl = with_gpu(x.run.cluster, **changes) if changes else x.run.cluster
     return predict(x.run.model, cl, x.cfg, c, check_legal=False)
 
 
@@ -142,6 +148,7 @@ class Candidate:
 
 def candidate_changes() -> dict[str, Candidate]:
     g200, g300, b200 = gpu_entry("gb200"), gpu_entry("gb300"), gpu_entry("b200")
+    hbm = blackwell_constants().memory_hbm_power
     issue = (g300.sm_count * g300.max_sm_clock_mhz) / (g200.sm_count * g200.max_sm_clock_mhz)
     return {
         "gb200_cap_w": Candidate("GB200", lambda w: {"dynamic_power_w": g200.power_span_w, "power_cap_w": w},
@@ -151,6 +158,11 @@ def candidate_changes() -> dict[str, Candidate]:
                                   g300.power_span_w, g200.power_span_w, "GB200's span, not rescaled"),
         "gb300_max_clock": Candidate("GB300", lambda _: {"dynamic_power_w": 1e-6}, None, None, None,
                                      "no power limit"),
+        # HBM power (models/dvfs.py: D x memory_hbm_power per unit of bandwidth) is a share of the span,
+        # so GB300's rescaled span gives its HBM 1,110 / 1,050 of GB200's watts; the same 8 TB/s HBM3e
+        # draws the same: the share x GB200's span / GB300's (k = 1050 / 1110) takes the difference out
+        "hbm_watts": Candidate("GB300", lambda k: {"constants": {"memory_hbm_power": hbm * k}}, (0.1, 1.0), 1.0,
+                               g200.power_span_w / g300.power_span_w, "GB200's HBM watts"),
         "hbm_sm_issue": Candidate("GB300", lambda k: {"hbm_bandwidth_gbs": g300.hbm_bandwidth_gbs * k}, (1.0, 1.5),
                                   1.0, issue, "SMs x clock, GB300 / GB200"),
     }
