@@ -8,6 +8,7 @@ with the value it would need.
                                                # the value of its quantity that meets the measured one
     python bench/blackwell_terms.py --offload  # the 70B FP8 pairs with the presets' CPU activation
                                                # offloading priced over NVLink-C2C (OFFLOADED_LAYERS)
+    python bench/blackwell_terms.py --versus B200,GB200   # GB200 / B200 on pairs of one container
     (--same-container: only pairs run in one NeMo container)
 
 Pairs: the fit rows (bench/fit_blackwell.py: dense, usable, legal) of one model, format and GPU count
@@ -59,21 +60,35 @@ def container(x) -> str:
     return x.run.raw.get("source_version", "")
 
 
-def pair_groups(rows=None, same_container: bool = False) -> dict[tuple, dict[str, list]]:
+def pair_groups(rows=None, same_container: bool = False, pair: tuple[str, str] = PAIR) -> dict[tuple, dict[str, list]]:
     """{(model, format, GPUs): {"GB200": [rows], "GB300": [rows], "pairs": [(GB200 row, GB300 row)]}}
-    for groups with both GPUs; `same_container`: only pairs of one software release (NeMo container)."""
+    for groups with both GPUs (`pair`: another two, first the denominator); `same_container`: only
+    pairs of one software release (NeMo container)."""
     if rows is None:
-        rows, _ = F.fit_rows(P.load(), "te", lambda r: r.gpu_type in PAIR and not r.moe)
-    g = defaultdict(lambda: {k: [] for k in PAIR})
+        rows, _ = F.fit_rows(P.load(), "te", lambda r: r.gpu_type in pair and not r.moe)
+    g = defaultdict(lambda: {k: [] for k in pair})
     for x in rows:
         g[(x.run.model_key, x.cfg.quant, x.run.num_gpus)][x.run.gpu_type].append(x)
     out = {}
     for k, v in sorted(g.items()):
-        pairs = [(a, b) for a in v["GB200"] for b in v["GB300"]
+        pairs = [(a, b) for a in v[pair[0]] for b in v[pair[1]]
                  if not same_container or container(a) == container(b)]
         if pairs:
-            out[k] = {"GB200": list({id(a): a for a, _ in pairs}.values()),
-                      "GB300": list({id(b): b for _, b in pairs}.values()), "pairs": pairs}
+            out[k] = {pair[0]: list({id(a): a for a, _ in pairs}.values()),
+                      pair[1]: list({id(b): b for _, b in pairs}.values()), "pairs": pairs}
+    return out
+
+
+def versus(pair: tuple[str, str], c=None, say=print) -> dict:
+    """Measured and predicted pair[1] / pair[0] per group of one container (e.g. GB200 over B200:
+    the same die, 152 vs 148 SMs, 1,200 vs 1,000 W)."""
+    c = c or blackwell_constants()
+    out = {}
+    for k, v in pair_groups(same_container=True, pair=pair).items():
+        tps = {id(x): predicted(x, c).tokens_per_s_per_gpu for x in v[pair[0]] + v[pair[1]]}
+        out[k] = (measured_ratio(v), float(np.median([tps[id(b)] / tps[id(a)] for a, b in v["pairs"]])))
+        say(f"{k[0]:14} {k[1]:15} {k[2]:4} {len(v['pairs']):3} pairs: {pair[1]} / {pair[0]} measured "
+            f"{out[k][0]:.3f}, model {out[k][1]:.3f}")
     return out
 
 
@@ -274,8 +289,11 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", action="store_true")
     ap.add_argument("--same-container", action="store_true", help="only pairs of one NeMo container")
     ap.add_argument("--offload", action="store_true", help="the 70B FP8 pairs with CPU offloading priced")
+    ap.add_argument("--versus", help="two GPUs, e.g. B200,GB200: their same-container pairs' ratio")
     a = ap.parse_args(argv)
-    if a.offload:
+    if a.versus:
+        versus(tuple(g.strip().upper() for g in a.versus.split(",")))
+    elif a.offload:
         offload_bound()
     elif a.candidates:
         candidates(same_container=a.same_container)
