@@ -85,8 +85,7 @@ def versus(pair: tuple[str, str], c=None, say=print) -> dict:
     c = c or blackwell_constants()
     out = {}
     for k, v in pair_groups(same_container=True, pair=pair).items():
-        tps = {id(x): predicted(x, c).tokens_per_s_per_gpu for x in v[pair[0]] + v[pair[1]]}
-        out[k] = (measured_ratio(v), float(np.median([tps[id(b)] / tps[id(a)] for a, b in v["pairs"]])))
+        out[k] = (measured_ratio(v), group_ratio(v, c, pair[1], {}))
         say(f"{k[0]:14} {k[1]:15} {k[2]:4} {len(v['pairs']):3} pairs: {pair[1]} / {pair[0]} measured "
             f"{out[k][0]:.3f}, model {out[k][1]:.3f}")
     return out
@@ -189,9 +188,11 @@ def measured_ratio(v) -> float:
 
 
 def group_ratio(v, c, gpu: str, changes: dict) -> float:
-    """Median over the group's pairs of predicted GB300 / GB200 with `changes` on `gpu`'s rows."""
-    tps = {id(x): predicted(x, c, changes if x.run.gpu_type == gpu else None).tokens_per_s_per_gpu
-           for x in v["GB200"] + v["GB300"]}
+    """Median over the group's pairs of predicted second / first GPU (GB300 / GB200) with `changes`
+    on `gpu`'s rows."""
+    rows = {id(x): x for pair in v["pairs"] for x in pair}
+    tps = {i: predicted(x, c, changes if x.run.gpu_type == gpu else None).tokens_per_s_per_gpu
+           for i, x in rows.items()}
     return float(np.median([tps[id(b)] / tps[id(a)] for a, b in v["pairs"]]))
 
 
