@@ -10,6 +10,8 @@ touched: `advisor` answers for a Blackwell GPU (catalog generation "blackwell") 
     python bench/fit_blackwell.py --pairs    # GB300 / GB200 on the same model, format and GPU count:
                                              # measured vs the shipped profile at three V-f slopes
     python bench/fit_blackwell.py --dry-run --fit-vf-slope   # also fit the V-f slope (vf_slope)
+    python bench/fit_blackwell.py --dry-run --gb200-cap 1100  # GB200's limiter holding 1,100 W (its
+                                             # 1,050 W span kept): the budget candidate of bench/blackwell_terms.py
 
 Rows: the usable dense pretraining rows of data/published/published_fit.csv on B200, GB200, B300
 and GB300 (FP8 delayed / current scaling, MXFP8, NVFP4; no MoE, as the H100 profile). Start and
@@ -19,6 +21,7 @@ per format, and the profile's domain (what it was fitted on, with its error ther
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import defaultdict
 from functools import partial
@@ -99,10 +102,26 @@ def grouped(rows, e, key) -> dict[str, dict]:
     return {k: F.summary(e[idx], [rows[i].weight for i in idx]) for k, idx in sorted(g.items())}
 
 
-def build(say=print, max_nfev: int = 40, names: tuple[str, ...] = NAMES) -> Calibration:
+def change_gpus(rows, gpu_changes: dict[str, dict]) -> None:
+    """In place: each row of a GPU named in `gpu_changes` runs on its cluster with those changes
+    (blackwell_terms.with_gpu: GPUSpec fields, power_cap_w the cluster's cap)."""
+    from blackwell_terms import with_gpu
+
+    for x in rows:
+        if x.run.gpu_type in gpu_changes:
+            x.run = dataclasses.replace(x.run, cluster=with_gpu(x.run.cluster, **gpu_changes[x.run.gpu_type]))
+
+
+def build(say=print, max_nfev: int = 40, names: tuple[str, ...] = NAMES,
+          gpu_changes: dict[str, dict] | None = None) -> Calibration:
+    """`gpu_changes` (an experiment, never the shipped profile): {GPU name: changes to its rows'
+    GPU catalog entry, as blackwell_terms.with_gpu takes them}, e.g. GB200's power budget."""
     h100 = resolve_calibration("te")
     base, pri = h100.constants, priors(h100.constants)
     rows, left = F.fit_rows(P.load(), "te", in_fit)
+    if gpu_changes:
+        change_gpus(rows, gpu_changes)
+        say(f"  GPU entries changed (experiment): {gpu_changes}")
     kw = dict(names=names, bounds=BOUNDS, priors=pri, max_nfev=max_nfev)
     say(f"fitting te/blackwell on {len(rows)} published rows ({', '.join(GPUS)}, dense)")
     c, info = F.fit(rows, base, **kw)
@@ -224,6 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clock-check", action="store_true")
     ap.add_argument("--pairs", action="store_true")
     ap.add_argument("--fit-vf-slope", action="store_true")
+    ap.add_argument("--gb200-cap", type=float)
     a, rest = ap.parse_known_args(argv)
     if a.rows:
         print_rows({g.strip().upper() for g in a.rows.split(",")})
@@ -235,6 +255,11 @@ def main(argv=None) -> int:
         pair_ratios()
         return 0
     fit = partial(build, names=NAMES + ("vf_slope",)) if a.fit_vf_slope else build
+    if a.gb200_cap:
+        from advisor.catalog.loaders import load_gpu
+
+        fit = partial(fit, gpu_changes={"GB200": {"dynamic_power_w": load_gpu("gb200").power_span_w,
+                                                  "power_cap_w": a.gb200_cap}})
     return fit_main(rest, fit, STACKS["te"].generations["blackwell"], __doc__)
 
 
