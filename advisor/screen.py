@@ -41,7 +41,9 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
                                f"the {stack} stack's runner: {left['line']}")
     L = L_all.take(runs)
     band = MB.band(stack, m.is_moe)
-    mems, upper, tight, outside = band_upper_many(m, L, band, constants)  # each stage with its own outside term
+    # each stage with its own outside term; with expandable segments on, the allocator's cache past
+    # what it could not give back when pressed is not counted (Band.rf_pressure_expandable_gib)
+    mems, upper, tight, outside = band_upper_many(m, L, band, constants, under_pressure=True)
     fit = (upper <= MB.usable_gib(c.gpu.memory_gib, margin)).tolist()
     # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
     but = np.stack([L.tp, L.pp, L.dp, L.cp, L.ep, L.etp, L.vp, L.mbs, L.dist_opt, L.split], 1)

@@ -54,8 +54,10 @@ With expandable segments on, the reserved-but-unallocated memory is mostly cache
 back when an allocation would fail (it unmaps free pages and retries): pressed with a ballast
 (bench/allocator_pressure.py), every measured layout ran once it had 2.5 GiB beyond its peak
 allocated, where unpressed the same layouts held 2.3-10 GiB, at 0-39% of their speed in allocator
-retries. So the upper line bounds "fits at the predicted speed"; under_pressure=True (the line no
-higher than rf_pressure_expandable_gib) bounds "runs at all" (memory_fit's runs_under_pressure).
+retries. So the verdict (recommend's screen, memory_fit's "fits") takes the upper line no higher than
+rf_pressure_expandable_gib there (under_pressure=True), with the usable memory's margin on top of it;
+the unpressed line says whether the allocator may keep all it caches (memory_fit's
+fits_without_retries).
 
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
 (`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
@@ -239,10 +241,11 @@ def usable_gib(gpu_memory_gib: float, margin: float) -> float:
 
 
 def fits(predicted_gib, outside_gib, reserved_free_gib, expandable, b: Band, gpu_memory_gib: float, margin: float,
-         periodic=False, reserved_free_off_gib=None):
-    """True (or a boolean array) where the upper bound of the prediction is under usable memory."""
-    return (b.interval(predicted_gib, outside_gib, reserved_free_gib, expandable, periodic, reserved_free_off_gib)[1]
-            <= usable_gib(gpu_memory_gib, margin))
+         periodic=False, reserved_free_off_gib=None, under_pressure=True):
+    """True (or a boolean array) where the upper bound of the prediction is under usable memory: the
+    verdict's bound (under_pressure, recommend's screen) by default."""
+    return (b.interval(predicted_gib, outside_gib, reserved_free_gib, expandable, periodic, reserved_free_off_gib,
+                       under_pressure)[1] <= usable_gib(gpu_memory_gib, margin))
 
 
 def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reserved_free_per_stage_gib,
@@ -266,11 +269,13 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
                                       np.asarray(offs, float), under_pressure=True)[1]))
     return {"predicted_gib": float(predicted_gib), "outside_gib": float(outside_per_stage_gib[k]),
             "interval_gib": [float(lo), float(hi)],
-            "usable_gib": usable, "margin": margin, "headroom_gib": usable - float(hi),
-            "fits": bool(hi <= usable), "tightest_stage": k,
-            # runs at all: the upper bound with the cache the allocator gives back under pressure
-            # (expandable segments: at the cost of allocator retries); = the interval's without them
-            "upper_under_pressure_gib": pressed, "runs_under_pressure": bool(pressed <= usable),
+            # usable less the unpressed upper end where that fits, else less the verdict's bound
+            "usable_gib": usable, "margin": margin, "headroom_gib": usable - (float(hi) if hi <= usable else pressed),
+            # the verdict: the upper bound with the cache the allocator gives back when pressed
+            # (expandable segments on; = the interval's upper end with them off)
+            "fits": bool(pressed <= usable), "tightest_stage": k, "upper_under_pressure_gib": pressed,
+            # and whether the allocator may hold all it caches unpressed (no allocator retries)
+            "fits_without_retries": bool(hi <= usable),
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
                      "form": b.form, "kind": b.kind, "source": b.source,
                      "reserved_free_gib": float(reserved_free_per_stage_gib[k]), "expandable_segments": bool(expandable),
@@ -283,9 +288,10 @@ def fit_line(mf: dict) -> str:
     lo, hi = mf["interval_gib"]
     line = (f"{mf['predicted_gib']:.1f} GiB + {mf['outside_gib']:.1f} outside the allocator ({lo:.1f}-{hi:.1f}) on stage {mf['tightest_stage']}, "
             f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")
-    if not mf["fits"] and mf.get("runs_under_pressure"):
-        line += (f"; runs only if the allocator gives back {hi - mf['upper_under_pressure_gib']:.1f} GiB of its cache "
-                 f"(expandable segments, allocator retries: measured 0-39% slower, bench/allocator_pressure.py)")
+    if mf["fits"] and not mf.get("fits_without_retries", True):
+        line += (f" with {mf['upper_under_pressure_gib']:.1f} GiB as the bound: counts on the allocator giving back up "
+                 f"to {hi - mf['upper_under_pressure_gib']:.1f} GiB of its cache (expandable segments; with only 2.5 GiB "
+                 f"to spare the pressed runs retried, 0-39% slower: bench/allocator_pressure.py)")
     return line
 
 

@@ -53,15 +53,21 @@ def test_band_under_pressure_caps_only_expandable_segments():
         nocap.reserved_free_interval(R, True, False, R_off)
 
 
-def test_memory_fit_says_when_a_layout_runs_only_by_retries():
+def test_memory_fit_verdict_counts_only_what_the_allocator_cannot_give_back():
     b = MB.Band(lo=1.0, hi=1.0, stack="te", kind="dense", source="test", rf_hi_gib=7.0, rf_pressure_expandable_gib=2.5)
-    # 70 GiB allocated + 2.4 R_off + 7 line + 3 outside = 82.4 > 76; under pressure 70 + 2.5 + 3 = 75.5
+    # 70 GiB allocated + 2.4 R_off + 7 line + 3 outside = 82.4 > 76; pressed 70 + 2.5 + 3 = 75.5 <= 76
     mf = MB.memory_fit(70.44, [70.44], [3.0], [0.44], True, b, 80.0, 0.05, False, [2.4])
-    assert not mf["fits"] and mf["runs_under_pressure"]
-    assert mf["upper_under_pressure_gib"] == pytest.approx(75.5)
-    assert "runs only if the allocator gives back" in MB.fit_line(mf)
-    off = MB.memory_fit(72.4, [72.4], [3.0], [2.4], False, b, 80.0, 0.05, False, [2.4])
-    assert not off["fits"] and not off["runs_under_pressure"] and "gives back" not in MB.fit_line(off)
+    assert mf["fits"] and not mf["fits_without_retries"]
+    assert mf["upper_under_pressure_gib"] == pytest.approx(75.5) and mf["headroom_gib"] == pytest.approx(0.5)
+    roomy = MB.memory_fit(60.44, [60.44], [3.0], [0.44], True, b, 80.0, 0.05, False, [2.4])  # 72.4 unpressed
+    assert roomy["fits_without_retries"] and roomy["headroom_gib"] == pytest.approx(76.0 - 72.4)
+    assert "giving back" not in MB.fit_line(roomy)
+    assert mf["interval_gib"][1] == pytest.approx(82.4)
+    assert "counts on the allocator giving back up to 6.9 GiB" in MB.fit_line(mf)
+    assert MB.fits(70.44, 3.0, 0.44, True, b, 80.0, 0.05, False, 2.4)
+    assert not MB.fits(70.44, 3.0, 0.44, True, b, 80.0, 0.05, False, 2.4, under_pressure=False)
+    off = MB.memory_fit(72.4, [72.4], [3.0], [2.4], False, b, 80.0, 0.05, False, [2.4])  # off: stranded
+    assert not off["fits"] and not off["fits_without_retries"] and "giving back" not in MB.fit_line(off)
 
 
 def test_committed_pressure_records_against_the_band():
