@@ -487,7 +487,10 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                     "total": sm.total_gib,
                     "outside": sm.outside_gib,
                     "upper": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
-                                              cfg.expandable_segments, periodic, sm.reserved_free_off_gib)[1])})
+                                              cfg.expandable_segments, periodic, sm.reserved_free_off_gib,
+                                              under_pressure=True)[1]),
+                    "upper_unpressed": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
+                                                        cfg.expandable_segments, periodic, sm.reserved_free_off_gib)[1])})
     m = MB.default_margin(c.memory_usable_fraction)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
             "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b, "expandable": cfg.expandable_segments,
@@ -513,8 +516,10 @@ def print_recipe(row_id: str) -> None:
     print(f"tightest stage {top['stage']}: {top['total']:.1f} GiB predicted, upper bound {top['upper']:.1f} "
           f"(allocated x {b.hi:.3f} + {b.add_hi_gib:.1f}, reserved free {top['reserved_free']:.2f} "
           f"(expandable segments off {top['reserved_free_off']:.2f}) -> "
-          f"{float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'], top['reserved_free_off'])[1]):.2f}, "
-          f"+ {top['outside']:.1f} outside the allocator), "
+          f"{float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'], top['reserved_free_off'], True)[1]):.2f}"
+          f" (counting all the allocator's cache "
+          f"{float(b.reserved_free_interval(top['reserved_free'], head['expandable'], head['periodic'], top['reserved_free_off'])[1]):.2f}: "
+          f"upper {top['upper_unpressed']:.1f}), + {top['outside']:.1f} outside the allocator), "
           f"usable {head['usable']:.1f}: {'fits' if top['upper'] <= head['usable'] else 'DOES NOT FIT'}")
 
 
