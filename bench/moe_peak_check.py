@@ -39,6 +39,10 @@ def mape(rows: list[dict], pred: np.ndarray) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     files = (argv if argv is not None else sys.argv[1:]) or sorted(glob.glob("data/measurements/*.jsonl"))
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        print(f"error: no such file: {missing[0]}")
+        return 2
     rows = P.load(files)
     moe = [r for r in rows if P.is_moe(r)]
     if not moe:

@@ -401,7 +401,7 @@ class Constants:
     # engine issues the backward's kernels from C++ (a few us each) where the forward's eager
     # Python ops cost tens of us of host time each on our VM (bench/host_issue.py), and the MoE
     # dispatcher's token-count sync is forward-only. Plausible 0.05-0.35; fitted on the uncapped
-    # MoE runs' sampled peaks, leave one file out 0.09-0.15 (`python bench/moe_peak_check.py`).
+    # MoE runs' sampled peaks, leave one file out 0.08-0.14 (`python bench/moe_peak_check.py`).
     backward_gap_share: float = 0.1
     # Steady temperature T = idle_temp + c_per_w * (P - P_idle): measured 0.041-0.051 C/W with an
     # idle temperature of 36-39 C on 4 x H200 (FACTS.md burn table).
