@@ -391,6 +391,18 @@ class Constants:
     # Instantaneous ripple above the steady value when not capped (measured 1.01-1.02 on the
     # uncapped sweep loads).
     power_ripple: float = 1.02
+    # The power sensor's own averaging window: NVML's instant power field (186) on A100 / H100
+    # averages ~25 ms (Yang et al., "Accurate and Convenient Energy Measurements for GPUs", SC'24,
+    # arXiv 2312.02741). A microbatch longer than it is resolved by the 20-50 Hz samples: an
+    # uncapped GPU's sampled peak is the backward pass (power_arrays.sampled_stretch), not the
+    # microbatch's average.
+    power_sensor_window_s: float = 0.025
+    # Share of a microbatch's launch / host gaps that fall in its backward pass: the autograd
+    # engine issues the backward's kernels from C++ (a few us each) where the forward's eager
+    # Python ops cost tens of us of host time each on our VM (bench/host_issue.py), and the MoE
+    # dispatcher's token-count sync is forward-only. Plausible 0.05-0.35; fitted on the uncapped
+    # MoE runs' sampled peaks, leave one file out 0.08-0.14 (`python bench/moe_peak_check.py`).
+    backward_gap_share: float = 0.1
     # Steady temperature T = idle_temp + c_per_w * (P - P_idle): measured 0.041-0.051 C/W with an
     # idle temperature of 36-39 C on 4 x H200 (FACTS.md burn table).
     idle_temp_c: float = 38.0

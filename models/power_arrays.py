@@ -34,8 +34,8 @@ from advisor.search_spaces.columns import Layouts
 
 __all__ = ["FixedPoint", "InStep", "POWER_FIELDS", "PowerArrays", "PowerEstimate", "PowerInputs",
            "STAGE_POWER_FIELDS", "StagePower", "StepModel", "busiest_stretch", "busy_phases_of", "ep_idle_phases_of",
-           "evaluate_power", "launch_gaps_of", "peak", "power_at_step_arrays", "sampled_gaps", "stage_power_arrays",
-           "step_end_phases", "take_phases", "waits_and_gaps"]
+           "evaluate_power", "launch_gaps_of", "peak", "power_at_step_arrays", "sampled_gaps", "sampled_stretch",
+           "stage_power_arrays", "step_end_phases", "take_phases", "waits_and_gaps"]
 
 
 @dataclass(frozen=True)
@@ -165,15 +165,15 @@ def waits_and_gaps(ins: InStep, c: Constants, extra) -> tuple[list, list]:
     return waits, gaps
 
 
-def busiest_stretch(busy: Load, end: list[Phase], x, gpu, c: Constants, power_scale=1.0):
+def busiest_stretch(busy: Load, end: list[Phase], x, gpu, c: Constants, power_scale=1.0, busy_w=None):
     """Watts of the busiest stretch that the power limiter's ~30 ms average and a 20-50 Hz sample
     see at clock ratio x: a microbatch's compute (`busy`: its phases' Load, with the gaps between
     its kernels for the sampled peak: sampled_gaps) averaged over its kernels (each of them ms
     long), or a step-end phase. A single kernel over the cap inside a
     microbatch under it trips neither (measured: MoE runs whose attention and GEMM kernels would
     each draw 750-800 W at full clock show no power-cap clock-event reason while their microbatch
-    averages 600-650 W)."""
-    v = busy.power(x, gpu, c, power_scale)
+    averages 600-650 W). `busy_w`: the microbatches' watts when the caller has them (sampled_stretch)."""
+    v = busy.power(x, gpu, c, power_scale) if busy_w is None else busy_w
     for p in end:
         v = where(p.seconds > 0, np.maximum(v, phase_power(p, x, gpu, c, power_scale)), v)
     return v
@@ -188,6 +188,37 @@ def sampled_gaps(ins: InStep, extra):
     microbatch averages them with its kernels. Time the model's step does not explain (extra > 0)
     is left out: where it falls is not known."""
     return np.maximum(ins.m * ins.gaps_s + np.minimum(0.0, extra), 0.0)
+
+
+# Share of each phase kind's time per microbatch that falls in the backward pass: a linear layer's
+# GEMMs are one forward and two backward (dgrad, wgrad) of equal FLOPs; FlashAttention's backward
+# does 2.5x its forward's matmul FLOPs (Dao, "FlashAttention-2", 2023: 5 matmuls vs 2); memory-bound
+# kernels and collectives read / write the same tensors backward as forward (the gradient of each).
+BACKWARD_SHARE = {"gemm": 2.0 / 3.0, "attention": 2.5 / 3.5, "memory": 0.5, "comm": 0.5}
+
+
+def sampled_stretch(busy: list[Phase], gaps_s, m, x, gpu, c: Constants, power_scale=1.0):
+    """Watts a 20-50 Hz sample of NVML's instant power (averaged over power_sensor_window_s) sees
+    at most inside the microbatches of an uncapped GPU at clock ratio x. `busy`: the phases per
+    step, `gaps_s`: the launch / host gaps inside the microbatches per step (sampled_gaps), `m`
+    microbatches. A microbatch longer than the window is resolved: the busiest window lies in the
+    backward pass (BACKWARD_SHARE of each phase, backward_gap_share of the gaps: its kernels are
+    issued by the autograd engine's C++ thread), then the forward's mix, then (a microbatch
+    shorter than the window) the microbatch's average: what the window cannot resolve."""
+    def load(share_of, gap_share):
+        return Load.of([Phase(p.kind, p.seconds * share_of(p.kind) / m, p.utilization, p.fp8) for p in busy], (),
+                       c, [(gaps_s * gap_share / m, 1.0)])
+
+    g = c.backward_gap_share
+    bwd, fwd = load(BACKWARD_SHARE.get, g), load(lambda k: 1.0 - BACKWARD_SHARE[k], 1.0 - g)
+    w = c.power_sensor_window_s
+    tb, tf = bwd.seconds(x), fwd.seconds(x)
+    a = np.minimum(tb, w)
+    b = np.minimum(tf, np.maximum(w - tb, 0.0))
+    rest = np.maximum(w - tb - tf, 0.0)
+    whole = load(lambda k: 1.0, 1.0)
+    return (a * bwd.power(x, gpu, c, power_scale) + b * fwd.power(x, gpu, c, power_scale)
+            + rest * whole.power(x, gpu, c, power_scale)) / w
 
 
 def peak(phase_peak_w, throttled, c: Constants):
@@ -231,7 +262,12 @@ def stage_power_arrays(ins: InStep, busy: list[Phase], gpu, cap, c: Constants, p
             p_wait = Load(wait_s=1.0).power(x, gpu, c, power_scale)
             e = np.where(spare_s > 0, e - spare_s * (spare.power(x, gpu, c, power_scale) - p_wait), e)
     mb = Load.of(busy, (), c)
-    phase_peak = busiest_stretch(Load.of(busy, (), c, [(gaps, 1.0)]), end, x, gpu, c, power_scale)
+    # capped: the limiter holds the ~30 ms average and its clock oscillation (peak_overshoot) is
+    # over the microbatch's average; uncapped: what the sensor's window resolves (sampled_stretch)
+    averaged = Load.of(busy, (), c, [(gaps, 1.0)])
+    resolved = sampled_stretch(busy, gaps, ins.m, x, gpu, c, power_scale)
+    phase_peak = busiest_stretch(averaged, end, x, gpu, c, power_scale,
+                                 np.where(capped, averaged.power(x, gpu, c, power_scale), resolved))
     stretch_demand = busiest_stretch(mb, end, np.ones(np.shape(x)), gpu, c, power_scale)
     return {"power_cap_w": cap, "clock_ratio": x, "demand_w": demand, "busy_power_w": load.power(x, gpu, c, power_scale),
             "mean_power_w": e / step_s, "peak_power_w": peak(phase_peak, capped, c), "throttled": capped,
