@@ -17,6 +17,7 @@ vp, mbs, recompute and precision (the runner's fixed settings aside).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from collections import defaultdict
@@ -30,6 +31,7 @@ from advisor.models.calibrate import resolve_calibration  # noqa: E402
 from advisor.models.dataset import load  # noqa: E402
 from advisor.models.profile_fit import on_vm  # noqa: E402
 from advisor.search_spaces.space import SpaceOptions  # noqa: E402
+from moe_check import runner_router_skews, shape_of  # noqa: E402  (beside this file)
 
 RUNS = [ROOT / "data/measurements/h100x4-te.jsonl", ROOT / "data/measurements/tune-llama3-8b-h100x4-te.jsonl",
         ROOT / "data/measurements/h100x4-te-edge.jsonl"]
@@ -128,9 +130,16 @@ def main(argv=None) -> int:
     # the profile with our VM's host issue costs (profile_fit.on_vm): the layouts are ranked for the
     # machine our runs measured
     cal = on_vm(resolve_calibration(a.calibration, "te"))
+    # MoE groups ranked for the router our runs ran: the runner's untrained routers' skew measured at
+    # init (moe_check.runner_router_skews; te_check predicts these runs with it too), not the trained
+    # router's moe_router_skew the profile ships
+    skews = runner_router_skews([Path(p) for p in a.paths], "te")
     groups = measured_groups(a.paths)
     failed = failed_layouts(a.paths)
     print(f"recommend --stack te's #1 vs the best measured layout (target: >= {TARGET:.0%} of it)")
+    if skews:
+        print("MoE groups ranked with the runner's measured at-init router skew: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(skews.items())))
     print(f"{'model':<26}{'GPUs':>4}{'seq':>6}{'gbs':>4} {'prec':<5}{'n':>3}  {'settings':<9} {'#1':<26}"
           f"{'#1 / best measured':>36}  best measured (its rank)")
     fails = 0
@@ -138,8 +147,11 @@ def main(argv=None) -> int:
         meas = groups[g]
         if len(meas) < 2:
             continue
+        _, _, m0, _ = next(iter(meas.values()))
+        skew = skews.get(shape_of(m0)) if m0.is_moe else None
+        cal_g = cal if skew is None else dataclasses.replace(cal, constants=cal.constants.replace(moe_router_skew=skew))
         for runner in (False, True):
-            r = check(g, meas, cal, a.top, runner, failed)
+            r = check(g, meas, cal_g, a.top, runner, failed)
             first = short(r["first"].config) if r["first"] else "-"
             _, c0, m0, _ = next(iter(meas.values()))
             # the stack's allocator default is expandable segments on, the runner's off
