@@ -114,8 +114,9 @@ def band_check(paths: list[str]) -> list[dict]:
     from advisor.models import memory_band as MB
 
     out = []
-    for r, rec in zip(ME.rows(paths), (x for p in paths for x in read_jsonl(p) if x.get("status") in ("ok", "oom"))):
-        pr = list((rec.get("pressure") or {}).values())
+    records = {x["id"]: x for x in load(paths) if x.get("id")}
+    for r in ME.rows(paths):  # (rows skips what it cannot predict: matched by id, not by position)
+        pr = list(((records.get(r["id"]) or {}).get("pressure") or {}).values())
         if not pr:
             continue
         b = MB.band(r["stack"], r["moe"])
