@@ -106,8 +106,9 @@ def twins(paths=TWINS) -> dict:
 
 def band_check(paths: list[str]) -> list[dict]:
     """Each pressure record against the band (models.memory_band, recommend's rule without a margin):
-    its fullest stage's upper bound (allocated part + reserved-but-unallocated line + memory outside
-    the allocator) vs what the job had beside its ballast (device total - ballast). An OOM under an
+    its fullest stage's upper bound (allocated part + reserved-but-unallocated line, with expandable
+    segments no more than what the allocator cannot give back, + memory outside the allocator) vs
+    what the job had beside its ballast (device total - ballast). An OOM under an
     upper bound at most what it had would be a layout predicted to run that did not."""
     sys.path.insert(0, str(ROOT / "bench"))
     import memory_edge as ME  # noqa: E402  (beside this file)
@@ -120,7 +121,8 @@ def band_check(paths: list[str]) -> list[dict]:
         if not pr:
             continue
         b = MB.band(r["stack"], r["moe"])
-        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"])[1]
+        up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"],
+                        under_pressure=True)[1]  # the verdict's bound (recommend's)
         had = max(x["total_gib"] - x["ballast_gib"] for x in pr)  # the fullest stage's rank has the least ballast
         out.append({"id": r["id"], "status": r["status"], "upper": float(up), "had": had,
                     "headroom": pr[0]["headroom_gib"], "expandable": bool(r["x"])})
