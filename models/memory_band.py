@@ -279,6 +279,7 @@ def memory_fit(predicted_gib: float, per_stage_gib, outside_per_stage_gib, reser
             "band": {"lo": b.lo, "hi": b.hi, "add_lo_gib": b.add_lo_gib, "add_hi_gib": b.add_hi_gib,
                      "form": b.form, "kind": b.kind, "source": b.source,
                      "reserved_free_gib": float(reserved_free_per_stage_gib[k]), "expandable_segments": bool(expandable),
+                     "pressure_expandable_gib": b.rf_pressure_expandable_gib,
                      "periodic_schedule": bool(periodic),
                      "reserved_free_interval_gib": [float(rlo), float(rhi)]}}
 
@@ -290,8 +291,9 @@ def fit_line(mf: dict) -> str:
             f"usable {mf['usable_gib']:.1f} GiB (margin {mf['margin']:.0%}): headroom {mf['headroom_gib']:+.1f} GiB")
     if mf["fits"] and not mf.get("fits_without_retries", True):
         line += (f" with {mf['upper_under_pressure_gib']:.1f} GiB as the bound: counts on the allocator giving back up "
-                 f"to {hi - mf['upper_under_pressure_gib']:.1f} GiB of its cache (expandable segments; with only 2.5 GiB "
-                 f"to spare the pressed runs retried, 0-39% slower: bench/allocator_pressure.py)")
+                 f"to {hi - mf['upper_under_pressure_gib']:.1f} GiB of its cache (expandable segments; with only "
+                 f"{mf['band'].get('pressure_expandable_gib') or 0:.1f} GiB to spare the pressed runs retried, 0-39% "
+                 f"slower: bench/allocator_pressure.py)")
     return line
 
 
