@@ -507,6 +507,16 @@ class TrainConfig:
     # before its forward and backward and its gradient reduce-scattered after (models/memory.py).
     # Megatron-LM turns the distributed optimizer on with it; here it needs it on.
     fsdp: bool = False
+    # NCCL communicators created at each process group's first collective (lazy) instead of all at
+    # once when megatron-core opens its ~20 groups (eager). torch.distributed creates them eagerly
+    # only when init_process_group is given device_id (torch docs: "the communicator is immediately
+    # formed ... sub-groups will use ncclCommSplit"): Megatron-Bridge's initialize
+    # (src/megatron/bridge/training/initialize.py, _initialize_distributed) does not pass it, so a
+    # group no training step uses (a one-rank group, the plain DP group beside DP x CP, the
+    # model-parallel group ...) never holds a communicator (models/outside_memory.py). This
+    # project's runner passes device_id (eager: runners/megatron_args.runner_config); the te stack's
+    # layout default is lazy (NVIDIA's published recipes run through Megatron-Bridge / NeMo).
+    nccl_lazy_init: bool = False
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -515,7 +525,7 @@ class TrainConfig:
             raise SpecError(f"moe_capacity_factor must be a positive number or None (dropless), got {cf!r}")
         for n in ("moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
                   "moe_permute_fusion", "gradient_accumulation_fusion", "fp8_param_gather",
-                  "expandable_segments", "deallocate_pipeline_outputs", "fsdp"):
+                  "expandable_segments", "deallocate_pipeline_outputs", "fsdp", "nccl_lazy_init"):
             if not isinstance(getattr(self, n), bool):
                 raise SpecError(f"{n} must be true or false, got {getattr(self, n)!r}")
         if self.moe_pad_to_capacity and cf is None:

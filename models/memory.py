@@ -501,7 +501,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
              # the step's allocations change from micro-batch to micro-batch (memory_band.periodic_layout)
              "routing_sized": moe_layers * moe_bytes > 0,
              "outside_gib": outside_allocator_arrays(L.tp[r], L.pp[r], L.cp[r], L.dp[r], L.ep[r], L.etp[r], k,
-                                                     model.is_moe, L.fp8[r] != 0, c)}
+                                                     model.is_moe, L.fp8[r] != 0, c,
+                                                     L.lazy[r] if L.lazy is not None else False)}
     total_gib = (parts["weights_gib"] + parts["grads_gib"] + parts["optimizer_gib"] + parts["activations_gib"]
                  + parts["logits_gib"] + c.runtime_overhead_gib + parts["step_transient_gib"]
                  + parts["reserved_free_gib"])

@@ -22,6 +22,10 @@ all-gather of the token counts, expert TP, expert DP gradients) and the router's
 (tensor + data + context parallel, tensor + context parallel) (megatron-core 0.19.2:
 transformer/moe/token_dispatcher.py, router.py; distributed/).
 
+With init_process_group given no device_id (Megatron-Bridge's initialize, so NVIDIA's recipes;
+TrainConfig.nccl_lazy_init, the te stack's default) torch creates a group's communicator at its
+first collective: only the groups a step uses hold one (lazy=True below).
+
 Checked against the te runner's 19 stage records with memory_phases (`python bench/memory_edge.py
 --outside`): residual -0.5 to +0.6 GiB of 7.7-9.8 GiB measured.
 """
@@ -61,21 +65,27 @@ MOE_USED = (("ep", "all_to_all"), ("tp_ep", "collective"), ("etp", "collective")
             ("tp_cp", "collective"))
 
 
-def outside_allocator_arrays(tp, pp, cp, dp, ep, etp, stage, moe: bool, fp8, c: Constants = DEFAULT):
-    """GiB outside torch's allocator on one GPU of `stage` (ints or arrays, `fp8`: bool or a bool
-    array): context + world communicator + every group's communicator + the used groups'
-    connections."""
+def outside_allocator_arrays(tp, pp, cp, dp, ep, etp, stage, moe: bool, fp8, c: Constants = DEFAULT,
+                             lazy=False):
+    """GiB outside torch's allocator on one GPU of `stage` (ints or arrays, `fp8` and `lazy`: bool or
+    a bool array): context + world communicator + the groups' communicators + the used groups'
+    connections. Eager (init_process_group(device_id=...)): every group megatron-core opens holds a
+    communicator; lazy (TrainConfig.nccl_lazy_init): only the groups of more than one rank a step
+    uses (the ones whose connections are counted) create one, at their first collective."""
     g = megatron_groups(tp, pp, cp, dp, ep, etp, stage)
-    out = np.full(np.broadcast(*g.values()).shape, c.cuda_context_gib + c.nccl_world_gib)
+    lazy = np.asarray(lazy, bool)
+    out = np.full(np.broadcast(*g.values(), lazy).shape, c.cuda_context_gib + c.nccl_world_gib)
     for size in g.values():
-        out = out + np.where(size == 1, c.nccl_comm_single_gib, np.where(size > 1, c.nccl_comm_gib, 0.0))
+        out = out + np.where(lazy, 0.0, np.where(size == 1, c.nccl_comm_single_gib,
+                                                 np.where(size > 1, c.nccl_comm_gib, 0.0)))
     connect = {"collective": c.nccl_connect_gib, "p2p": c.nccl_p2p_connect_gib,
                "all_to_all": c.nccl_a2a_connect_gib}
     for kind, how in DENSE_USED + (MOE_USED if moe else ()):
-        out = out + np.where(g[kind] > 1, connect[how], 0.0)
+        used = g[kind] > 1
+        out = out + np.where(used, connect[how] + np.where(lazy, c.nccl_comm_gib, 0.0), 0.0)
     # the tensor + data + context parallel group: fp8's amax reduction, the MoE router's token counts
-    amax = np.asarray(fp8, bool) | bool(moe)
-    return out + np.where(amax & (g["tp_dp_cp"] > 1), c.nccl_connect_gib, 0.0)
+    amax = (np.asarray(fp8, bool) | bool(moe)) & (g["tp_dp_cp"] > 1)
+    return out + np.where(amax, c.nccl_connect_gib + np.where(lazy, c.nccl_comm_gib, 0.0), 0.0)
 
 
 def outside_allocator_gib(model, cfg, stage: int | None = None, c: Constants = DEFAULT) -> float:
@@ -83,5 +93,5 @@ def outside_allocator_gib(model, cfg, stage: int | None = None, c: Constants = D
     its stages)."""
     stages = np.arange(cfg.pp) if stage is None else np.array([stage])
     v = outside_allocator_arrays(cfg.tp, cfg.pp, cfg.cp, cfg.dp, cfg.ep, cfg.etp, stages, model.is_moe,
-                                    cfg.precision != "bf16", c)
+                                    cfg.precision != "bf16", c, cfg.nccl_lazy_init)
     return float(np.max(v))

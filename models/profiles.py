@@ -72,7 +72,10 @@ STACKS: dict[str, Stack] = {
          "expandable_segments": True,
          # the pipeline frees each stage's output once sent (Megatron-LM's training and Megatron-Bridge's
          # providers: deallocate_pipeline_outputs = True)
-         "deallocate_pipeline_outputs": True},
+         "deallocate_pipeline_outputs": True,
+         # NCCL communicators created at each group's first collective (Megatron-Bridge's initialize
+         # passes no device_id to init_process_group: TrainConfig.nccl_lazy_init)
+         "nccl_lazy_init": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
         {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
     "local": Stack(
@@ -94,7 +97,7 @@ def get_stack(name: str | None) -> Stack:
 # that does not say: TrainConfig's own defaults (Megatron's)
 STACK_OPTION_FALLBACKS = {f.name: f.default for f in fields(TrainConfig)
                           if f.name in ("cross_entropy_impl", "fp8_param_gather", "expandable_segments",
-                                        "deallocate_pipeline_outputs")}
+                                        "deallocate_pipeline_outputs", "nccl_lazy_init")}
 
 
 def stack_option_defaults(stack: str | None) -> dict[str, Any]:

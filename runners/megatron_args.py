@@ -105,14 +105,15 @@ def runner_config(cfg: TrainConfig, keep_requested: bool = False) -> TrainConfig
     """The layout as this project's runner runs it: effective_config with BF16 weights (the worker
     does not build FP8 primary weights: fp8_param_gather off), megatron-core's DDP with the
     distributed optimizer, not Megatron FSDP (fsdp off: the worker builds DistributedDataParallel
-    itself), torch's allocator as it comes (expandable segments off) and megatron-core's default of
+    itself), NCCL communicators created eagerly (nccl_lazy_init off: the worker passes device_id to
+    init_process_group), torch's allocator as it comes (expandable segments off) and megatron-core's default of
     keeping the pipeline's sent outputs (deallocate_pipeline_outputs off); with `keep_requested` (a
     batch line that asks for them) the last two as the layout says: the worker then turns
     expandable segments on for that job (megatron_worker.set_allocator) and its TransformerConfig
     sets deallocate_pipeline_outputs. Its records say so."""
     cfg = effective_config(cfg)
-    runner_off = ("fp8_param_gather", "fsdp") + (() if keep_requested else ("expandable_segments",
-                                                                             "deallocate_pipeline_outputs"))
+    runner_off = ("fp8_param_gather", "fsdp", "nccl_lazy_init") + (() if keep_requested else ("expandable_segments",
+                                                                                               "deallocate_pipeline_outputs"))
     off = {k: False for k in runner_off if getattr(cfg, k)}
     return cfg.replace(**off) if off else cfg
 

@@ -86,6 +86,8 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
         L.xseg = np.ones(n, bool)
     if options.deallocate_pipeline_outputs:
         L.dpo = np.ones(n, bool)
+    if options.nccl_lazy_init:
+        L.lazy = np.ones(n, bool)
     if options.fsdp:  # Megatron FSDP wherever the layout has the distributed optimizer
         L.fsdp = col["dist"].astype(bool)
     L.split = col["split"]
@@ -146,6 +148,7 @@ class Layouts:
     xseg: np.ndarray | None = None  # TrainConfig.expandable_segments (None: all off)
     dpo: np.ndarray | None = None  # TrainConfig.deallocate_pipeline_outputs (None: all off)
     fsdp: np.ndarray | None = None  # TrainConfig.fsdp (None: all off)
+    lazy: np.ndarray | None = None  # TrainConfig.nccl_lazy_init (None: all eager)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -191,7 +194,8 @@ class Layouts:
                    xseg=col("expandable_segments", bool) if any(c.expandable_segments for c in cfgs) else None,
                    dpo=col("deallocate_pipeline_outputs", bool) if any(c.deallocate_pipeline_outputs for c in cfgs)
                    else None,
-                   fsdp=col("fsdp", bool) if any(c.fsdp for c in cfgs) else None)
+                   fsdp=col("fsdp", bool) if any(c.fsdp for c in cfgs) else None,
+                   lazy=col("nccl_lazy_init", bool) if any(c.nccl_lazy_init for c in cfgs) else None)
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -212,7 +216,8 @@ class Layouts:
                 fp8_param_gather=bool(self.fpg[i]) if self.fpg is not None else False,
                 expandable_segments=bool(self.xseg[i]) if self.xseg is not None else False,
                 deallocate_pipeline_outputs=bool(self.dpo[i]) if self.dpo is not None else False,
-                fsdp=bool(self.fsdp[i]) if self.fsdp is not None else False)
+                fsdp=bool(self.fsdp[i]) if self.fsdp is not None else False,
+                nccl_lazy_init=bool(self.lazy[i]) if self.lazy is not None else False)
         return c
 
     def key(self, i: int) -> str:

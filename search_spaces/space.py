@@ -70,6 +70,9 @@ class SpaceOptions:
     # the pipeline frees each stage's output once sent (TrainConfig.deallocate_pipeline_outputs); None:
     # the stack's layout default
     deallocate_pipeline_outputs: bool | None = None
+    # NCCL communicators at each group's first collective (TrainConfig.nccl_lazy_init); None: the
+    # stack's layout default
+    nccl_lazy_init: bool | None = None
     # Megatron FSDP (optim_grads_params) wherever a layout has the distributed optimizer (TrainConfig.fsdp)
     fsdp: bool = False
     moe_fusion: bool = False  # TE's fused router and permutation on a MoE model (the te stack's recipes)
@@ -260,6 +263,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 and workload.precision in ("fp8", "mxfp8"),
                                 expandable_segments=bool(options.expandable_segments),
                                 deallocate_pipeline_outputs=bool(options.deallocate_pipeline_outputs),
+                                nccl_lazy_init=bool(options.nccl_lazy_init),
                                 fsdp=options.fsdp and dist,
                                 moe_router_fusion=options.moe_fusion and model.is_moe,
                                 moe_permute_fusion=options.moe_fusion and model.is_moe,
