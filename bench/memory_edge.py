@@ -714,8 +714,7 @@ def main() -> None:
         b = MB.band(r["stack"], r["moe"])
         up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"], under_pressure=True)[1]
         usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
-        ok = bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"], margins[r["stack"]],
-                          r["periodic"], r["rf_off"]))
+        ok = bool(up <= usable)  # MB.fits: the verdict's bound
         fit_oom += ok
         without += bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"],
                                 margins[r["stack"]], r["periodic"], r["rf_off"], under_pressure=False))

@@ -259,6 +259,23 @@ def s24e() -> list[dict]:
            ("dpo", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo))]
     return _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=15)
 
+# Session 25's pressed layouts (issue #27: x4-te-s25, -s25c, -s25d), each with the model arguments
+# of its _jobs call: GPT-3 2.7B PP2 VP16 mbs8 FP8, llama3-70b[8L] PP4 VP2 FP8, llama3-8b[32L] PP4 VP4,
+# llama3-8b[8L] CP2 mbs8, the Mixtral proxy EP4 mbs1
+ES = {"expandable_segments": True}
+DPO = {"deallocate_pipeline_outputs": True}
+GPT3_VP16 = dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8")
+L70_VP2 = dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8")
+L8_VP4 = dict(pp=4, vp=4, dp=1, mbs=1)
+L8_CP2 = dict(cp=2, dp=2, mbs=8)
+MIX_EP4 = dict(dp=4, ep=4, mbs=1)
+
+
+def _press(layout: dict, headroom: float, *settings: dict) -> tuple[str, dict]:
+    """A "press" row: the layout with its allocator settings and pressure_headroom_gib."""
+    return ("press", {**layout, **{k: v for d in settings for k, v in d.items()}, "pressure_headroom_gib": headroom})
+
+
 def s25() -> list[dict]:
     """Session 25, issue #27: is what torch's caching allocator holds beyond the allocated peak
     (reserved but unallocated) given back when the device fills? Each "press" job runs its warmup,
@@ -270,18 +287,11 @@ def s25() -> list[dict]:
     pipelines like the published llama3-70b recipe's (PP with VP, outputs freed, FP8): llama3-70b[8L]
     PP4 VP2 and llama3-8b[32L] PP4 VP4, expandable segments off and on, unpressed and pressed (on);
     and nemotron4-15b's runner #1 (bench/te_recommend_check.py)."""
-    pr = {"pressure_headroom_gib": 1.0}
-    es = {"expandable_segments": True}
-    dpo = {"deallocate_pipeline_outputs": True}
-    gpt = [("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **es, **dpo, **pr)),
-           ("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo, **pr))]
-    l70 = [("vpp", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **dpo)),
-           ("vpp", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **es, **dpo)),
-           ("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **es, **dpo, **pr))]
-    l8pp = [("vpp", dict(pp=4, vp=4, dp=1, mbs=1, **dpo)), ("vpp", dict(pp=4, vp=4, dp=1, mbs=1, **es, **dpo)),
-            ("press", dict(pp=4, vp=4, dp=1, mbs=1, **es, **dpo, **pr))]
-    l8 = [("press", dict(cp=2, dp=2, mbs=8, **es, **pr)), ("press", dict(cp=2, dp=2, mbs=8, **pr))]
-    mix = [("press", dict(dp=4, ep=4, mbs=1, **pr))]
+    gpt = [_press(GPT3_VP16, 1.0, ES, DPO), _press(GPT3_VP16, 1.0, DPO)]
+    l70 = [("vpp", {**L70_VP2, **DPO}), ("vpp", {**L70_VP2, **ES, **DPO}), _press(L70_VP2, 1.0, ES, DPO)]
+    l8pp = [("vpp", {**L8_VP4, **DPO}), ("vpp", {**L8_VP4, **ES, **DPO}), _press(L8_VP4, 1.0, ES, DPO)]
+    l8 = [_press(L8_CP2, 1.0, ES), _press(L8_CP2, 1.0)]
+    mix = [_press(MIX_EP4, 1.0)]
     return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=17)
             + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=14)
             + _jobs("llama3-8b", "l8b", l8pp, layers=32, seq=4096, gbs=16, first=46)
@@ -295,11 +305,10 @@ def s25b() -> list[dict]:
     FP8) and with the stack's (expandable segments on: the Mixtral proxy in FP8, the Qwen3 proxy at
     6 layers). llama3-8b's stack #1s (BF16 mbs8 at seq 4096, mbs4 at 8192) are left out: under the
     runner's settings they are predicted at 76.3 GiB allocated, over the usable 75.7."""
-    es = {"expandable_segments": True}
     nem = [("top", dict(tp=2, dp=2, mbs=4, sequence_parallel=True))]
     mix = [("top", dict(dp=4, ep=4, etp=1, mbs=4, precision="fp8")),
-           ("top", dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, precision="fp8", **es))]
-    qw = [("top", dict(dp=4, ep=2, etp=1, mbs=8, **es))]
+           ("top", dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, precision="fp8", **ES))]
+    qw = [("top", dict(dp=4, ep=2, etp=1, mbs=8, **ES))]
     return (_jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=7)
             + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=16)
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=15))
@@ -310,16 +319,11 @@ def s25c() -> list[dict]:
     (at 1 GiB six of seven ran out of memory, the allocator holding 1.0-2.9 GiB it could not give
     back), and llama3-70b[8L] PP4 VP2 FP8 pressed with expandable segments off (x4-te-s25b's two
     #1s that had no time run after it in the same call)."""
-    pr = {"pressure_headroom_gib": 2.5}
-    es = {"expandable_segments": True}
-    dpo = {"deallocate_pipeline_outputs": True}
-    gpt = [("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **es, **dpo, **pr)),
-           ("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo, **pr))]
-    l70 = [("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **es, **dpo, **pr)),
-           ("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **dpo, **pr))]
-    l8pp = [("press", dict(pp=4, vp=4, dp=1, mbs=1, **es, **dpo, **pr))]
-    l8 = [("press", dict(cp=2, dp=2, mbs=8, **pr))]
-    mix = [("press", dict(dp=4, ep=4, mbs=1, **pr))]
+    gpt = [_press(GPT3_VP16, 2.5, ES, DPO), _press(GPT3_VP16, 2.5, DPO)]
+    l70 = [_press(L70_VP2, 2.5, ES, DPO), _press(L70_VP2, 2.5, DPO)]
+    l8pp = [_press(L8_VP4, 2.5, ES, DPO)]
+    l8 = [_press(L8_CP2, 2.5)]
+    mix = [_press(MIX_EP4, 2.5)]
     return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=19)
             + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=17)
             + _jobs("llama3-8b", "l8b", l8pp, layers=32, seq=4096, gbs=16, first=51)
@@ -333,14 +337,12 @@ def s25d() -> list[dict]:
     issue #27's pressure runs with expandable segments off at 4 GiB of headroom (the three dense
     layouts that ran out at 2.5) and a second MoE layout pressed with them off (the Qwen3 proxy 12L
     EP4 mbs4, 2.5 GiB)."""
-    dpo = {"deallocate_pipeline_outputs": True}
-    p4 = {"pressure_headroom_gib": 4.0}
     qw = [("top", dict(dp=4, ep=4, etp=1, mbs=4))]
     mix = [("top", dict(dp=4, ep=4, etp=1, mbs=2, precision="fp8"))]
-    gpt = [("press", dict(pp=2, vp=16, dp=2, mbs=8, precision="fp8", **dpo, **p4))]
-    l70 = [("press", dict(pp=4, vp=2, dp=1, mbs=1, precision="fp8", **dpo, **p4))]
-    l8 = [("press", dict(cp=2, dp=2, mbs=8, **p4))]
-    qw12 = [("press", dict(dp=4, ep=4, etp=1, mbs=4, pressure_headroom_gib=2.5))]
+    gpt = [_press(GPT3_VP16, 4.0, DPO)]
+    l70 = [_press(L70_VP2, 4.0, DPO)]
+    l8 = [_press(L8_CP2, 4.0)]
+    qw12 = [_press(dict(dp=4, ep=4, etp=1, mbs=4), 2.5)]
     return (_jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=16)
             + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=19)
             + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=21)

@@ -153,7 +153,6 @@ def main(argv=None) -> int:
         for runner in (False, True):
             r = check(g, meas, cal_g, a.top, runner, failed)
             first = short(r["first"].config) if r["first"] else "-"
-            _, c0, m0, _ = next(iter(meas.values()))
             # the stack's allocator default is expandable segments on, the runner's off
             fail = failed.get((m0.name.split("[")[0], m0.num_layers, *g[1:], r["k1"], not runner))
             if fail:

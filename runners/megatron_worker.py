@@ -312,8 +312,7 @@ def apply_pressure(job, state):
     allocator cached beyond that was releasable (issue #27). A ballast the allocator cannot place is
     recorded (ballast_error) and the steps run without it. Peak counters restart after it."""
     plan = pressure_plan(torch.cuda, float(job["pressure_headroom_gib"]))
-    n = int(plan["ballast_gib"] * GIB) // (2 << 20) * (2 << 20)  # whole 2 MiB pages: reserved = n
-    plan["ballast_gib"] = n / GIB
+    n = int(plan["ballast_gib"] * GIB)  # whole 2 MiB pages (pressure_plan): exact in GiB
     try:
         if n > 0:
             state["ballast"] = torch.empty(n, dtype=torch.uint8, device="cuda")

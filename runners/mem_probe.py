@@ -106,7 +106,8 @@ def pressure_plan(cuda, headroom_gib: float) -> dict:
     reserved, peak = cuda.memory_reserved(), cuda.max_memory_allocated()
     outside = (total - free) - reserved
     limit = peak + headroom_gib * GIB
-    ballast = max(0, int(total - outside - limit))
+    page = 2 << 20  # whole 2 MiB pages: the ballast's reserved memory is its size
+    ballast = max(0, int(total - outside - limit)) // page * page
     return {"headroom_gib": headroom_gib, "total_gib": _gib(total), "outside_gib": _gib(outside),
             "peak_allocated_gib": _gib(peak), "allocated_gib": _gib(cuda.memory_allocated()),
             "reserved_gib": _gib(reserved), "free_gib": _gib(free), "ballast_gib": _gib(ballast),
