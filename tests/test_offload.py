@@ -132,3 +132,33 @@ def test_arguments_and_the_runner_config():
     assert refusal(M8, cfg, "te") is None
     out, counts = refused(M8, Layouts.of(M8, [BASE, cfg]), "local")
     assert out.tolist() == [False, True] and counts == {"cpu_offload": 1}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--cpu-offload-layers", "-1"], "--cpu-offload-layers must be >= 0"),
+    (["--cpu-offload-layers", "2", "--pp", "2"], "Pipeline parallelism with CPU offloading"),
+    (["--cpu-offload-layers", "2", "--recompute", "full"], "activation recomputation"),
+    (["--cpu-offload-layers", "32"], "must be below the 32 layers"),
+])
+def test_bad_offload_input_is_one_error_line(args, says):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "advisor", "predict", "-m", "llama3-8b", "-c", "h100x8", *args],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], p.stderr
+
+
+def test_predict_shows_it():
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "advisor", "predict", "-m", "llama3-8b", "-c", "h100x8", "--stack", "te"]
+    p = subprocess.run(base + ["--cpu-offload-layers", "8", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["config"]["cpu_offload_layers"] == 8
+    p = subprocess.run(base + ["--cpu-offload-layers", "8"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "offload 8L" in p.stdout
