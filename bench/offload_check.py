@@ -23,11 +23,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def _wait_s(model, cluster, cfg, c) -> float:
+def _copy_terms(model, cluster, cfg, c) -> dict:
+    """The exposed wait per microbatch (ms), one layer's activations (GB), its copy over the host
+    link (ms) and one layer's forward (ms): the stage's forward over its layers."""
+    from advisor.models.memory import layer_activation_bytes
     from advisor.models.step_time import stage_times
 
-    return stage_times(model, cluster, cfg, c)[0].overhead_s - stage_times(
-        model, cluster, cfg.replace(cpu_offload_layers=0), c)[0].overhead_s
+    on, off = stage_times(model, cluster, cfg, c)[0], stage_times(model, cluster, cfg.replace(cpu_offload_layers=0), c)[0]
+    b = layer_activation_bytes(model, 0, cfg, c)
+    return {"wait_ms": 1e3 * (on.overhead_s - off.overhead_s), "layer_gb": b / 1e9,
+            "copy_ms": 1e3 * b / (cluster.gpu.host_link_gbs * 1e9 * c.host_link_efficiency),
+            "fwd_ms": 1e3 * off.forward_s / model.num_layers}
 
 
 def recipe_rows(row_id: str = "161") -> list[dict]:
@@ -48,7 +54,7 @@ def recipe_rows(row_id: str = "161") -> list[dict]:
             out.append({"row": row_id, "gpu": r.gpu_type, "recipe": recipe, "offload": n,
                         "gib": peak_memory_gib(r.model, cfg, c), "usable_of": r.cluster.gpu.memory_gib,
                         "tok_s_gpu": p.tokens_per_s_per_gpu, "measured_tok_s_gpu": r.tokens_per_s_per_gpu,
-                        "wait_ms": 1e3 * _wait_s(r.model, r.cluster, cfg, c)})
+                        **_copy_terms(r.model, r.cluster, cfg, c)})
     return out
 
 
@@ -76,23 +82,28 @@ def campaign_rows(paths: list[str]) -> list[dict]:
         rec = measured.get(e.id) or {}
         out.append({"id": e.id, "seq": cfg.seq, "mbs": cfg.mbs, "offload": cfg.cpu_offload_layers,
                     "gib": peak_memory_gib(e.model, cfg, c), "step_s": p.step_time_s,
-                    "wait_ms": 1e3 * _wait_s(e.model, cluster, cfg, c), "status": rec.get("status", "-"),
+                    **_copy_terms(e.model, cluster, cfg, c), "status": rec.get("status", "-"),
                     "meas_gib": (rec.get("memory") or {}).get("max_reserved_gib"),
                     "meas_step_s": (rec.get("steps") or {}).get("median_s")})
     return out
 
 
+def _copy_cells(r: dict) -> str:
+    return f"{r['layer_gb']:8.2f} {r['copy_ms']:8.1f} {r['fwd_ms']:13.1f} {r['wait_ms']:19.1f}"
+
+
 def main(argv: list[str]) -> int:
-    print("row  gpu    fp8 recipe  offload  GiB (of)        tok/s/GPU (measured)  wait ms/microbatch")
+    copy = "layer GB  copy ms  fwd ms/layer  wait ms/microbatch"
+    print(f"row  gpu    fp8 recipe  offload  GiB (of)        tok/s/GPU (measured)  {copy}")
     for r in recipe_rows():
         print(f"{r['row']:<4} {r['gpu']:<6} {r['recipe']:<11} {r['offload']:>7}  {r['gib']:6.1f} ({r['usable_of']:.0f})"
-              f"  {r['tok_s_gpu']:9,.0f} ({r['measured_tok_s_gpu']:,.0f})  {r['wait_ms']:8.1f}")
-    print("\nid                  seq   mbs offload  GiB   step s  wait ms  | measured: status  GiB   step s")
+              f"  {r['tok_s_gpu']:9,.0f} ({r['measured_tok_s_gpu']:,.0f})  {_copy_cells(r)}")
+    print(f"\nid                  seq   mbs offload  GiB   step s  {copy}  | measured: status  GiB   step s")
     for r in campaign_rows(argv):
         mg = f"{r['meas_gib']:5.1f}" if r["meas_gib"] is not None else "    -"
         ms = f"{r['meas_step_s']:7.3f}" if r["meas_step_s"] is not None else "      -"
-        print(f"{r['id']:<19} {r['seq']:>5} {r['mbs']:>4} {r['offload']:>7} {r['gib']:5.1f} {r['step_s']:7.3f} "
-              f"{r['wait_ms']:8.1f}  | {r['status']:>8} {mg} {ms}")
+        print(f"{r['id']:<19} {r['seq']:>5} {r['mbs']:>4} {r['offload']:>7} {r['gib']:5.1f} {r['step_s']:7.3f}  "
+              f"{_copy_cells(r)}  | {r['status']:>8} {mg} {ms}")
     return 0
 
 
