@@ -162,3 +162,18 @@ def test_predict_shows_it():
     assert json.loads(p.stdout)["config"]["cpu_offload_layers"] == 8
     p = subprocess.run(base + ["--cpu-offload-layers", "8"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "offload 8L" in p.stdout
+
+
+def test_the_bench_reports_the_gb200_recipe_and_the_campaign():
+    from support import load_bench
+
+    b = load_bench("offload_check")
+    rows = {(r["recipe"], r["offload"]): r for r in b.recipe_rows("161")}
+    for recipe in {k[0] for k in rows}:
+        none, half, most = rows[(recipe, 0)], rows[(recipe, 20)], rows[(recipe, 40)]
+        assert none["gib"] - half["gib"] == pytest.approx(half["gib"] - most["gib"])  # 20 layers each
+        assert most["gib"] < none["gib"] - 100
+        assert most["tok_s_gpu"] <= none["tok_s_gpu"]
+    jobs = b.campaign_rows([])
+    assert len(jobs) == 6 and {j["offload"] for j in jobs} == {0, 4, 8}
+    assert all(j["wait_ms"] == 0.0 for j in jobs if j["offload"] == 0)
