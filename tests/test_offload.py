@@ -97,6 +97,9 @@ def test_exposed_time_grows_as_the_host_link_shrinks_and_zero_layers_is_unchange
     st = stage_times(M8, _with_link(2.0), cfg)[0]
     t_c = layer_activation_bytes(M8, 0, BASE, c) / (2.0e9 * c.host_link_efficiency)
     assert st.overhead_s - base.overhead_s > 2 * (8 * t_c - 14 * st.backward_s / 16)
+    # where both passes are bound by the copies, halving the link adds N copies' time to each pass
+    slower = stage_times(M8, _with_link(1.0), cfg)[0]
+    assert slower.overhead_s - st.overhead_s == pytest.approx(2 * 8 * t_c, rel=1e-9)
     # no layer offloaded: the same prediction, bit for bit, alone or beside offloading rows
     alone = predict(M8, H100, BASE)
     res = vz.evaluate(M8, H100, Layouts.of(M8, [cfg, BASE]), c)
