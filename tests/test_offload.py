@@ -104,6 +104,7 @@ def test_exposed_time_grows_as_the_host_link_shrinks_and_zero_layers_is_unchange
     alone = predict(M8, H100, BASE)
     res = vz.evaluate(M8, H100, Layouts.of(M8, [cfg, BASE]), c)
     assert res.prediction(1).to_dict() == alone.to_dict()
+    assert res.prediction(0).to_dict() == predict(M8, H100, cfg).to_dict()
     assert predict(M8, H100, BASE.replace(cpu_offload_layers=0)).to_dict() == alone.to_dict()
     # memory falls, time does not fall
     off = predict(M8, _with_link(2.0), cfg)
