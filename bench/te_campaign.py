@@ -391,6 +391,20 @@ def s26b() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=19))
 
 
+def s26_offload() -> list[dict]:
+    """Session 26, issues #27 / #25: activation offloading to host memory (TrainConfig.cpu_offload_layers,
+    megatron-core cpu_offloading through TE's get_cpu_offload_context; PP 1, no recompute) on
+    llama3-8b[16L] TP1 PP1 DP4 BF16 over the H100s' PCIe Gen5 x16: 0 / 4 / 8 of the 16 layers at
+    seq 8192 mbs1 (memory falls by the offloaded layers' activations, the D2H / H2D copies hide
+    behind the other layers' compute: models/offload.py), 0 / 8 at seq 4096 mbs2 (the same tokens per
+    microbatch, half the attention), and 8 at seq 8192 mbs2 (twice the bytes per layer against the
+    same link)."""
+    rows = [("offload", dict(dp=4, mbs=1, seq=8192, gbs=16, cpu_offload_layers=n)) for n in (0, 4, 8)]
+    rows += [("offload", dict(dp=4, mbs=2, seq=4096, gbs=32, cpu_offload_layers=n)) for n in (0, 8)]
+    rows += [("offload", dict(dp=4, mbs=2, seq=8192, gbs=16, cpu_offload_layers=8))]
+    return _jobs("llama3-8b", "l8bo", rows, layers=16)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -503,7 +517,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
            "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c, "x4-te-s25d": s25d,
-           "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b}
+           "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
