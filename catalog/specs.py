@@ -46,10 +46,10 @@ def quant_parts(code: int) -> tuple[str, str]:
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 # megatron-core TransformerConfig.recompute_modules choices (selective recompute; default
 # ["core_attn"]): "moe_act", "layernorm", "mla_up_proj" use output-discarding checkpointing, the
-# others normal checkpointing (transformer_config.py). Their order is the bit order of
-# search_spaces.columns' recompute-module code.
-RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts",
-                                      "mla_up_proj")
+# others normal checkpointing (transformer_config.py). In megatron-core's order, which is the order
+# TrainConfig keeps them in (a set to megatron) and the bit order of search_spaces.columns' code.
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                      "shared_experts")
 # Mixture of experts: Megatron's token dispatchers (--moe-token-dispatcher-type) and routers
 # ("aux_loss": a trained router kept near balance by the auxiliary loss; "forced": random logits,
 # --moe-router-force-load-balancing, what NVIDIA's published MoE benchmarks run). "flex" is
@@ -580,7 +580,7 @@ class TrainConfig:
     def _check_recompute_knobs(self) -> None:
         """recompute_layers / recompute_modules: their types and the mode each needs (megatron-core's
         TransformerConfig.__post_init__: recompute_num_layers must be None for selective, the
-        modules are read only for selective); a list of modules becomes a tuple."""
+        modules are read only for selective); the modules become a tuple in RECOMPUTE_MODULES order."""
         n = self.recompute_layers
         if n is not None:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -599,6 +599,7 @@ class TrainConfig:
                             f"choose from {', '.join(RECOMPUTE_MODULES)}")
         if len(set(mods)) != len(mods):
             raise SpecError(f"recompute_modules names a module twice: {mods!r}")
+        object.__setattr__(self, "recompute_modules", tuple(sorted(mods, key=RECOMPUTE_MODULES.index)))
         if mods and self.recompute != "selective":
             raise SpecError(f"recompute_modules needs recompute 'selective', got recompute {self.recompute!r}")
 
