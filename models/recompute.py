@@ -176,6 +176,16 @@ def saved_table(memo: Memo, key, code: int) -> np.ndarray:
         [selective_saved_bytes(memo.model, i, _layer_cfg(key), memo.c, recompute_modules_of(code)) for i in memo.kinds]))
 
 
+def rank_chunk_layers(plan, rank: int) -> list[range]:
+    """The layers of each virtual chunk of a pipeline rank, in virtual-stage order: a PipelinePlan's
+    chunks, or a memory.ContiguousSplit's rank layers cut into vp equal chunks (as it takes them)."""
+    if hasattr(plan, "chunk_ranges"):
+        return [plan.chunk_ranges[ch] for ch in plan.rank_chunks(rank)]
+    lay = plan.rank_layers[rank]
+    cuts = np.linspace(0, len(lay), plan.vp + 1).round().astype(int)
+    return [lay[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+
+
 def block_table(memo: Memo, plan, n: int, m: int) -> np.ndarray:
     """[2, pp, K]: per rank, the layers of each kind the block method recomputes (the first n of
     each virtual chunk) and their layer-microbatches in flight at the rank's peak
@@ -185,8 +195,8 @@ def block_table(memo: Memo, plan, n: int, m: int) -> np.ndarray:
         layers, flight = [], []
         for r in range(plan.pp):
             lay, fl = {}, {}
-            for k, ch in zip(in_flight_chunks(cfg, r), plan.rank_chunks(r)):
-                for i, cnt in layer_kind_counts(memo.model, plan.chunk_ranges[ch][:n]).items():
+            for k, chunk in zip(in_flight_chunks(cfg, r), rank_chunk_layers(plan, r)):
+                for i, cnt in layer_kind_counts(memo.model, chunk[:n]).items():
                     lay[i] = lay.get(i, 0) + cnt
                     fl[i] = fl.get(i, 0.0) + k * cnt
             layers.append(lay)

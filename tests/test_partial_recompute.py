@@ -111,6 +111,17 @@ def test_block_counts_each_virtual_chunk():
     assert rc_s(cfg.replace(recompute_layers=2)) == pytest.approx([x / 2 for x in rc_s(cfg)], rel=1e-12)
 
 
+def test_block_with_a_placement_split():
+    """stage_memory of another contiguous split (a placement's): the block method counts the first
+    n layers of each of the stage's chunks there too."""
+    cfg = BASE.replace(recompute="full")
+    split = [10, 6]
+    every = [s.activations_gib for s in stage_memory(L8, cfg, layer_counts=split)]
+    none = [s.activations_gib for s in stage_memory(L8, BASE, layer_counts=split)]
+    six = [s.activations_gib for s in stage_memory(L8, cfg.replace(recompute_layers=6), layer_counts=split)]
+    assert six[1] == pytest.approx(every[1], rel=1e-12) and every[0] < six[0] < none[0]
+
+
 def test_selective_modules_move_memory_and_time():
     sel = BASE.replace(recompute="selective")
     core = sel.replace(recompute_modules=("core_attn",))
