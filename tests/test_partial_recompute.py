@@ -235,3 +235,15 @@ def test_campaign_batch_runs_the_knobs():
     assert MA.transformer_config_kwargs(entries[-1].model, entries[-1].config)["recompute_modules"] == ["moe_act"]
     written = (T.CONFIGS / "x4-te-s26-recompute.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in written] == jobs
+
+
+def test_layout_from_flags_carries_the_knobs():
+    from advisor.api import layout_from_flags
+    cl = load_cluster("h100x8")
+    cfg = layout_from_flags(L8, cl, {"pp": 2, "mbs": 1, "gbs": 16, "recompute": "selective",
+                                     "recompute_modules": ["mlp", "layernorm"]})
+    assert cfg.recompute_modules == ("layernorm", "mlp")
+    cfg = layout_from_flags(L8, cl, {"pp": 2, "mbs": 1, "gbs": 16, "recompute": "full", "recompute_layers": 3})
+    assert cfg.recompute_layers == 3
+    with pytest.raises(SpecError, match="recompute_layers needs recompute 'full'"):
+        layout_from_flags(L8, cl, {"pp": 2, "mbs": 1, "gbs": 16, "recompute_layers": 3})
