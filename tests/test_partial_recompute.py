@@ -230,9 +230,12 @@ def test_campaign_batch_runs_the_knobs():
     assert not [e.id for e in entries if e.refused]
     assert [e.config.recompute_layers for e in entries[:3]] == [0, 4, 8]
     assert [e.config.recompute_modules for e in entries[3:]] == [("mlp",), ("layernorm", "mlp"), ("moe_act",)]
-    kw = MA.transformer_config_kwargs(entries[1].model, entries[1].config)
-    assert (kw["recompute_method"], kw["recompute_num_layers"]) == ("block", 4)
-    assert MA.transformer_config_kwargs(entries[-1].model, entries[-1].config)["recompute_modules"] == ["moe_act"]
+    from advisor.runners.jobs import job_for
+    tcs = [job_for(e, i)["tc"] for i, e in enumerate(entries)]  # what the worker builds TransformerConfig from
+    assert [(t["recompute_granularity"], t["recompute_method"], t["recompute_num_layers"]) for t in tcs[:3]] == [
+        ("full", "block", 0), ("full", "block", 4), ("full", "block", 8)]
+    assert [t["recompute_modules"] for t in tcs[3:]] == [["mlp"], ["layernorm", "mlp"], ["moe_act"]]
+    assert all("recompute_method" not in t for t in tcs[3:])
     written = (T.CONFIGS / "x4-te-s26-recompute.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in written] == jobs
 
