@@ -40,7 +40,7 @@ import numpy as np
 
 from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import Constants
-from advisor.models.flops import layer_params
+from advisor.models.flops import layer_params, qk_norm_width
 from advisor.models.moe import expert_load, moe_activation_elements, moe_tokens
 from advisor.models.quant import saved_input_bytes
 from advisor.models.stages import Memo, Stages, gather_blocks, quant_fields
@@ -116,9 +116,11 @@ def selective_saved_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Con
 
 def module_forward_parts(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants, hbm_bw: float,
                          modules: Sequence[str]) -> np.ndarray:
-    """[5] what the selective recompute of `modules` re-runs of one layer's forward, as shares of
+    """[6] what the selective recompute of `modules` re-runs of one layer's forward, as shares of
     its forward terms plus seconds of its own: (share of the GEMM and FP8-cast time, share of the
-    attention, share of the TP collectives, share of the EP all-to-all, memory-bound seconds).
+    attention, share of the TP collectives, share of the EP all-to-all, memory-bound seconds, share
+    of the memory-bound time; "moe": all of it less the passes outside the MoE block, i.e. the
+    router's, the permutation's and the experts' memory-bound work).
     A module's GEMM share is its weights' share of the weights one token passes through (forward
     GEMM FLOPs are 2 x those per token; a routed token passes top_k experts of the layer's E x the
     busiest rank's load); its memory-bound seconds are the passes step_time.layer_forward counts."""
@@ -135,7 +137,7 @@ def module_forward_parts(model: ModelSpec, layer: int, cfg: TrainConfig, c: Cons
     sp = t if cfg.sequence_parallel else 1
     T = s * b
     rate = c.bytes_activation / (hbm_bw * c.hbm_efficiency)
-    gemm = attn = tp = ep = mb = 0.0
+    gemm = attn = tp = ep = mb = mb_share = 0.0
     if "core_attn" in mods:
         attn = 1.0
     if "mlp" in mods and not moe_layer:
@@ -154,12 +156,18 @@ def module_forward_parts(model: ModelSpec, layer: int, cfg: TrainConfig, c: Cons
             gemm += (lp.shared_experts + lp.router + routed_w) / per_token
             ep = 1.0
             tp += 0.5
+            mb_share = 1.0  # less step_time.layer_forward's passes outside the MoE block:
+            mb -= rate * T * (c.elementwise_hidden_passes * h / sp
+                              + c.norm_passes * ((model.norms_per_layer - 2) * h / sp + qk_norm_width(model) / t))
+            if cfg.cp > 1:  # and CP's per-step merges of the attention output
+                width = model.num_attention_heads * (model.mla.v_head_dim if model.mla is not None else model.head_dim) / t
+                mb -= cfg.cp * c.cp_step_passes * T * width * 4.0 / (hbm_bw * c.hbm_efficiency) / 3
         if "shared_experts" in mods:
             gemm += lp.shared_experts / per_token
         if "moe_act" in mods:
             routed = moe_tokens(model, cfg) * model.moe.top_k * expert_load(model, cfg, c)[0]
             mb += rate * c.elementwise_ffn_passes * routed * model.moe.ffn_hidden_size
-    return np.array([gemm, attn, tp, ep, mb])
+    return np.array([gemm, attn, tp, ep, mb, mb_share])
 
 
 def _layer_cfg(key) -> TrainConfig:
@@ -274,9 +282,9 @@ def recompute_time(model: ModelSpec, L, memo: Memo, S: Stages, U: np.ndarray, fi
                 cfg = cfgs.setdefault(u, _time_cfg(L, int(S.row[i])))
                 parts = memo.get("rc_parts", (cfg, int(code), hbm_bw), lambda: np.array(
                     [module_forward_parts(model, k, cfg, memo.c, hbm_bw, recompute_modules_of(int(code))) for k in memo.kinds]))
-                g, a, t, e, mb = (parts[:, x] for x in range(5))
+                g, a, t, e, mb, ms = (parts[:, x] for x in range(6))
                 per = (g * (f["gemm_s"][u] + f["fp8_fwd_s"][u]) + a * f["attention_s"][u] + t * f["tp_comm_s"][u]
-                       + e * f["ep_comm_s"][u] + mb)
+                       + e * f["ep_comm_s"][u] + mb + ms * f["memory_bound_s"][u])
                 hit = rows[key[rows] == u]
                 out[hit] = out[hit] + (counts[hit] * per).sum(axis=1)
     return out

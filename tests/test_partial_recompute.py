@@ -250,3 +250,19 @@ def test_layout_from_flags_carries_the_knobs():
     assert cfg.recompute_layers == 3
     with pytest.raises(SpecError, match="recompute_layers needs recompute 'full'"):
         layout_from_flags(L8, cl, {"pp": 2, "mbs": 1, "gbs": 16, "recompute_layers": 3})
+
+
+def test_moe_recompute_re_runs_the_blocks_memory_bound_work():
+    """"moe" re-runs the MoE block's own memory-bound work (router, permutation, experts): one MoE
+    layer's memory-bound forward (step_time.layer_forward) less the passes outside the block, more
+    than nothing and less than the layer's; and all of the layer's EP all-to-all."""
+    from advisor.models.recompute import module_forward_parts
+    from advisor.models.stages import memo_for
+    from advisor.models.step_time import StageTime, layer_forward, layer_links
+    moe = load_model("mixtral-8x7b").with_layers(4)
+    cfg = TrainConfig(dp=4, ep=4, gbs=16, mbs=1)
+    one = StageTime(stage=0)
+    layer_forward(moe, 0, cfg, H100, DEFAULT, one, *layer_links(memo_for(moe, H100, DEFAULT), 1, 1, 4, 1), [0.0, 0.0])
+    parts = module_forward_parts(moe, 0, cfg, DEFAULT, H100.gpu.hbm_bandwidth_gbs * 1e9, ("moe",))
+    own = parts[4] + parts[5] * one.memory_bound_s
+    assert 0 < own < one.memory_bound_s and parts[3] == 1.0
