@@ -305,7 +305,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     if recipe is not None:
         differs = layout_mismatch(recipe, {"tp": tp, "pp": pp, "vp": vp, "cp": cp, "ep": ep, "mbs": mbs})
         if differs:
-            notes.append(f"recipe read ({recipe.source}) not applied: its layout differs ({differs}; "
+            notes.append(f"recipe read ({recipe.source.split(', ')[-1]}) not applied: its layout differs ({differs}; "
                          "the row ran another version of the config)")
             recipe = None
     if not rc and not (recipe and "recompute" in recipe.fields):

@@ -328,7 +328,48 @@ _H100 = [
          "input and output gradient of up to 22 micro-batches",))),
 ]
 
-RECIPES: tuple[Recipe, ...] = tuple(_H100 + _llama3_70b() + _llama31_405b() + _deepseek_v3() + _gpt_oss_120b())
+# NeMo 2.0 Blackwell rows (nemo_framework_docs_perf_summary, containers 25.02 (B200) / 25.04 (GB200)):
+# NVIDIA/NeMo scripts/performance/recommended_model_configs/model_configs_b200.csv @ 026c682ec2a262389f0ac13cccd45df99d6a902e
+# and model_configs_gb200.csv @ 06c0e70057f272483a1a33c6bb5a9baf7be48cdc (pre_train, fp8 lines): the
+# layout, cuda_graphs, use_mcore_fsdp, recompute_layers, activation_offload_layers (NeMo's
+# cpu_offloading_num_layers), recompute_modules; NeMo 2.0 GPTConfig cross_entropy_loss_fusion = True
+# (megatron-core's fused cross entropy, "native"). (model, layout, FSDP, cuda_graphs, pending)
+_NEMO_CSV = {
+    "B200": ("model_configs_b200.csv@026c682e", (
+        ("gpt3_175b", _lay(tp=4, pp=4, vp=6, mbs=2), False, 0, None),  # the 512-GPU line
+        ("llama3_8b", _lay(mbs=2), False, 1, None),
+        ("llama3_70b", _lay(tp=2, pp=4, cp=2, vp=5), False, 1, None),
+        ("llama3.1_405b", _lay(tp=4, pp=8, cp=2, vp=8), False, 0, None),
+        ("nemotron4_15b", _lay(mbs=2), False, 1, None),
+        ("nemotron4_340b", _lay(tp=8, pp=4, vp=12), False, 1, None),
+        ("mixtral_8x7b", _lay(ep=8, mbs=2), False, 1, None),
+        # gbs 64, mbs 1: what row 630 prints swapped (models/published.py read_batch)
+        ("mixtral_8x22b", _lay(tp=2, pp=4, cp=8, ep=8, vp=14), False, 0, None))),
+    "GB200": ("model_configs_gb200.csv@06c0e700", (
+        ("gpt3_175b", _lay(tp=4, pp=4, vp=12, mbs=2), False, 1, None),
+        ("llama3_8b", _lay(mbs=4), False, 1, None),
+        ("llama3_70b", _lay(), True, 0, None),
+        ("llama3.1_405b", _lay(tp=2), True, 0, {"cpu_offload_layers": 95}),
+        ("nemotron4_15b", _lay(mbs=2), False, 1, None),
+        ("nemotron4_340b", _lay(tp=8, pp=4, vp=12), False, 1, None),
+        ("mixtral_8x7b", _lay(ep=8, mbs=2), False, 1, None))),
+}
+
+
+def _nemo_blackwell() -> list[Recipe]:
+    out = []
+    for gpu, (src, lines) in _NEMO_CSV.items():
+        for model, lay, fsdp, graphs, pending in lines:
+            out.append(Recipe("nemo_framework_docs_perf_summary", model, gpu, RecipeSettings(
+                {"recompute": "none", "cross_entropy_impl": "native"},
+                "NVIDIA/NeMo scripts/performance/recommended_model_configs/" + src,
+                ("cuda_graphs 1 (graph-captured static buffers)",) if graphs else (), pending=pending or {},
+                layout=lay), fsdp=fsdp, precisions=frozenset({"fp8"})))
+    return out
+
+
+RECIPES: tuple[Recipe, ...] = tuple(_H100 + _llama3_70b() + _llama31_405b() + _deepseek_v3() + _gpt_oss_120b()
+                                    + _nemo_blackwell())
 
 
 def recipe_settings(source_group: str, model_key: str, gpu_type: str, fsdp: bool, precision: str = "",

@@ -105,3 +105,15 @@ def test_swapped_batch_columns_are_read_from_the_rows_own_ga(by_id):
     r630 = by_id["630"]
     assert (r630.cfg.gbs, r630.cfg.mbs, r630.cfg.dp) == (64, 1, 4)
     assert any("read swapped" in a for a in r630.assumptions)
+    # NeMo's model_configs_b200.csv runs this layout at mbs 1 / gbs 64: its recipe matches only the swapped reading
+    assert "cross_entropy_impl" in r630.explicit and not any(a.startswith("recipe read") for a in r630.assumptions)
+
+
+def test_nemo_blackwell_rows_get_the_recommended_configs_line(by_id):
+    r634 = by_id["634"]  # GB200 llama3-70b FP8: use_mcore_fsdp 1, no recompute, no offload
+    assert r634.cfg.fsdp and r634.explicit == frozenset({"recompute", "cross_entropy_impl"})
+    assert r634.cfg.cross_entropy_impl == "native" and r634.unmodelled == ()
+    r635 = by_id["635"]  # GB200 405B FP8 as printed (TP4 PP8 CP2 VP8, no FSDP) is not the CSV's fp8 line (TP2 FSDP)
+    assert r635.explicit == frozenset() and not r635.cfg.fsdp
+    nemo = R.recipe_settings("nemo_framework_docs_perf_summary", "llama3.1_405b", "GB200", True, "fp8")
+    assert nemo.pending == {"cpu_offload_layers": 95} and nemo.layout["tp"] == 2
