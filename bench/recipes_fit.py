@@ -12,8 +12,9 @@ bound under allocator pressure (models/memory_band.band_upper_gib) against the G
 --pretend estimates what the recipe's pending settings (RecipeSettings.pending: TrainConfig has no
 field for them yet) would save, with the advisor's own recompute modes as the yardstick (no memory
 model of these settings exists yet; the estimates say so):
-- recompute_modules (selective recompute of named modules): the bound with recompute "selective"
-  (the advisor's selective, core attention) and with "full" (all that recompute can save);
+- recompute_modules (selective recompute of named modules): what the modules would have to free to fit,
+  against the bound with recompute "selective" (the advisor's selective, core attention) and "full"
+  (all that recompute can save): a bracket, not a verdict;
 - recompute_layers = N (full recompute of N layers per stage): none - (none - full) x min(1, N / layers
   per pipeline rank);
 - cpu_offload_layers = K (the activations of K layers offloaded to the host): none - (none - full) x
@@ -66,9 +67,12 @@ def pretend(run: P.PublishedRun, constants, pending: dict) -> list[str]:
     out = []
     for k, text in pending.items():
         if k == "recompute_modules":
+            # no memory model of per-module recompute yet: the bracket, and what the modules must free
             sel, _ = row_bound(run, constants, recompute="selective")
-            est = f"selective {sel:6.1f}  full {full:6.1f}"
-            fits = sel <= usable
+            est = (f"{text.split(' (')[0]}: must free {none - usable:5.1f} GiB; the advisor's selective "
+                   f"{sel:6.1f}, full {full:6.1f} (frees {none - full:5.1f})")
+            out.append(f"{est} -> {'fits with full only' if sel > usable >= full else 'fits' if sel <= usable else 'over even with full'}")
+            continue
         else:
             n = int(text.split("=", 1)[1].split(" ", 1)[0])
             share = min(1.0, n / per_rank)
