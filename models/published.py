@@ -27,7 +27,7 @@ from pathlib import Path
 from advisor.catalog import ClusterSpec, ModelSpec, MoESpec, SpecError, TrainConfig, load_gpu, load_model
 from advisor.catalog.loaders import make_cluster
 from advisor.models.published_recipes import (  # noqa: F401 (re-exported)
-    RECIPES, RecipeSettings, layout_mismatch, precision_class, recipe_settings, split_pending)
+    RECIPES, RecipeSettings, layout_mismatch, precision_class, recipe_settings, recipes_for, split_pending)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "published"
@@ -300,14 +300,13 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
                      "states sharded over the DP ranks; step time as data parallelism with the distributed optimizer)")
     rc = (r.get("recompute") or "").lower()
     recompute = "full" if rc.startswith("full") else "selective" if rc.startswith("selective") else "none"
-    recipe = recipe_settings(r["source_group"], key, gpu_type, fsdp, precision_class(precision, fp8_recipe),
-                             r.get("source_version", ""), gbs)
-    if recipe is not None:
-        differs = layout_mismatch(recipe, {"tp": tp, "pp": pp, "vp": vp, "cp": cp, "ep": ep, "mbs": mbs})
-        if differs:
-            notes.append(f"recipe read ({recipe.source.split(', ')[-1]}) not applied: its layout differs ({differs}; "
-                         "the row ran another version of the config)")
-            recipe = None
+    found = recipes_for(r["source_group"], key, gpu_type, fsdp, precision_class(precision, fp8_recipe),
+                        r.get("source_version", ""), gbs)
+    row_layout = {"tp": tp, "pp": pp, "vp": vp, "cp": cp, "ep": ep, "mbs": mbs}
+    recipe = next((s for s in found if not layout_mismatch(s, row_layout)), None)
+    if found and recipe is None:
+        notes.append(f"recipe read ({found[0].source.split(', ')[-1]}) not applied: its layout differs "
+                     f"({layout_mismatch(found[0], row_layout)}; the row ran another version of the config)")
     if not rc and not (recipe and "recompute" in recipe.fields):
         notes.append("recompute not given: none")
     cluster = _cluster(gpu_type, n)

@@ -130,6 +130,7 @@ BMB = "megatron_bridge_perf_summary"
 _L3 = "scripts/performance/configs/llama/llama3_workload_base_configs.py@00919dcf, llama3_llm_pretrain.py@2a0d46e2"
 _L31 = "scripts/performance/configs/llama/llama31_workload_base_configs.py@0013c9a8"
 _DS = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py@04264182"
+_DS_OLD = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py (earlier version, id 52245127557)"
 _OSS = "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py@07eea52d"
 FSDP_UNMODELLED = ("ddp.fsdp_double_buffer = True (a second all-gather buffer of the FSDP units)",
                    "ddp.suggested_communication_unit_size = 800000000")
@@ -233,6 +234,13 @@ def _deepseek_v3() -> list[Recipe]:
             _bridge("deepseek_v3", "B300", "nvfp4", _DS, _lay(pp=8, vp=2, ep=8, mbs=2), flex,
                     {"recompute_modules": ("mla_up_proj",)}, (cg_attn,), gbs=gbs),
         ]
+    # an earlier stored version of the same file (read_file id 52245127557; the tool shows no
+    # commit): GB300 FP8_CS / FP8_MX / NVFP4 V1 and V2 all GB300_V1 (mbs 2, PP2 VP8 EP32, the same
+    # pp_layout, recompute_modules ["mla_up_proj"]), the layout the GB300 MXFP8 rows of containers
+    # 26.02 - 26.04.01 print; tried after the newer version (recipes_for: first whose layout matches)
+    for gbs in (2048, 4096):
+        out.append(_bridge("deepseek_v3", "GB300", "fp8 mxfp8 nvfp4", _DS_OLD, _lay(pp=2, vp=8, ep=32, mbs=2), gb300,
+                           {"recompute_modules": ("mla_up_proj",)}, (mtp,), gbs=gbs))
     out += [
         _bridge("deepseek_v3", "B200", "bf16 fp8 mxfp8 nvfp4", _DS, _lay(pp=16, ep=8), flex,
                 {"recompute_modules": ("mla_up_proj",)}, gbs=2048),
@@ -370,6 +378,13 @@ def _nemo_blackwell() -> list[Recipe]:
 
 RECIPES: tuple[Recipe, ...] = tuple(_H100 + _llama3_70b() + _llama31_405b() + _deepseek_v3() + _gpt_oss_120b()
                                     + _nemo_blackwell())
+
+
+def recipes_for(source_group: str, model_key: str, gpu_type: str, fsdp: bool, precision: str = "",
+                container: str = "", gbs: int | None = None) -> list[RecipeSettings]:
+    """Every RECIPES entry of a row, newest read version first (the loader takes the first whose
+    layout is the row's)."""
+    return [r.settings for r in RECIPES if r.matches(source_group, model_key, gpu_type, fsdp, precision, container, gbs)]
 
 
 def recipe_settings(source_group: str, model_key: str, gpu_type: str, fsdp: bool, precision: str = "",

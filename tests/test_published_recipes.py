@@ -77,9 +77,13 @@ def test_rows_get_their_recipe_only_where_the_layout_is_the_read_configs(by_id):
     assert r126.cfg.moe_a2a_overlap and {"pipeline_layout", "moe_dispatcher"} <= r126.explicit
     assert any("multi-token-prediction" in u for u in r126.unmodelled)
     assert any(u.startswith("recompute_modules=('mla_up_proj', 'mlp')") for u in r126.unmodelled)
-    r123 = by_id["123"]  # GB300 DeepSeek-V3 MXFP8 at mbs 2: the read FP8_MX preset runs mbs 1
-    assert r123.explicit == frozenset() and r123.unmodelled == ()
-    assert any(a.startswith("recipe read") and "mbs 2 vs 1" in a for a in r123.assumptions)
+    r123 = by_id["123"]  # GB300 DeepSeek-V3 MXFP8 at mbs 2: the newest FP8_MX preset runs mbs 1, the earlier
+    assert r123.cfg.pipeline_layout == "Et*4|(t*4|)*14tL"  # version's (GB300_V1 for every precision) mbs 2
+    assert any("earlier version" in a for a in r123.assumptions)
+    assert any(u.startswith("recompute_modules=('mla_up_proj',)") for u in r123.unmodelled)
+    r78 = by_id["78"]  # B300 DeepSeek-V3 MXFP8 PP8 (no VP) mbs 2: neither version read prints that layout
+    assert r78.explicit == frozenset() and r78.unmodelled == ()
+    assert any(a.startswith("recipe read") and "mbs 2 vs 1" in a for a in r78.assumptions)
 
 
 def test_every_recipe_layout_is_consistent():
