@@ -127,7 +127,7 @@ BRIDGE = {"recompute": "none", "cross_entropy_impl": "te", "expandable_segments"
 BRIDGE_SRC = ("NVIDIA-NeMo/Megatron-Bridge scripts/performance/utils/helpers.py (set_common_perf_overrides), "
               "src/megatron/bridge/recipes/llama/llama3.py")
 BMB = "megatron_bridge_perf_summary"
-_L3 = "scripts/performance/configs/llama/llama3_workload_base_configs.py@00919dcf, llama3_llm_pretrain.py@2a0d46e2"
+_L3 = "scripts/performance/configs/llama/llama3_llm_pretrain.py@2a0d46e2, llama3_workload_base_configs.py@00919dcf"
 _L31 = "scripts/performance/configs/llama/llama31_workload_base_configs.py@0013c9a8"
 _DS = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py@04264182"
 _DS_OLD = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py (earlier version, id 52245127557)"
