@@ -121,7 +121,7 @@ _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "p
 
 _COMPARE_BOOLS = ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
                   "account_for_loss", "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap",
-                  "moe_router_fusion", "moe_permute_fusion")
+                  "moe_router_fusion", "moe_permute_fusion", "fsdp")
 _COMPARE_NAMES = ("recompute", "moe_dispatcher", "moe_router")
 
 

@@ -615,7 +615,7 @@ class TrainConfig:
             f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.quant}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
-            + self.moe_key()
+            + self.moe_key() + ("-fsdp" if self.fsdp else "")
         )
 
     def moe_key(self) -> str:
