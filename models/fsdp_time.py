@@ -72,12 +72,17 @@ def fsdp_stage_terms(on: np.ndarray, dense_units: np.ndarray, experts: np.ndarra
                      elink: Link, c: Constants) -> FSDPTerms:
     """FSDPTerms of every stage: `dense_units` the units' dense parameters (outside_unit_params taken
     out), `experts` their expert parameters (sharded over the expert-DP group `edp`), `linear_dense`
-    the dense linear layers' weights (the ones FP8 primary weights gather at 1 byte where `fpg`)."""
+    the dense linear layers' weights (the ones FP8 primary weights gather at 1 byte where `fpg`).
+    Each unit is its own collective (its latency counted once per unit): n x the cost of 1/n of the bytes."""
     gb = c.dp_grad_reduce_bytes
-    gather = (collective_time("all_gather", dense_units * 2 - linear_dense * fpg, d, dlink.bw_gbs, dlink.latency)
-              + collective_time("all_gather", experts * (2 - fpg), edp, elink.bw_gbs, elink.latency))
-    reduce = (collective_time("reduce_scatter", dense_units * gb, d, dlink.bw_gbs, dlink.latency)
-              + collective_time("reduce_scatter", experts * gb, edp, elink.bw_gbs, elink.latency))
+    n = np.maximum(units, 1.0)
+
+    def per_unit(kind, dense_bytes, expert_bytes):
+        return n * (collective_time(kind, dense_bytes / n, d, dlink.bw_gbs, dlink.latency)
+                    + collective_time(kind, expert_bytes / n, edp, elink.bw_gbs, elink.latency))
+
+    gather = per_unit("all_gather", dense_units * 2 - linear_dense * fpg, experts * (2 - fpg))
+    reduce = per_unit("reduce_scatter", dense_units * gb, experts * gb)
     return FSDPTerms(np.where(on, gather, 0.0), np.where(on, reduce, 0.0), np.where(on, units, 0.0))
 
 

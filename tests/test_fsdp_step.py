@@ -76,7 +76,8 @@ def test_fp8_param_gather_halves_the_gathered_bytes():
     on = L70.replace(fsdp=True)
     g8 = _gathers(m, c, on.replace(fp8_param_gather=True))[0]
     g16 = _gathers(m, c, on)[0]
-    assert 0.5 * g16 < g8 < 0.52 * g16  # the linear weights at 1 B (the norms stay BF16), latency aside
+    # the linear weights at 1 B (the norms stay BF16); the 80 units' ring latencies do not halve
+    assert 0.5 * g16 < g8 < 0.55 * g16
 
 
 def test_recommend_ranks_fsdp_on_gb200x64():

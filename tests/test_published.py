@@ -105,7 +105,7 @@ def test_nvidia_llama3_70b_layout_is_near_the_top_and_the_difference_is_named():
     3.8 GiB less outside the allocator per GPU, so TP8 PP1 DP8 (67.0 GiB + 2.9 outside) fits and
     ranks #1 (1,179 tok/s/GPU; TP8 PP2 VP8, #1 before, 1,163). Session 26: 0.901, the te stack searches
     Megatron FSDP (models/fsdp_time.py): TP4 PP1 DP16 with FSDP fits (61.3 GiB) and ranks #1 at
-    1,224 tok/s/GPU, its per-micro-batch gathers nearly hidden behind a TP4 layer's compute (0.11 s
+    1,224 tok/s/GPU, its per-micro-batch gathers nearly hidden behind a TP4 layer's compute (0.12 s
     exposed a step with the te profile's constants); not measured (no FSDP run)."""
     res = recommend("llama3-70b", "h100x64", seq=8192, gbs=128, top=3)
     assert res.stack == "te" and res.profile == "te"
