@@ -86,7 +86,9 @@ STACKS: dict[str, Stack] = {
         space_fsdp=(False, True)),
     "local": Stack(
         "local", "this project's runner: megatron-core local layers, no Transformer Engine",
-        DATA / "default_calibration.joblib", {}),
+        DATA / "default_calibration.joblib", {},
+        # searched so that recommend counts what this runner leaves out (search_spaces.runnable: FSDP)
+        space_fsdp=(False, True)),
 }
 DEFAULT_STACK = "te"
 
