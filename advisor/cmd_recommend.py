@@ -188,6 +188,8 @@ def predict_cmd(
     recompute: Recompute = "none",
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp", help="Megatron FSDP (optim_grads_params: weights, "
+                                        "gradients and optimizer states sharded over DP)"),
     power_cap: PowerCap = None,
     power_caps: PowerCaps = None,
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
@@ -203,7 +205,7 @@ def predict_cmd(
 
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
                   fp8_recipe=fp8_recipe, recompute=recompute, sequence_parallel=sequence_parallel,
-                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
+                  distributed_optimizer=distributed_optimizer, fsdp=fsdp, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
                   account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)
 

@@ -145,3 +145,22 @@ def test_the_runner_refuses_it_and_tune_never_samples_it(tmp_path):
                      storage=str(tmp_path / "s.journal"), dataset=str(tmp_path / "s.jsonl"), calibration=None)
     plan = make_plan(s, SpaceOptions(fsdp=(False, True)))
     assert "Megatron FSDP" in plan.left_out and not any(x.fsdp for x in plan.layouts)
+
+
+def test_arrays_agree_with_each_layout_alone_under_a_power_cap():
+    """models.vectorized on a space with FSDP rows (their DP terms taken per row, DPTerms.take, by
+    the power fixed point under a cap) gives each row's per-layout prediction."""
+    from advisor.api import resolve
+    from advisor.models import vectorized as vz
+    from advisor.models.predict import predict
+
+    m, c = resolve("llama3-8b", "h100x8", 450.0)
+    wl = Workload(gbs=64, seq=4096)
+    L = enumerate_columns(m, c, wl, SpaceOptions(fsdp=(False, True), mbs=(1, 2), recompute=("none",)))
+    res = vz.evaluate(m, c, L, DEFAULT)
+    rows = [i for i in range(len(L)) if L.fsdp[i]]
+    assert rows and (res.row["clock_ratio"][rows] < 1).any()  # the cap holds the clocks down
+    for i in rows + [i for i in range(len(L)) if not L.fsdp[i]][:5]:
+        ref = predict(m, c, L.config(i), DEFAULT, check_legal=False)
+        for name in ("step_time_s", "tokens_per_s_per_gpu", "mean_power_w", "clock_ratio"):
+            assert float(res.row[name][i]) == pytest.approx(getattr(ref, name), rel=1e-9), (L.config(i).key(), name)
