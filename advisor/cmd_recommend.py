@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from advisor.options import (CP, EP, ETP, MBS, PP, TP, AccountForEmbedding, AccountForLoss, AsJson, Cluster,
+                             CpuOffloadLayers,
                              Fp8Recipe, Gbs, Html, Model, OptCluster, OptModel, OptVP, PipelineLayout, PowerCap,
                              PowerCaps, PPFirstLayers, PPLastLayers, Precision, Recompute, Seq, SequenceParallel, Stack,
                              calibration_default)
@@ -116,7 +117,7 @@ def check_power_caps(model: str, cluster: str, power_cap: float | None, sets, po
                          "layout's cap from --power-caps")
 
 
-_LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers")
+_LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "pp_last_layers", "cpu_offload_layers")
 
 
 _COMPARE_BOOLS = ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
@@ -188,6 +189,7 @@ def predict_cmd(
     recompute: Recompute = "none",
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
+    cpu_offload_layers: CpuOffloadLayers = None,
     fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp", help="Megatron FSDP (optim_grads_params: weights, "
                                         "gradients and optimizer states sharded over DP)"),
     power_cap: PowerCap = None,
@@ -207,7 +209,8 @@ def predict_cmd(
                   fp8_recipe=fp8_recipe, recompute=recompute, sequence_parallel=sequence_parallel,
                   distributed_optimizer=distributed_optimizer, fsdp=fsdp, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
-                  account_for_loss=account_for_loss, pipeline_layout=pipeline_layout)
+                  account_for_loss=account_for_loss, pipeline_layout=pipeline_layout,
+                  cpu_offload_layers=cpu_offload_layers)
 
     if html:
         from advisor import html_report

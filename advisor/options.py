@@ -52,6 +52,9 @@ PPFirstLayers = Annotated[Optional[int], typer.Option(
     "--pp-first-layers", help="layers on the first pipeline stage, for an uneven split (default: an even split)")]
 PPLastLayers = Annotated[Optional[int], typer.Option(
     "--pp-last-layers", help="layers on the last pipeline stage, for an uneven split (default: an even split)")]
+CpuOffloadLayers = Annotated[Optional[int], typer.Option(
+    "--cpu-offload-layers", help="offload the activations of the first N transformer layers to host memory "
+    "(megatron-core cpu_offloading_num_layers, Transformer Engine; pp 1, no recompute; default 0)")]
 AccountForEmbedding = Annotated[bool, typer.Option(
     "--account-for-embedding/--no-account-for-embedding",
     help="count the embedding as a layer when splitting the pipeline (Megatron's --account-for-embedding-in-pipeline-split)")]

@@ -67,6 +67,8 @@ def layout_text(cfg: TrainConfig) -> str:
         s += f"·layout {cfg.pipeline_layout}"
     if cfg.fsdp:
         s += "·FSDP"
+    if cfg.cpu_offload_layers:
+        s += f"·offload {cfg.cpu_offload_layers}L"
     return s
 
 

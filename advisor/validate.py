@@ -71,7 +71,7 @@ NUMBERS: dict[str, Callable[[str, Any], Any]] = {
                         "--pp-first-layers", "--pp-last-layers", "--layers", "--trials", "--batch", "--top",
                         "--steps", "--gpus")},
     **{f: GE0 for f in ("--top-k", "--seed", "--warmup", "--margin", "--leak-per-c", "--idle", "--cool",
-                        "--min-seconds", "--telemetry-hz", "--node-rank")},
+                        "--min-seconds", "--telemetry-hz", "--node-rank", "--cpu-offload-layers")},
     **{f: GT0 for f in ("--power-cap", "--timeout", "--trial-timeout", "--seconds", "--rate", "--max-seconds",
                         "--storage-bw")},
     **{f: GE0 for f in ("--gpu-hour-price", "--failures-per-gpu-hour", "--restart-min")},
@@ -414,6 +414,9 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
     if out.get("moe_capacity_factor") is not None:
         out["moe_capacity_factor"] = number(f"{where}{name('moe_capacity_factor')}", out["moe_capacity_factor"],
                                             lo=0.01, hi=64.0)
+    if out.get("cpu_offload_layers") is not None:  # activation offloading: 0 = none
+        out["cpu_offload_layers"] = number(f"{where}{name('cpu_offload_layers')}", out["cpu_offload_layers"], lo=0,
+                                           integer=True)
     split = [k for k in ("pp_first_layers", "pp_last_layers") if out.get(k) is not None]
     if split and (out.get("pp") or 1) < 2:
         raise InputError(f"{where}{name(split[0])} sets an uneven pipeline split, which needs "

@@ -33,7 +33,8 @@ def main() -> int:
                           fp8_recipe=cfg.fp8_recipe, top=1)
             best = r.recommendations[0].prediction.tokens_per_s_per_gpu
             from advisor.api import compare
-            vals = {k: getattr(cfg, k) for k in ("tp", "pp", "cp", "vp", "mbs", "recompute", "fsdp")}
+            vals = {k: getattr(cfg, k) for k in ("tp", "pp", "cp", "vp", "mbs", "recompute", "fsdp",
+                                                      "cpu_offload_layers")}
             # the row's uneven pipeline split (405B: the embedding / loss counted as layers)
             vals.update({k: getattr(cfg, k) for k in ("pp_first_layers", "pp_last_layers", "account_for_embedding",
                                                       "account_for_loss", "pipeline_layout") if getattr(cfg, k)})

@@ -351,6 +351,60 @@ def s25d() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", qw12, layers=12, seq=4096, gbs=32, first=17))
 
 
+SNAP = {"memory_snapshot_steps": 1}
+
+
+def s26snap() -> list[dict]:
+    """Session 26, issue #27: where the caching allocator's reserved-but-unallocated memory sits at
+    a step's peaks (memory_snapshot_steps: one more step with torch's allocator history on, replayed
+    block by block, runners/mem_snapshot.py), on the layouts whose cache the band misses most: the
+    Mixtral proxy EP4 mbs1 (4-5 GiB over the predicted R, expandable segments off) and TP2 ETP2 mbs8
+    FP8 (on), the Qwen3 proxy 12L EP4 mbs4 (off), and the dense layouts holding the largest cache:
+    llama3-70b[8L] PP4 VP2 FP8 outputs freed (10 GiB, off), GPT-3 2.7B PP2 VP16 mbs8 FP8 (8.1, off)."""
+    mix = [("snap", {**MIX_EP4, **SNAP}),
+           ("snap", dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, precision="fp8", **ES, **SNAP))]
+    qw = [("snap", dict(dp=4, ep=4, etp=1, mbs=4, **SNAP))]
+    l70 = [("snap", {**L70_VP2, **DPO, **SNAP})]
+    gpt = [("snap", {**GPT3_VP16, **DPO, **SNAP})]
+    return (_jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=20)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=18)
+            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=20)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=22))
+
+
+def s26b() -> list[dict]:
+    """Session 26's second call. Issue #27: the two pipeline layouts of x4-te-s26-snap again (their
+    snapshot summaries predate mem_snapshot's free_requested fix). Issue #22: the FP8 / BF16 pairs
+    of the MoE proxies whose FP8 speed-up the te profile over-predicts while the GPUs stay busy
+    (`python bench/te_check.py`: the Mixtral proxy EP2 mbs4 +7.5%, TP2 ETP2 SP mbs8 +10.3%), each
+    half with a kernel profile (the FP8 halves of EP2 mbs4 and the Qwen3 proxy 12L EP4 mbs4 have
+    one from x4-te-s24c: their BF16 twins here)."""
+    kp = {"kernel_profile_steps": 2}
+    l70 = [("snap", {**L70_VP2, **DPO, **SNAP})]
+    gpt = [("snap", {**GPT3_VP16, **DPO, **SNAP})]
+    etp = dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, **kp)
+    mix = [("kp", dict(dp=4, ep=2, etp=1, mbs=4, **kp)), ("kp", etp), ("kp", dict(etp, precision="fp8"))]
+    qw = [("kp", dict(dp=4, ep=4, mbs=4, **kp))]
+    return (_jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=21)
+            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=23)
+            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=22)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=19))
+
+
+def s26_offload() -> list[dict]:
+    """Session 26, issues #27 / #25: activation offloading to host memory (TrainConfig.cpu_offload_layers,
+    megatron-core cpu_offloading through TE's get_cpu_offload_context; PP 1, no recompute) on
+    llama3-8b[16L] TP1 PP1 DP4 BF16 over the H100s' PCIe Gen5 x16: 0 / 4 / 8 of the 16 layers at
+    seq 8192 mbs1 (memory falls by the offloaded layers' activations, the D2H / H2D copies hide
+    behind the other layers' compute: models/offload.py), 0 / 8 at seq 4096 mbs2 (the same tokens per
+    microbatch, half the attention), and 8 at seq 8192 mbs2 (twice the bytes per layer against the
+    same link)."""
+    rows = [("offload", dict(dp=4, mbs=1, seq=8192, gbs=16, cpu_offload_layers=n)) for n in (0, 4, 8)]
+    rows += [("offload", dict(dp=4, mbs=2, seq=4096, gbs=32, cpu_offload_layers=n)) for n in (0, 8)]
+    rows += [("offload", dict(dp=4, mbs=2, seq=8192, gbs=16, cpu_offload_layers=8))]
+    return _jobs("llama3-8b", "l8bo", rows, layers=16)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -462,7 +516,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # batch was ~620 s): the kernel-profiled pairs first, then the #1s and the allocator pair
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
-           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c, "x4-te-s25d": s25d}
+           "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c, "x4-te-s25d": s25d,
+           "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

@@ -304,6 +304,10 @@ class GPUSpec:
     # B300 vs B200: the same BF16 / FP8 tensor rates), takes that board's span, so the extra
     # limit buys clock under load instead of scaling the demand with it
     dynamic_power_w: float = 0.0
+    # the GPU's link to its host's memory, GB/s one direction (PCIe x16, or NVLink-C2C's share on a
+    # Grace superchip): what activation offloading (TrainConfig.cpu_offload_layers) copies over;
+    # 0 = not known (offloading is then refused: search_spaces.layout.violations)
+    host_link_gbs: float = 0.0
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -517,6 +521,21 @@ class TrainConfig:
     # project's runner passes device_id (eager: runners/megatron_args.runner_config); the te stack's
     # layout default is lazy (NVIDIA's published recipes run through Megatron-Bridge / NeMo).
     nccl_lazy_init: bool = False
+    # Activations of the first N transformer layers of each microbatch offloaded to host memory
+    # (megatron-core TransformerConfig.cpu_offloading / cpu_offloading_num_layers, Megatron-LM
+    # --cpu-offloading --cpu-offloading-num-layers N, Megatron-Bridge model.cpu_offloading_num_layers;
+    # model activations only: cpu_offloading_weights off, as Megatron-Bridge's performance scripts set
+    # it). Transformer Engine's get_cpu_offload_context (transformer_engine/pytorch/cpu_offload.py,
+    # DefaultOffloadSynchronizer) copies layer i's saved tensors to pinned host memory on a side stream
+    # from layer i + 1's forward on and frees them before layer L - N + i's; it reloads them from layer
+    # L - 1 - N + i's backward on: the activations the GPU holds peak at (L - N) layers
+    # (models/offload.py). megatron-core's TransformerConfig.__post_init__ refuses (checked on
+    # NVIDIA/Megatron-LM megatron/core/transformer/transformer_config.py):
+    #   "CPU offloading can be done only for layers less than {num_layers}" (num_layers <= N),
+    #   "Currently there is no support for Pipeline parallelism with CPU offloading" (pp > 1),
+    #   "CPU offloading does not work when activation recomputation is enabled" (recompute set);
+    # and TransformerBlock asserts "CPU Offloading is enabled when TE is not present" (te stack only).
+    cpu_offload_layers: int = 0
 
     def __post_init__(self) -> None:
         cf = self.moe_capacity_factor
@@ -557,6 +576,15 @@ class TrainConfig:
             raise SpecError(
                 f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}"
             )
+        n = self.cpu_offload_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise SpecError(f"cpu_offload_layers must be a non-negative integer, got {n!r}")
+        if n and self.pp > 1:
+            raise SpecError("cpu_offload_layers needs pp = 1 (megatron-core: \"Currently there is no support for "
+                            "Pipeline parallelism with CPU offloading\")")
+        if n and self.recompute != "none":
+            raise SpecError("cpu_offload_layers needs recompute none (megatron-core: \"CPU offloading does not "
+                            "work when activation recomputation is enabled\")")
         if self.pipeline_layout is not None and (not isinstance(self.pipeline_layout, str)
                                                  or not self.pipeline_layout.strip()):
             raise SpecError(f"pipeline_layout must be a non-empty string, got {self.pipeline_layout!r}")
@@ -615,7 +643,8 @@ class TrainConfig:
             f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.quant}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
-            + self.moe_key() + ("-fsdp" if self.fsdp else "")
+            + self.moe_key() + (f"-offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
+            + ("-fsdp" if self.fsdp else "")
         )
 
     def moe_key(self) -> str:

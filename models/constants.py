@@ -298,6 +298,15 @@ class Constants:
     # across nodes).
     intra_latency_s: float = 15e-6
     inter_latency_s: float = 40e-6
+    # Achieved fraction of the host link (GPUSpec.host_link_gbs) for the large pinned-memory copies
+    # of activation offloading (TrainConfig.cpu_offload_layers; models/offload.py): a copy engine's
+    # cudaMemcpyAsync to / from pinned host memory. Plausible range 0.75-0.92: PCIe's TLP headers
+    # cap a 256 B-payload Gen5 x16 link near 0.93 of its 63 GB/s, and NVIDIA's nvbandwidth
+    # (host_to_device_memcpy_ce / device_to_host_memcpy_ce) and CUDA's bandwidthTest report about
+    # 50-57 GB/s on H100 SXM hosts (0.80-0.90); GH200's NVLink-C2C reaches about 0.85-0.9 of its
+    # 450 GB/s per direction in the same test (public reports, not measured on our machines).
+    # 0.85 taken; bench/te_campaign.py's offload batch measures it on 4 x H100.
+    host_link_efficiency: float = 0.85
     # Fraction of the hideable TP communication (1 - 1 / (2 tp) of it: the last chunk of TE's
     # pipelined reduce-scatter has no GEMM beside it) hidden when tp_comm_overlap is on (needs
     # Transformer Engine user buffers; Megatron reports most of it hidden).

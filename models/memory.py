@@ -321,6 +321,39 @@ def activation_table(memo: Memo, key) -> np.ndarray:
     return memo.get("activations", key, make)
 
 
+def activation_keys(L: Layouts, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray]:
+    """(activation_table of every distinct layer shape of L, [keys, K, 3]; each stage's index into it)."""
+    routers = [(e[1], e[2], e[3], e[4]) for e in L.extras]  # grouped GEMM, router, capacity factor, padding
+    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
+    per_key = np.stack([activation_table(memo, (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]),
+                                                int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i]))
+                        for i in first])
+    return per_key, inv[S.row]
+
+
+def offloaded_kinds(memo: Memo, n: int) -> np.ndarray:
+    """[K] layers of each kind among the first n of the model: the ones whose activations
+    Transformer Engine's default offload synchronizer moves to the host (TrainConfig.cpu_offload_layers)."""
+    return memo.get("offloaded", n, lambda: memo.per_kind([layer_kind_counts(memo.model, range(n))])[0])
+
+
+def offloaded_activation_bytes(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
+    """[S] bytes of activations per microbatch the offloaded layers (TrainConfig.cpu_offload_layers,
+    pp = 1: one microbatch of each layer in flight) store, which leave the GPU: TE's
+    DefaultOffloadSynchronizer frees layer i's copy before layer L - N + i's forward and reloads it
+    from layer L - 1 - N + i's backward on, so the layers the GPU holds at once never exceed the
+    L - N it keeps (its docstring: "activation memory usage is equal to (num_layers -
+    num_offloaded_layers) * T"); offloading refuses recompute, so the layer keeps all it saves.
+    0 where no layer is offloaded. Also what each GPU's process pins on the host."""
+    if L.offload is None:
+        return np.zeros(S.total)
+    per_key, key = activation_keys(L, memo, S)
+    n = L.offload[S.row]
+    first, inv = unique_rows([n])
+    cnt = np.stack([offloaded_kinds(memo, int(n[i])) for i in first])[inv]
+    return sum(cnt[:, j] * per_key[:, j, 1][key] for j in range(per_key.shape[1]))
+
+
 def in_flight_table(memo: Memo, plan, m: int) -> np.ndarray:
     """[pp, K] layer-microbatches of each kind whose activations each rank holds at its peak
     (layout.in_flight_layers; a ContiguousSplit: the rank's layers times its chunks' in-flight
@@ -413,12 +446,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     of the step: peak = the larger)."""
     m = L.num_microbatches
     r, k = S.row, S.k
-    routers = [(e[1], e[2], e[3], e[4]) for e in L.extras]  # grouped GEMM, router, capacity factor, padding
-    first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
-    per_key = np.stack([activation_table(memo, (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]),
-                                                int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i]))
-                        for i in first])
-    key = inv[r]
+    per_key, key = activation_keys(L, memo, S)
     K = per_key.shape[1]
     full = (L.recompute == RECOMPUTE_CODES["full"])[r]
     # a layer's bytes per kind, per stage, with the stage's recompute mode
@@ -438,6 +466,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     acts = np.zeros(len(r))
     for j in range(K):
         acts = acts + flight[:, j] * lb0[j]
+    if L.offload is not None:  # activation offloading: the offloaded layers' activations live on the host
+        acts = acts - offloaded_activation_bytes(L, memo, S)
     # the stage outputs the pipeline keeps (deallocate_pipeline_outputs off): s / CP x b x h BF16 each,
     # / TP with sequence parallelism (the residual stream as it is sent)
     if L.dpo is None or not L.dpo.all():

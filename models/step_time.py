@@ -25,6 +25,7 @@ from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.fsdp_time import FSDPTerms, fsdp_exposed_per_microbatch, fsdp_stage_terms, outside_unit_params
 from advisor.models.memory import stage_param_arrays
 from advisor.models.moe import moe_layer_time
+from advisor.models.offload import offload_wait_arrays
 from advisor.models.quant import quant
 from advisor.models.stages import Memo, Stages, memo_for, quant_fields
 from advisor.search_spaces.columns import Layouts, extra_codes, unique_rows
@@ -490,14 +491,12 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
         tt, u, ar = terms[:, 0], terms[:, 1], terms[:, 2]
         g = out["gemm_s"]
         g[rows_last] = g[rows_last] + 3 * tt
-        fw = out["forward_s"]
-        fw[rows_last] = fw[rows_last] + tt
+        out["forward_s"][rows_last] += tt
         backward[rows_last] = backward[rows_last] + 2 * tt
         util0[rows_last] = util0[rows_last] + tt * u
         util1[rows_last] = util1[rows_last] + tt
         mb[rows_last] = mb[rows_last] + 3 * Tl * model.vocab_size / tpl * loss_bytes_per_logit(model, c) / (hbm * c.hbm_efficiency)
-        tpc = out["tp_comm_s"]
-        tpc[rows_last] = tpc[rows_last] + ar
+        out["tp_comm_s"][rows_last] += ar
     # PP send/recv
     pp, vp = L.pp[r], L.vp[r]
     p2p = np.zeros(S.total)
@@ -528,6 +527,7 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     out["backward_s"] = backward
     with np.errstate(divide="ignore", invalid="ignore"):
         out["gemm_utilization"] = np.where(util1 != 0, util0 / util1, 0.0)
+    out["overhead_s"] = out["overhead_s"] + offload_wait_arrays(cluster, L, c, memo, S, (gemm_f, attn_f, mb_f, fp8_f, fp8_b, comm_f))
     # the host issues kernels no faster than layer_host_s each layer: the GPU runs ahead of nothing,
     # so where its own work is shorter it waits for the host (no kernel: NVML utilization < 100%)
     out["host_wait_s"] = np.maximum(0.0, out["host_s"] - total_arrays(out))

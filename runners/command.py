@@ -194,7 +194,7 @@ def nemo_overrides(cfg: TrainConfig, iters: int) -> list[str]:
         f"model.config.seq_length={c.seq}",
         f"trainer.max_steps={iters}", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=0",
         f"trainer.val_check_interval={iters}",
-    ] + rec
+    ] + rec + MA.offload_overrides(c, "model.config.")
 
 
 def bridge_overrides(cfg: TrainConfig, iters: int) -> list[str]:
@@ -215,7 +215,7 @@ def bridge_overrides(cfg: TrainConfig, iters: int) -> list[str]:
         f"optimizer.use_distributed_optimizer={b(c.distributed_optimizer)}",
         f"ddp.overlap_grad_reduce={b(c.overlap_grad_reduce)}", f"ddp.overlap_param_gather={b(c.overlap_param_gather)}",
         "logger.log_interval=1", "train.eval_iters=0",
-    ] + rec + bridge_fsdp_overrides(c)
+    ] + rec + MA.offload_overrides(c, "model.") + bridge_fsdp_overrides(c)
 
 
 def bridge_fsdp_overrides(cfg: TrainConfig) -> list[str]:

@@ -21,7 +21,7 @@ RUNNER_ENV = ("attention", "interleaved_p2p", "grouped_mm")
 HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "transformer_engine", "python",
              "hostname") + RUNNER_ENV
 RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag", "stack", "fp8_recipe",
-            "kernel_profile_steps", "pressure_headroom_gib")
+            "kernel_profile_steps", "pressure_headroom_gib", "memory_snapshot_steps")
 GPU_PEAK_FALLBACK_TFLOPS = {"h100": 989.0, "h200": 989.0}  # only if the catalog lacks the GPU
 
 
@@ -51,13 +51,17 @@ class Entry:
     # allocator pressure after the warmup steps: a ballast leaves the job its peak allocated so far
     # plus this many GiB (megatron_worker.apply_pressure, mem_probe.pressure_plan); None: none
     pressure_headroom_gib: float | None = None
+    # train steps run after the measured ones with torch's allocator history on, the last one
+    # replayed block by block at its peaks (megatron_worker.snapshot_memory, runners/mem_snapshot.py); 0: none
+    memory_snapshot_steps: int = 0
 
 
 def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | None = None,
                steps: int = 10, warmup: int = 3, min_seconds: float = 0.0,
                max_steps: int | None = None, save_trace: bool = False, id: str | None = None,
                stack: str = "local", fp8_recipe: str = "delayed", kernel_profile_steps: int = 0,
-               pressure_headroom_gib: float | None = None, **layout: Any) -> Entry:
+               pressure_headroom_gib: float | None = None, memory_snapshot_steps: int = 0,
+               **layout: Any) -> Entry:
     """Resolve a model name / config.json path / ModelSpec and layout keys into an Entry. dp
     defaults to world_size / (tp*pp*cp); gbs defaults to 8 microbatches. Illegal or unrunnable
     layouts come back with ``refused`` set (a one-line reason). Torch's allocator runs with
@@ -78,7 +82,8 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
         raise SpecError(f"stack must be one of {', '.join(MA.RUNNER_STACKS)}, got {stack!r}")
     if fp8_recipe not in MA.FP8_RECIPES:
         raise SpecError(f"fp8_recipe must be one of {', '.join(MA.FP8_RECIPES)}, got {fp8_recipe!r}")
-    for k, v in (("steps", steps), ("warmup", warmup), ("kernel_profile_steps", kernel_profile_steps)):
+    for k, v in (("steps", steps), ("warmup", warmup), ("kernel_profile_steps", kernel_profile_steps),
+                 ("memory_snapshot_steps", memory_snapshot_steps)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "steps" else 0):
             raise SpecError(f"{k} must be an integer >= {1 if k == 'steps' else 0}, got {v!r}")
     if pressure_headroom_gib is not None:
@@ -89,7 +94,7 @@ def make_entry(model: str | ModelSpec, world_size: int | None, layers: int | Non
             raise SpecError("pressure_headroom_gib needs warmup >= 1 (the ballast is sized on the warmup's peak)")
     lay = dict(layout)
     run = dict(stack=stack, fp8_recipe=fp8_recipe, kernel_profile_steps=kernel_profile_steps,
-               pressure_headroom_gib=pressure_headroom_gib)
+               pressure_headroom_gib=pressure_headroom_gib, memory_snapshot_steps=memory_snapshot_steps)
     mp = lay.get("tp", 1) * lay.get("pp", 1) * lay.get("cp", 1)
     if "dp" not in lay or lay["dp"] is None:
         if world_size is None:
@@ -144,6 +149,7 @@ def job_for(entry: Entry, index: int) -> dict[str, Any]:
         **({"expandable_segments": True} if c.expandable_segments else {}),
         **({"pressure_headroom_gib": float(entry.pressure_headroom_gib)}
            if entry.pressure_headroom_gib is not None else {}),
+        **({"memory_snapshot_steps": entry.memory_snapshot_steps} if entry.memory_snapshot_steps else {}),
     }
 
 
@@ -271,6 +277,10 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
     if pressure:  # per rank: the ballast of the allocator-pressure run and what the steps did beside it
         rec["pressure"] = pressure
     kprof = ((ranks.get(0) or {}).get("done") or {}).get("kernel_profile")
+    snaps = {str(r): ranks[r]["done"]["memory_snapshot"] for r in sorted(ranks)
+             if ((ranks[r] or {}).get("done") or {}).get("memory_snapshot")}
+    if snaps:  # per rank: the allocator's state at the snapshot step's peaks (runners/mem_snapshot.py)
+        rec["memory_snapshot"] = snaps
     if kprof:  # rank 0's kernel profile (runners/kernel_probe.py), from steps after the measured ones
         rec["kernel_profile"] = kprof
     alloc = ((ranks.get(0) or {}).get("start") or {}).get("alloc_conf")
@@ -358,7 +368,7 @@ def entry_to_dict(e: Entry) -> dict[str, Any]:
             "config": e.config.to_dict(), "steps": e.steps, "warmup": e.warmup,
             "min_seconds": e.min_seconds, "max_steps": e.max_steps, "save_trace": e.save_trace,
             "id": e.id, "stack": e.stack, "fp8_recipe": e.fp8_recipe, "kernel_profile_steps": e.kernel_profile_steps,
-            "pressure_headroom_gib": e.pressure_headroom_gib}
+            "pressure_headroom_gib": e.pressure_headroom_gib, "memory_snapshot_steps": e.memory_snapshot_steps}
 
 
 def entry_from_dict(d: Mapping[str, Any]) -> Entry:
@@ -367,4 +377,5 @@ def entry_from_dict(d: Mapping[str, Any]) -> Entry:
                  d.get("max_steps"), d.get("save_trace", False), d["id"],
                  stack=d.get("stack", "local"), fp8_recipe=d.get("fp8_recipe", "delayed"),
                  kernel_profile_steps=d.get("kernel_profile_steps", 0),
-                 pressure_headroom_gib=d.get("pressure_headroom_gib"))
+                 pressure_headroom_gib=d.get("pressure_headroom_gib"),
+                 memory_snapshot_steps=d.get("memory_snapshot_steps", 0))

@@ -130,6 +130,30 @@ def fp8_param_args(cfg: TrainConfig) -> list[str]:
     return ["--fp8-param-gather"] if cfg.fp8_param_gather else []
 
 
+def offload_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+    """TransformerConfig fields of activation offloading (TrainConfig.cpu_offload_layers): the first
+    N layers' activations only (cpu_offloading_weights off, as Megatron-Bridge's performance scripts
+    set it: scripts/performance/utils/overrides.py; TE 2.x's offload ignores weights anyway,
+    "Offloading weights is deprecated"). {} when nothing is offloaded."""
+    n = cfg.cpu_offload_layers
+    return ({"cpu_offloading": True, "cpu_offloading_num_layers": n, "cpu_offloading_activations": True,
+             "cpu_offloading_weights": False} if n else {})
+
+
+def offload_args(cfg: TrainConfig) -> list[str]:
+    """Activation offloading as Megatron-LM arguments (TransformerConfig's fields as flags:
+    --cpu-offloading --cpu-offloading-num-layers N). [] when nothing is offloaded."""
+    n = cfg.cpu_offload_layers
+    return ["--cpu-offloading", "--cpu-offloading-num-layers", str(n)] if n else []
+
+
+def offload_overrides(cfg: TrainConfig, prefix: str) -> list[str]:
+    """Activation offloading as recipe overrides of the model's TransformerConfig under `prefix`
+    ("model." for Megatron-Bridge's ConfigContainer, "model.config." for NeMo 2's GPTConfig), as
+    Megatron-Bridge's set_recompute_overrides writes them. [] when nothing is offloaded."""
+    return [f"{prefix}{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in offload_kwargs(cfg).items()]
+
+
 def fsdp_args(cfg: TrainConfig) -> list[str]:
     """Megatron FSDP (TrainConfig.fsdp): --use-megatron-fsdp with the optim_grads_params sharding
     strategy, and the checkpoint format validate_args asserts with it (megatron/training/
@@ -239,7 +263,7 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
             kw["moe_layer_freq"] = pattern
     if stack == "te":
         kw.update(_te_config(model, cfg, fp8_recipe))
-    return kw
+    return {**kw, **offload_kwargs(cfg)}
 
 
 def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str, Any]:
@@ -483,6 +507,7 @@ def _te_args(model: ModelSpec, cfg: TrainConfig) -> list[str]:
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "transformer_engine",
     ] + _parallel_size_args(cfg) + ["--bf16"] + precision_args(cfg) + fp8_param_args(cfg) + fsdp_args(cfg)
+    a += offload_args(cfg)
     a += _pipeline_args(cfg)
     if cfg.sequence_parallel:
         a.append("--sequence-parallel")
@@ -669,7 +694,7 @@ def layout_args(cfg: TrainConfig) -> list[str]:
         if cfg.overlap_param_gather:  # Megatron-LM asserts it comes with --overlap-grad-reduce
             a.append("--overlap-param-gather")
     a.append("--bf16")
-    return a + precision_args(cfg) + fp8_param_args(cfg) + fsdp_args(cfg)
+    return a + precision_args(cfg) + fp8_param_args(cfg) + fsdp_args(cfg) + offload_args(cfg)
 
 
 def precision_args(cfg: TrainConfig) -> list[str]:

@@ -47,6 +47,7 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from kernel_probe import profile_summary, thread_cpu_snapshot  # beside this file
 from mem_probe import (point as mem_point, pressure_plan, pressure_result,  # beside this file
                        summarize as summarize_memory)
+from mem_snapshot import summarize as snapshot_summary  # beside this file
 from moe_probe import (MoEPhaseTimer, patch_grouped_experts, probe_grouped_mm,  # beside this file
                        summarize as summarize_moe)
 from parent_watch import die_with_parent  # beside this file (sys.path[0] when run as a script)
@@ -400,6 +401,14 @@ def run_job(job, ev, rank, state):
             raise
         except Exception as e:  # the measured steps stand; the sub-step timing is extra
             extra["moe_probe"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    if job.get("memory_snapshot_steps"):
+        state["phase"] = "memory snapshot"
+        try:
+            extra["memory_snapshot"] = snapshot_memory(job, config, model, optimizer, iters)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # the measured steps stand; the snapshot is extra
+            extra["memory_snapshot"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     if kernel_steps:
         state["phase"] = "kernel profile"
         try:
@@ -409,6 +418,35 @@ def run_job(job, ev, rank, state):
         except Exception as e:  # the measured steps stand; the kernel profile is extra
             extra["kernel_profile"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     ev("done", cfg=i, bounds=bounds, **peaks, **extra)
+
+
+SNAPSHOT_ENTRIES = 2_000_000  # allocator events kept (a ring buffer: more would drop the step's first)
+
+
+def snapshot_memory(job, config, model, optimizer, iters):
+    """After the measured steps (which ran without it): memory_snapshot_steps more train steps
+    with torch's allocator history on (python stacks), the last of them replayed block by block
+    (runners/mem_snapshot.py): the allocator's state at the step's allocated and reserved peaks.
+    Only the summary is kept; the history is turned off again."""
+    rec = torch.cuda.memory._record_memory_history
+    for _ in range(int(job["memory_snapshot_steps"]) - 1):
+        train_step(job, config, model, optimizer, iters)
+    torch.cuda.synchronize()
+    rec(enabled="all", context="alloc", stacks="python", max_entries=SNAPSHOT_ENTRIES)
+    try:
+        before = torch.cuda.memory._snapshot()
+        torch.cuda.reset_peak_memory_stats()
+        train_step(job, config, model, optimizer, iters)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory._snapshot()
+    finally:
+        rec(enabled=None)
+    dev = torch.cuda.current_device()
+    out = snapshot_summary(before, after, dev)
+    out["truncated"] = len((after.get("device_traces") or [[]])[dev]) >= SNAPSHOT_ENTRIES
+    out["counter_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+    out["counter_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    return out
 
 
 def profile_kernels(job, config, model, optimizer, iters, bounds, measured_cpu):

@@ -152,6 +152,7 @@ class Layouts:
     dpo: np.ndarray | None = None  # TrainConfig.deallocate_pipeline_outputs (None: all off)
     fsdp: np.ndarray | None = None  # TrainConfig.fsdp (None: all off)
     lazy: np.ndarray | None = None  # TrainConfig.nccl_lazy_init (None: all eager)
+    offload: np.ndarray | None = None  # TrainConfig.cpu_offload_layers (None: all 0)
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -198,7 +199,8 @@ class Layouts:
                    dpo=col("deallocate_pipeline_outputs", bool) if any(c.deallocate_pipeline_outputs for c in cfgs)
                    else None,
                    fsdp=col("fsdp", bool) if any(c.fsdp for c in cfgs) else None,
-                   lazy=col("nccl_lazy_init", bool) if any(c.nccl_lazy_init for c in cfgs) else None)
+                   lazy=col("nccl_lazy_init", bool) if any(c.nccl_lazy_init for c in cfgs) else None,
+                   offload=col("cpu_offload_layers") if any(c.cpu_offload_layers for c in cfgs) else None)
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -220,7 +222,8 @@ class Layouts:
                 expandable_segments=bool(self.xseg[i]) if self.xseg is not None else False,
                 deallocate_pipeline_outputs=bool(self.dpo[i]) if self.dpo is not None else False,
                 fsdp=bool(self.fsdp[i]) if self.fsdp is not None else False,
-                nccl_lazy_init=bool(self.lazy[i]) if self.lazy is not None else False)
+                nccl_lazy_init=bool(self.lazy[i]) if self.lazy is not None else False,
+                cpu_offload_layers=int(self.offload[i]) if self.offload is not None else 0)
         return c
 
     def key(self, i: int) -> str:
@@ -236,7 +239,8 @@ class Layouts:
                 f"-{QUANTS[int(self.fp8[i])]}-{names[int(self.recompute[i])]}"
                 + ("-acce" if sp.get("account_for_embedding") else "") + ("-accl" if sp.get("account_for_loss") else "")
                 + (f"-layout[{sp['pipeline_layout']}]" if sp.get("pipeline_layout") else "")
-                + moe_knobs_key(self.extras[i]))
+                + moe_knobs_key(self.extras[i])
+                + (f"-offload{self.offload[i]}" if self.offload is not None and self.offload[i] else ""))
 
     def take(self, idx: np.ndarray) -> "Layouts":
         """The rows `idx` (in that order)."""

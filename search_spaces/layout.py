@@ -384,11 +384,28 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
         out.append("tp_comm_overlap needs sequence_parallel")
     if cfg.overlap_param_gather and not cfg.distributed_optimizer:
         out.append("overlap_param_gather needs the distributed optimizer")
+    if cfg.cpu_offload_layers:
+        out += offload_violations(model, cluster, cfg)
     if cfg.precision != "bf16" and cluster is not None:
         try:
             check_precision(cluster.gpu, cfg.precision)
         except SpecError as e:
             out.append(str(e))
+    return out
+
+
+def offload_violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) -> list[str]:
+    """The rules activation offloading (TrainConfig.cpu_offload_layers) breaks: megatron-core's
+    TransformerConfig.__post_init__ "CPU offloading can be done only for layers less than
+    {num_layers}" (TE's synchronizer never offloads the last layer), and a GPU whose host link the
+    catalog does not give (GPUSpec.host_link_gbs: the copies' time cannot be predicted)."""
+    out = []
+    if cfg.cpu_offload_layers >= model.num_layers:
+        out.append(f"cpu_offload_layers={cfg.cpu_offload_layers} must be below the {model.num_layers} layers "
+                   "(megatron-core: \"CPU offloading can be done only for layers less than num_layers\")")
+    if cluster is not None and not cluster.gpu.host_link_gbs > 0:
+        out.append(f"cpu_offload_layers needs the host link bandwidth of {cluster.gpu.name}, which the catalog "
+                   "does not give (host_link_gbs)")
     return out
 
 

@@ -7,7 +7,8 @@ Stacks (advisor.models.profiles):
   local  this project's runner, megatron-core's local layers without Transformer Engine (seen on
          megatron-core 0.19.2): no FP8, no sequence parallelism (torch LayerNorm), no context
          parallelism (the local attention spec asserts cp == 1), no TP communication overlap
-         (TE userbuffers), and no MoE with TP > 1 (megatron-core needs sequence parallelism there).
+         (TE userbuffers), no MoE with TP > 1 (megatron-core needs sequence parallelism there), and
+         no activation offloading (TE's get_cpu_offload_context).
          The runner turns sequence parallelism off itself (`runs_sequence_parallel`), so a dense
          layout with TP > 1 runs without it.
   te     Megatron-Core with Transformer Engine: none of the above is refused.
@@ -31,6 +32,8 @@ LOCAL_RULES = (
     ("tp_comm_overlap", "tp_comm_overlap needs Transformer Engine userbuffers"),
     ("moe_tp", "MoE with tp > 1 needs sequence parallelism (megatron-core raises otherwise), "
                "which needs Transformer Engine"),
+    ("cpu_offload", "cpu_offload_layers needs Transformer Engine's get_cpu_offload_context (megatron-core "
+                    "asserts \"CPU Offloading is enabled when TE is not present\")"),
 )
 # what this project's runner does not run with any stack's layers
 RUNNER_RULES = (
@@ -40,7 +43,8 @@ RUNNER_RULES = (
 LOCAL_RULES = LOCAL_RULES + RUNNER_RULES
 # short labels of the rules for the one line that counts what was left out
 LABELS = {"fp8": "FP8", "sequence_parallel": "sequence parallelism", "cp": "CP > 1",
-          "tp_comm_overlap": "TP comm overlap", "moe_tp": "MoE with TP > 1", "fsdp": "Megatron FSDP"}
+          "tp_comm_overlap": "TP comm overlap", "moe_tp": "MoE with TP > 1", "cpu_offload": "CPU offloading",
+          "fsdp": "Megatron FSDP"}
 RESTRICTED_STACKS = ("local",)
 
 
@@ -49,10 +53,10 @@ def runs_sequence_parallel(stack: str) -> bool:
     return stack not in RESTRICTED_STACKS
 
 
-def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo, fsdp) -> dict:
+def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo, offload=0, fsdp=False) -> dict:
     """Each rule of the local stack: True (or a boolean array) where the layout breaks it."""
     return {"fp8": fp8, "sequence_parallel": sp, "cp": cp > 1, "tp_comm_overlap": tpo,
-            "moe_tp": model.is_moe & (tp > 1), "fsdp": fsdp}
+            "moe_tp": model.is_moe & (tp > 1), "cpu_offload": np.asarray(offload) > 0, "fsdp": fsdp}
 
 
 def _rules(stack: str, runner: bool) -> tuple:
@@ -67,7 +71,7 @@ def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str, runner: bo
     if not rules:
         return None
     broken = _broken(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision != "bf16", cfg.tp_comm_overlap,
-                     cfg.fsdp)
+                     cfg.cpu_offload_layers, cfg.fsdp)
     return next((key for key, _ in rules if broken[key]), None)
 
 
@@ -86,7 +90,8 @@ def refused(model: ModelSpec, L, stack: str, runner: bool = False) -> tuple[np.n
     rules = _rules(stack, runner)
     if not rules:
         return out, counts
-    broken = _broken(model, L.tp, L.cp, L.sp, L.fp8, L.tp_overlap, L.fsdp if L.fsdp is not None else False)
+    broken = _broken(model, L.tp, L.cp, L.sp, L.fp8, L.tp_overlap, 0 if L.offload is None else L.offload,
+                     L.fsdp if L.fsdp is not None else False)
     for key, _ in rules:
         b = np.broadcast_to(np.asarray(broken[key], bool), (n,)) & ~out
         if b.any():

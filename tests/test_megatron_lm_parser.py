@@ -25,6 +25,20 @@ def test_megatron_lm_rejects_what_it_should():
     assert "divisible" in check.megatron_accepts(ok, 3)  # TP 2 on 3 GPUs
 
 
+def test_activation_offloading_arguments_parse():
+    """TrainConfig.cpu_offload_layers as the advisor prints it (runners/megatron_args.offload_args),
+    in the production arguments of a layout Megatron-LM validates."""
+    from advisor.catalog import load_model
+    from advisor.catalog.specs import TrainConfig
+    from advisor.runners.megatron_args import megatron_lm_args
+
+    cfg = TrainConfig(dp=8, mbs=1, gbs=16, seq=2048, cpu_offload_layers=2)
+    m = load_model("llama3-8b").with_layers(4)
+    args = megatron_lm_args(m, cfg) + check.USER_ARGS + ["--vocab-size", str(m.vocab_size)]
+    assert "--cpu-offloading-num-layers" in args
+    assert check.megatron_accepts(args, 8) is None
+
+
 def test_every_top1_layout_of_the_catalog_parses():
     rows = check.run(clusters=["dgx-h100-su", "dgx-a100-su", "h100x8", "h100x64"], calibration="none")
     checked = [r for r in rows if "accepted" in r]

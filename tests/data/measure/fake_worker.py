@@ -13,6 +13,7 @@ from one process. The job's id says what happens:
 
 A job with "kernel_profile_steps" gets a kernel_profile in its done events, summarized by the real
 summarizer (runners/kernel_probe.py) from a few made-up kernels; a job with
+"memory_snapshot_steps" a memory_snapshot by the real summarizer (runners/mem_snapshot.py); one with
 "expandable_segments" reports the allocator setting in its start events, as the worker does.
 
 Like torchrun, SIGTERM makes it print "SignalException: Process <pid> got signal: 15" and exit 1.
@@ -106,6 +107,12 @@ for job in jobs:
         extra["kernel_profile"] = summarize(evs, n, [0.1] * n, 0.1)
     if job.get("pressure_headroom_gib") is not None:  # the plan as mem_probe.pressure_plan words it
         extra["pressure"] = {"headroom_gib": job["pressure_headroom_gib"], "ballast_gib": 60.0, "retries": 2}
+    if job.get("memory_snapshot_steps"):  # the real summarizer on a tiny made-up step
+        from advisor.runners.mem_snapshot import summarize as snap
+        seg = {"address": 0, "total_size": 4 << 20, "blocks": [{"address": 0, "size": 1 << 20, "state": "active_allocated"}]}
+        trace = [{"action": "alloc", "addr": 1 << 20, "size": 2 << 20, "frames": []},
+                 {"action": "free_requested", "addr": 1 << 20, "size": 2 << 20}]
+        extra["memory_snapshot"] = snap({"segments": [seg]}, {"segments": [seg], "device_traces": [trace]})
     for r in range(nproc):
         ev(r, "done", cfg=i, bounds=bounds,
            peak_allocated_gib=10.0 + r, peak_reserved_gib=12.0 + r, **extra)
