@@ -535,7 +535,7 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precis
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers", "account_for_embedding",
                "account_for_loss", "pipeline_layout", "moe_dispatcher", "moe_router", "moe_capacity_factor",
                "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
-               "moe_permute_fusion", "cpu_offload_layers", "fsdp")
+               "moe_permute_fusion", "cpu_offload_layers", "recompute_layers", "recompute_modules", "fsdp")
 
 
 def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],

@@ -31,7 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from advisor.catalog.specs import FP8_RECIPES, MOE_DISPATCHERS, MOE_ROUTERS, PRECISIONS, RECOMPUTE_MODES, SpecError
+from advisor.catalog.specs import (FP8_RECIPES, MOE_DISPATCHERS, MOE_ROUTERS, PRECISIONS, RECOMPUTE_MODES,
+                                   RECOMPUTE_MODULES, SpecError)
 
 
 class InputError(SpecError):
@@ -407,6 +408,19 @@ def layout_values(values: Mapping[str, Any], where: str = "", name: Callable[[st
         v = out.get(k)
         if v is not None and v not in choices:
             raise InputError(f"{where}{name(k)} must be one of {', '.join(choices)}, got {v!r}")
+    if out.get("recompute_layers") is not None:
+        out["recompute_layers"] = number(f"{where}{name('recompute_layers')}", out["recompute_layers"], lo=0, integer=True)
+    mods = out.get("recompute_modules")
+    if mods is not None:
+        if isinstance(mods, str):  # the CLI's comma-separated form
+            mods = [m.strip() for m in mods.split(",") if m.strip()]
+        if not isinstance(mods, (list, tuple)) or not all(isinstance(m, str) for m in mods):
+            raise InputError(f"{where}{name('recompute_modules')} must be a list of module names, got {mods!r}")
+        bad = [m for m in mods if m not in RECOMPUTE_MODULES]
+        if bad:
+            raise InputError(f"{where}{name('recompute_modules')}: unknown module {bad[0]!r}; "
+                             f"choose from {', '.join(RECOMPUTE_MODULES)}")
+        out["recompute_modules"] = tuple(mods)
     for k, choices in (("moe_dispatcher", MOE_DISPATCHERS), ("moe_router", MOE_ROUTERS)):
         v = out.get(k)
         if v is not None and v not in choices:

@@ -405,6 +405,28 @@ def s26_offload() -> list[dict]:
     return _jobs("llama3-8b", "l8bo", rows, layers=16)
 
 
+def s26c() -> list[dict]:
+    """Session 26's third call: x4-te-s26-offload's seq 8192 mbs1 line at 2, 6 and 12 offloaded
+    layers (measured: 4 layers -16% tokens/s, 8 layers -45%, where the te profile's copies hid
+    behind the other layers' forward until 8)."""
+    rows = [("offload", dict(dp=4, mbs=1, seq=8192, gbs=16, cpu_offload_layers=n)) for n in (2, 6, 12)]
+    return _jobs("llama3-8b", "l8bo", rows, layers=16, first=6)
+
+
+def s26() -> list[dict]:
+    """Session 26, issue #27: partial recompute. llama3-8b[16L] PP2 DP2 mbs2 with Megatron's block
+    method on 0, 4 and 8 of each stage's 8 layers (TrainConfig.recompute_layers: 0 keeps everything,
+    8 is every layer) and selective recompute of the dense MLP, then of the norms and the MLP (the
+    te stack fuses a dense layer's norms into its GEMMs: the norms add nothing); the Qwen3 proxy's
+    measured EP4 mbs2 layout (te-qw3-ep-01) with the experts' activation recomputed (moe_act)."""
+    l8 = [("prc", dict(pp=2, dp=2, mbs=2, recompute="full", recompute_layers=n)) for n in (0, 4, 8)]
+    l8 += [("prc", dict(pp=2, dp=2, mbs=2, recompute="selective", recompute_modules=mods))
+           for mods in (["mlp"], ["layernorm", "mlp"])]
+    qw = [("prc", dict(dp=4, ep=4, mbs=2, recompute="selective", recompute_modules=["moe_act"]))]
+    return (_jobs("llama3-8b", "l8b", l8, layers=16, seq=4096, gbs=32, first=54)
+            + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=18))
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -517,7 +539,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s24a": lambda: [j for j in s24() if j.get("kernel_profile_steps")],
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
            "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c, "x4-te-s25d": s25d,
-           "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload}
+           "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload,
+           "x4-te-s26-recompute": s26, "x4-te-s26c": s26c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

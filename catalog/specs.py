@@ -44,6 +44,12 @@ def quant_parts(code: int) -> tuple[str, str]:
         return "fp8", name[4:]
     return name, "delayed"
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+# megatron-core TransformerConfig.recompute_modules choices (selective recompute; default
+# ["core_attn"]): "moe_act", "layernorm", "mla_up_proj" use output-discarding checkpointing, the
+# others normal checkpointing (transformer_config.py). In megatron-core's order, which is the order
+# TrainConfig keeps them in (a set to megatron) and the bit order of search_spaces.columns' code.
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe",
+                                      "shared_experts")
 # Mixture of experts: Megatron's token dispatchers (--moe-token-dispatcher-type) and routers
 # ("aux_loss": a trained router kept near balance by the auxiliary loss; "forced": random logits,
 # --moe-router-force-load-balancing, what NVIDIA's published MoE benchmarks run). "flex" is
@@ -440,6 +446,15 @@ class TrainConfig:
     precision: Precision = "bf16"
     fp8_recipe: str = "delayed"  # Megatron's --fp8-recipe for precision fp8 (FP8_RECIPES)
     recompute: Recompute = "none"
+    # Partial recompute (issue #27). With recompute "full": Megatron's block method on this many
+    # layers of each virtual chunk (megatron-core TransformerBlock._checkpointed_forward, method
+    # "block": the first recompute_num_layers layers of the chunk are checkpointed one by one, the
+    # others keep everything; --recompute-method block --recompute-num-layers N); None = every layer
+    # (method uniform with one layer per unit, the behaviour before these fields).
+    recompute_layers: int | None = None
+    # With recompute "selective": the modules recomputed (RECOMPUTE_MODULES, --recompute-modules);
+    # () = megatron-core's default, ("core_attn",).
+    recompute_modules: tuple[str, ...] = ()
     sequence_parallel: bool = False
     distributed_optimizer: bool = True
     overlap_grad_reduce: bool = True
@@ -585,9 +600,40 @@ class TrainConfig:
         if n and self.recompute != "none":
             raise SpecError("cpu_offload_layers needs recompute none (megatron-core: \"CPU offloading does not "
                             "work when activation recomputation is enabled\")")
+        self._check_recompute_knobs()
         if self.pipeline_layout is not None and (not isinstance(self.pipeline_layout, str)
                                                  or not self.pipeline_layout.strip()):
             raise SpecError(f"pipeline_layout must be a non-empty string, got {self.pipeline_layout!r}")
+
+    def _check_recompute_knobs(self) -> None:
+        """recompute_layers / recompute_modules: their types and the mode each needs (megatron-core's
+        TransformerConfig.__post_init__: recompute_num_layers must be None for selective, the
+        modules are read only for selective); the modules become a tuple in RECOMPUTE_MODULES order."""
+        n = self.recompute_layers
+        if n is not None:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise SpecError(f"recompute_layers must be a non-negative integer or None (every layer), got {n!r}")
+            if self.recompute != "full":
+                raise SpecError(f"recompute_layers needs recompute 'full' (the block method), got recompute {self.recompute!r}")
+        mods = self.recompute_modules
+        if isinstance(mods, list):
+            mods = tuple(mods)
+            object.__setattr__(self, "recompute_modules", mods)
+        if not isinstance(mods, tuple) or not all(isinstance(m, str) for m in mods):
+            raise SpecError(f"recompute_modules must be a list of module names, got {mods!r}")
+        bad = [m for m in mods if m not in RECOMPUTE_MODULES]
+        if bad:
+            raise SpecError(f"unknown recompute module(s) {', '.join(map(repr, bad))}: "
+                            f"choose from {', '.join(RECOMPUTE_MODULES)}")
+        if len(set(mods)) != len(mods):
+            raise SpecError(f"recompute_modules names a module twice: {mods!r}")
+        object.__setattr__(self, "recompute_modules", tuple(sorted(mods, key=RECOMPUTE_MODULES.index)))
+        if mods and self.recompute != "selective":
+            raise SpecError(f"recompute_modules needs recompute 'selective', got recompute {self.recompute!r}")
+
+    def recompute_key(self) -> str:
+        """The key suffix of the partial-recompute knobs ('' at their defaults)."""
+        return recompute_knobs_key(self.recompute_layers, self.recompute_modules)
 
     @property
     def world_size(self) -> int:
@@ -643,7 +689,8 @@ class TrainConfig:
             f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.quant}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
-            + self.moe_key() + (f"-offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
+            + self.moe_key() + self.recompute_key()
+            + (f"-offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
             + ("-fsdp" if self.fsdp else "")
         )
 
@@ -654,6 +701,11 @@ class TrainConfig:
     def moe_knobs(self) -> tuple:
         """The MoE knobs (MOE_KNOBS) as a tuple: what the array model keeps per row."""
         return tuple(getattr(self, k) for k in MOE_KNOBS)
+
+
+def recompute_knobs_key(layers: int | None, modules: tuple[str, ...]) -> str:
+    """'-rcl4' for recompute_layers 4, '-rcm[mlp+layernorm]' for recompute_modules ('' at defaults)."""
+    return (f"-rcl{layers}" if layers is not None else "") + (f"-rcm[{'+'.join(modules)}]" if modules else "")
 
 
 # The TrainConfig fields of the MoE knobs, in the order of TrainConfig.moe_knobs() / Layouts.extras.

@@ -20,6 +20,7 @@ from advisor.models.moe import moe_activation_elements
 from advisor.models.allocator_memory import dense_block_bytes, logits_block_bytes, moe_buffer_bytes, reserved_free_gib
 from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
+from advisor.models.recompute import partial_activations
 from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
 from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, extra_codes, unique_rows
 from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
@@ -321,14 +322,14 @@ def activation_table(memo: Memo, key) -> np.ndarray:
     return memo.get("activations", key, make)
 
 
-def activation_keys(L: Layouts, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray]:
-    """(activation_table of every distinct layer shape of L, [keys, K, 3]; each stage's index into it)."""
+def activation_keys(L: Layouts, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
+    """(activation_table of every distinct layer shape of L, [keys, K, 3]; each stage's index into
+    it; the layer shapes, activation_table's keys)."""
     routers = [(e[1], e[2], e[3], e[4]) for e in L.extras]  # grouped GEMM, router, capacity factor, padding
     first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])
-    per_key = np.stack([activation_table(memo, (int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]),
-                                                int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]), int(L.fp8[i]), routers[i]))
-                        for i in first])
-    return per_key, inv[S.row]
+    keys = [(int(L.tp[i]), int(L.cp[i]), int(L.mbs[i]), int(L.seq[i]), int(L.ep[i]), int(L.etp[i]), bool(L.sp[i]),
+             int(L.fp8[i]), routers[i]) for i in first]
+    return np.stack([activation_table(memo, kk) for kk in keys]), inv[S.row], keys
 
 
 def offloaded_kinds(memo: Memo, n: int) -> np.ndarray:
@@ -347,7 +348,7 @@ def offloaded_activation_bytes(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
     0 where no layer is offloaded. Also what each GPU's process pins on the host."""
     if L.offload is None:
         return np.zeros(S.total)
-    per_key, key = activation_keys(L, memo, S)
+    per_key, key, _ = activation_keys(L, memo, S)
     n = L.offload[S.row]
     first, inv = unique_rows([n])
     cnt = np.stack([offloaded_kinds(memo, int(n[i])) for i in first])[inv]
@@ -446,11 +447,9 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     of the step: peak = the larger)."""
     m = L.num_microbatches
     r, k = S.row, S.k
-    per_key, key = activation_keys(L, memo, S)
+    per_key, key, keys = activation_keys(L, memo, S)
     K = per_key.shape[1]
     full = (L.recompute == RECOMPUTE_CODES["full"])[r]
-    # a layer's bytes per kind, per stage, with the stage's recompute mode
-    lb0 = [np.where(full, per_key[:, j, 0][key], per_key[:, j, 1][key]) for j in range(K)]
     plans = L.plans
     params = stage_param_arrays(L, memo, S)
     flight = gather_blocks([L.plan, m], lambda i: in_flight_table(memo, plans[L.plan[i]], int(m[i])), S)
@@ -463,9 +462,13 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     shard = np.where(L.dist_opt[r], dense / d + experts / edp, total)
     opt = c.bytes_optimizer * shard
     transient = c.bytes_optimizer_transient * shard
-    acts = np.zeros(len(r))
-    for j in range(K):
-        acts = acts + flight[:, j] * lb0[j]
+    if L.rc_layers is None and L.rc_modules is None:
+        acts = np.zeros(len(r))
+        for j in range(K):  # a layer's bytes per kind with the stage's recompute mode
+            acts = acts + flight[:, j] * np.where(full, per_key[:, j, 0][key], per_key[:, j, 1][key])
+        whole = counts
+    else:  # partial recompute (models/recompute.py): block layers, selective modules
+        acts, whole = partial_activations(L, memo, S, keys, key, per_key, flight, counts)
     if L.offload is not None:  # activation offloading: the offloaded layers' activations live on the host
         acts = acts - offloaded_activation_bytes(L, memo, S)
     # the stage outputs the pipeline keeps (deallocate_pipeline_outputs off): s / CP x b x h BF16 each,
@@ -477,7 +480,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     if full.any():  # the recompute working set: the largest layer of the stage without recompute
         work = np.full(len(r), -np.inf)
         for j in range(K):
-            work = np.where(counts[:, j] > 0, np.maximum(work, per_key[:, j, 1][key]), work)
+            work = np.where(whole[:, j] > 0, np.maximum(work, per_key[:, j, 1][key]), work)
         acts = np.where(full & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
     last = k == L.pp[r] - 1
     T = (L.seq / L.cp * L.mbs)[r]

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from advisor.catalog import ClusterSpec, ModelSpec, MoESpec, SpecError, TrainConfig, load_gpu, load_model
 from advisor.catalog.loaders import make_cluster
+from advisor.models.published_recipes import (  # noqa: F401 (re-exported)
+    RECIPES, RecipeSettings, layout_mismatch, precision_class, recipe_settings, recipes_for, split_pending)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "published"
@@ -199,86 +201,7 @@ def model_for(key: str, archs: dict[str, dict], notes: list[str]) -> ModelSpec |
 # what each row's recipe sets beyond the printed layout (read from the configs the row names)
 # ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class RecipeSettings:
-    """Memory-relevant settings of the recipe behind a group of rows: `fields` (TrainConfig knobs,
-    kept over the stack's layout defaults), `source` (the files they were read from) and
-    `unmodelled` (settings of the same recipe the advisor has no field for, named for the notes)."""
-    fields: dict
-    source: str
-    unmodelled: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()  # settings read but not carried, and why
-
-
-# Megatron-Bridge H100 performance recipes (rows of megatron_bridge_perf_summary). Common to all:
-# scripts/performance/utils/helpers.py set_common_perf_overrides: cross_entropy_fusion_impl = "te";
-# the Megatron-Bridge Llama recipes (src/megatron/bridge/recipes/llama/llama3.py) recompute_granularity
-# = None, fine_grained_activation_offloading = False, use_distributed_optimizer = True; the perf
-# recipes' env PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True" (src/megatron/bridge/recipes/
-# llama/h100/llama3.py, llama31.py); bf16_with_fp8_current_scaling_mixed(): fp8_param_gather = True
-# (src/megatron/bridge/training/mixed_precision.py), the te stack's default already.
-_BRIDGE = {"recompute": "none", "cross_entropy_impl": "te", "expandable_segments": True}
-_BRIDGE_SRC = ("NVIDIA-NeMo/Megatron-Bridge scripts/performance/utils/helpers.py (set_common_perf_overrides), "
-               "src/megatron/bridge/recipes/llama/llama3.py")
-RECIPES: tuple[tuple[tuple[str, str, str], RecipeSettings], ...] = (
-    # scripts/performance/configs/llama3/llama3_70b_llm_pretrain.py llama3_70b_h100_fp8_config: TP4 PP8
-    # VP5 mbs 1, tp_comm_overlap_cfg = userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192 (the base recipe's
-    # CommOverlapConfig(tp_comm_overlap=True)); no recompute, offloading or FSDP (scripts/performance/
-    # configs/llama/llama3_workload_base_configs.py LLAMA3_70B_PRETRAIN_CONFIG_H100_FP8_CS_V1/V2)
-    (("megatron_bridge_perf_summary", "llama3_70b", "H100"), RecipeSettings(
-        {**_BRIDGE, "tp_comm_overlap": True},
-        _BRIDGE_SRC + ", scripts/performance/configs/llama3/llama3_70b_llm_pretrain.py",
-        notes=("HEAD's perf recipe (src/megatron/bridge/recipes/llama/h100/llama3.py llama3_70b_pretrain_64gpu_h100_"
-         "fp8cs_config) sets pipeline_model_parallel_layout 'Et*2|(t*2|)*34,t*3|(t*2|)*3,tL': not carried "
-         "(the rows' containers may predate it; pipeline rank 0, the fullest, holds the same chunks as the "
-         "even split)",))),
-    # src/megatron/bridge/recipes/llama/llama3.py llama31_405b_pretrain_config:
-    # account_for_embedding_in_pipeline_split = True, account_for_loss_in_pipeline_split = True
-    # (126 layers + 2 = 128 over PP8 x VP8); src/megatron/bridge/recipes/llama/h100/llama31.py
-    # llama31_405b_pretrain_1024gpu_h100_fp8cs_config: TP8 PP8 CP2 VP8, userbuffers_fp8_h100_h16384_
-    # tp8_cp2_mbs1_seqlen8192; scripts/performance/configs/llama/llama31_workload_base_configs.py
-    # LLAMA31_405B_PRETRAIN_CONFIG_H100_FP8_CS_V1/V2: no recompute, offloading or FSDP
-    (("megatron_bridge_perf_summary", "llama3.1_405b", "H100"), RecipeSettings(
-        {**_BRIDGE, "tp_comm_overlap": True, "account_for_embedding": True, "account_for_loss": True},
-        _BRIDGE_SRC + ", src/megatron/bridge/recipes/llama/h100/llama31.py")),
-    # the FSDP rows (fsdp column 8, containers 25.09 / 25.11): scripts/performance/configs/llama3/
-    # llama3_8b_llm_pretrain.py llama3_8b_h100_8gpus_fp8_config: for fp8_recipe "cs"
-    # set_megatron_fsdp_overrides (ddp.use_megatron_fsdp, data_parallel_sharding_strategy =
-    # "optim_grads_params"), ddp.keep_fp8_transpose_cache = True, ddp.nccl_ub = True,
-    # model.gradient_accumulation_fusion = False; CP1 mbs 1; no recompute
-    (("megatron_bridge_perf_summary", "llama3_8b", "H100", "fsdp"), RecipeSettings(
-        {**_BRIDGE, "gradient_accumulation_fusion": False},
-        _BRIDGE_SRC + ", scripts/performance/configs/llama3/llama3_8b_llm_pretrain.py",
-        ("ddp.nccl_ub (NCCL user-buffer registration of the FSDP buffers)",
-         "ddp.keep_fp8_transpose_cache = True"))),
-    # NeMo 2.0 (container 25.02): scripts/performance/llm/pretrain_gpt3_175b.py with
-    # recommended_model_configs/model_configs_h100.csv (gpt3 175b fp8 512 GPUs: TP4 PP8 VP6 mbs 2,
-    # recompute_layers 0, activation_offload_layers 0, use_mcore_fsdp 0); nemo/collections/llm/recipes/
-    # gpt3_175b.py pretrain_performance_optimizations: MegatronCommOverlapCallback(tp_comm_overlap=True,
-    # defer_embedding_wgrad_compute=True, wgrad_deferral_limit=50); NeMo 2.0 GPTConfig
-    # cross_entropy_loss_fusion = True: megatron-core's fused vocab-parallel cross entropy ("native")
-    (("nemo_framework_docs_perf_summary", "gpt3_175b", "H100"), RecipeSettings(
-        {"recompute": "none", "cross_entropy_impl": "native", "tp_comm_overlap": True},
-        "NVIDIA/NeMo scripts/performance/llm/pretrain_gpt3_175b.py, scripts/performance/recommended_model_configs/"
-        "model_configs_h100.csv, nemo/collections/llm/recipes/gpt3_175b.py",
-        ("defer_embedding_wgrad_compute (wgrad_deferral_limit 50): the last stage keeps the output layer's "
-         "input and output gradient of up to 50 micro-batches",))),
-    # NeMo 24.07 (NeMo-Framework-Launcher launcher_scripts/conf/training/nemotron/nemotron_340b.yaml:
-    # TP8 PP8 VP12 mbs 1, the row's layout): activations_checkpoint_granularity null,
-    # cross_entropy_loss_fusion True (megatron-core's fused cross entropy, "native"), ub_tp_comm_overlap
-    # True, defer_embedding_wgrad_compute True with wgrad_deferral_limit 22, fsdp False
-    (("nemo_2407_perf_summary", "nemotron4_340b", "H100"), RecipeSettings(
-        {"recompute": "none", "cross_entropy_impl": "native", "tp_comm_overlap": True},
-        "NVIDIA/NeMo-Framework-Launcher launcher_scripts/conf/training/nemotron/nemotron_340b.yaml",
-        ("defer_embedding_wgrad_compute (wgrad_deferral_limit 22): the last stage keeps the output layer's "
-         "input and output gradient of up to 22 micro-batches",))),
-)
-
-
-def recipe_settings(source_group: str, model_key: str, gpu_type: str, fsdp: bool) -> RecipeSettings | None:
-    """The RECIPES entry of a row (None: none read)."""
-    key = (source_group, model_key, gpu_type) + (("fsdp",) if fsdp else ())
-    return next((s for k, s in RECIPES if k == key), None)
+# RecipeSettings, RECIPES and the lookup live in models/published_recipes.py (re-exported here)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -365,6 +288,9 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     if mbs is None:
         mbs = 1
         notes.append("micro-batch not given: 1")
+    gbs, mbs, swap = read_batch(gbs, mbs, n // (tp * pp * cp) if n % (tp * pp * cp) == 0 else None, _int(r.get("ga")))
+    if swap:
+        notes.append(swap)
     if not r["vp"] and pp > 1:
         notes.append("virtual pipeline not given: 1")
     fsdp_col = (r.get("fsdp") or "").strip()
@@ -374,7 +300,13 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
                      "states sharded over the DP ranks; step time as data parallelism with the distributed optimizer)")
     rc = (r.get("recompute") or "").lower()
     recompute = "full" if rc.startswith("full") else "selective" if rc.startswith("selective") else "none"
-    recipe = recipe_settings(r["source_group"], key, gpu_type, fsdp)
+    found = recipes_for(r["source_group"], key, gpu_type, fsdp, precision_class(precision, fp8_recipe),
+                        r.get("source_version", ""), gbs)
+    row_layout = {"tp": tp, "pp": pp, "vp": vp, "cp": cp, "ep": ep, "mbs": mbs}
+    recipe = next((s for s in found if not layout_mismatch(s, row_layout)), None)
+    if found and recipe is None:
+        notes.append(f"recipe read ({found[0].source.split(', ')[-1]}) not applied: its layout differs "
+                     f"({layout_mismatch(found[0], row_layout)}; the row ran another version of the config)")
     if not rc and not (recipe and "recompute" in recipe.fields):
         notes.append("recompute not given: none")
     cluster = _cluster(gpu_type, n)
@@ -390,9 +322,12 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     except SpecError as e:
         return unusable(f"layout: {e}", tps=tps, model=model, cluster=cluster)
     explicit: frozenset = frozenset()
+    unmodelled: tuple[str, ...] = ()
     if recipe is not None:
+        pending, missing = split_pending(recipe.pending)
+        unmodelled = recipe.unmodelled + missing
         # the row's own recompute column wins; TP-comm overlap exists only with TP > 1 and SP
-        fields = {k: v for k, v in recipe.fields.items()
+        fields = {k: v for k, v in {**recipe.fields, **pending}.items()
                   if not (k == "recompute" and rc) and not (k == "tp_comm_overlap" and tp == 1)}
         try:
             cfg = cfg.replace(**fields)
@@ -401,7 +336,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
         explicit = frozenset(fields)
         notes.append(f"recipe settings ({recipe.source}): "
                      + ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))
-        notes.extend(f"recipe setting not modelled: {u}" for u in recipe.unmodelled)
+        notes.extend(f"recipe setting not modelled: {u}" for u in unmodelled)
         notes.extend(recipe.notes)
     split_given = cfg.account_for_embedding or cfg.account_for_loss or cfg.pipeline_layout
     if pp > 1 and model.num_layers % pp and not split_given:  # not said: the split Megatron's recipes use
@@ -415,7 +350,21 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
         notes.append("MoE routing balanced (forced or token-dropping), as the source says")
     return PublishedRun(tokens_per_s_per_gpu=tps, model=model, cluster=cluster, cfg=cfg, fp8_recipe=fp8_recipe,
                         assumptions=tuple(notes), family=model.family, moe=model.is_moe, fsdp=fsdp,
-                        explicit=explicit, unmodelled=recipe.unmodelled if recipe else (), **base)
+                        explicit=explicit, unmodelled=unmodelled, **base)
+
+
+def read_batch(gbs: int, mbs: int, dp: int | None, ga: int | None) -> tuple[int, int, str]:
+    """(global batch, micro-batch, note) as the row's own numbers allow. A printed global batch
+    smaller than one micro-batch per data-parallel rank cannot run (Megatron asserts gbs divisible
+    by mbs x DP); when the two printed values swapped satisfy gbs = mbs x DP x GA with the row's own
+    gradient-accumulation count, the row printed them in each other's column (row 630, Mixtral-8x22B
+    B200 at 65,536 tokens: printed gbs 1 / mbs 64, GA 16 at DP 4 = 256 / (TP2 PP4 CP8): gbs 64, mbs 1)."""
+    if not dp or not ga or gbs % (mbs * dp) == 0:
+        return gbs, mbs, ""
+    if mbs == gbs * dp * ga:
+        return mbs, gbs, (f"global batch {gbs} / micro-batch {mbs} as printed cannot run at DP {dp}; read swapped "
+                          f"(gbs {mbs}, mbs {gbs}: GA {ga} = {mbs} / ({gbs} x {dp}), the row's own GA)")
+    return gbs, mbs, ""
 
 
 def _uneven_split(model: ModelSpec, cfg: TrainConfig) -> tuple[TrainConfig, str]:

@@ -1,11 +1,10 @@
 """Step time of one training iteration, with its breakdown. Pure functions.
 
-Per pipeline stage and microbatch: the GEMMs of every layer (efficiency by shape), flash
-attention, memory-bound kernels, recompute, and the TP / CP / EP collectives on NVLink or the
-network depending on where the group lands (Megatron's rank order tp-cp-ep-dp-pp). Then the
-pipeline schedule (1F1B or interleaved: bubble (p-1)/(v·m) for equal stages), PP send/recv, the
-DP gradient reduce-scatter / all-reduce and parameter all-gather with the part that overlaps
-with backward / forward, and the optimizer step.
+Per pipeline stage and microbatch: the GEMMs of every layer (efficiency by shape), flash attention,
+memory-bound kernels, recompute, and the TP / CP / EP collectives on NVLink or the network depending on
+where the group lands (Megatron's rank order tp-cp-ep-dp-pp). Then the pipeline schedule (1F1B or
+interleaved: bubble (p-1)/(v·m) for equal stages), PP send/recv, the DP gradient reduce-scatter /
+all-reduce and parameter all-gather with the part that overlaps with backward / forward, and the optimizer step.
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from advisor.models.memory import stage_param_arrays
 from advisor.models.moe import moe_layer_time
 from advisor.models.offload import offload_wait_arrays
 from advisor.models.quant import quant
+from advisor.models.recompute import recompute_time
 from advisor.models.stages import Memo, Stages, memo_for, quant_fields
 from advisor.search_spaces.columns import Layouts, extra_codes, unique_rows
 
@@ -472,11 +472,11 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     out["gemm_s"] = 3 * gemm_f
     out["attention_s"] = attn_f * (1 + c.attention_backward_factor)
     mb = 3 * mb_f + fp8_f + fp8_b
-    out["tp_comm_s"] = out["tp_comm_s"] * 2
-    out["cp_comm_s"] = out["cp_comm_s"] * 2
-    out["ep_comm_s"] = out["ep_comm_s"] * 2
-    rc = L.recompute[r]
-    recompute = np.where(rc == 2, gemm_f + attn_f + mb_f + fp8_f + comm_f, np.where(rc == 1, attn_f, 0.0))
+    for name in ("tp_comm_s", "cp_comm_s", "ep_comm_s"):  # the backward's collectives mirror the forward's
+        out[name] = out[name] * 2
+    rc = L.recompute[r]  # partial recompute (Layouts.rc_layers / rc_modules): models/recompute.py
+    recompute = (np.where(rc == 2, gemm_f + attn_f + mb_f + fp8_f + comm_f, np.where(rc == 1, attn_f, 0.0))
+                 if L.rc_layers is None and L.rc_modules is None else recompute_time(model, L, memo, S, U, UNIT_FIELDS, key, counts, hbm))
     out["recompute_s"] = recompute
     backward = backward + recompute
     T = (L.seq / L.cp * L.mbs)[r]

@@ -220,10 +220,7 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "cross_entropy_loss_fusion": cfg.cross_entropy_impl != "unfused",
         "cross_entropy_fusion_impl": "native" if cfg.cross_entropy_impl == "unfused" else cfg.cross_entropy_impl,
     }
-    if cfg.recompute == "selective":
-        kw.update(recompute_granularity="selective", recompute_modules=["core_attn"])
-    elif cfg.recompute == "full":
-        kw.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kw.update(recompute_settings(cfg))
     if model.mla is not None:
         # megatron.core's MLATransformerConfig (the worker builds that class when it sees
         # multi_latent_attention); plain RoPE on the rope part, as in pretraining at 4K.
@@ -573,14 +570,32 @@ def _parallel_size_args(cfg: TrainConfig) -> list[str]:
             "--micro-batch-size", str(cfg.mbs), "--global-batch-size", str(cfg.gbs)]
 
 
-def _recompute_args(cfg: TrainConfig, name_modules: bool) -> list[str]:
-    """Recompute flags: selective = core attention (named explicitly for the runner's records),
-    full = every layer, one at a time."""
+def recompute_settings(cfg: TrainConfig) -> dict:
+    """megatron-core TransformerConfig recompute_* fields of a layout (Megatron-Bridge's
+    model.recompute_* take the same): selective = its modules (recompute_modules; () = megatron's
+    default, core_attn); full = every layer one at a time (method uniform, 1 layer a unit) or, with
+    recompute_layers N, the block method on the first N layers of each virtual chunk."""
     if cfg.recompute == "selective":
-        return ["--recompute-granularity", "selective"] + (["--recompute-modules", "core_attn"] if name_modules else [])
+        return {"recompute_granularity": "selective", "recompute_modules": list(cfg.recompute_modules or ("core_attn",))}
     if cfg.recompute == "full":
-        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
-    return []
+        n = cfg.recompute_layers
+        return {"recompute_granularity": "full", "recompute_method": "uniform" if n is None else "block",
+                "recompute_num_layers": 1 if n is None else n}
+    return {}
+
+
+def _recompute_args(cfg: TrainConfig, name_modules: bool) -> list[str]:
+    """Recompute flags (recompute_settings); the default module, core_attn, is named only where
+    `name_modules` (the runner's records) or the layout names modules."""
+    s = recompute_settings(cfg)
+    if not s:
+        return []
+    a = ["--recompute-granularity", s["recompute_granularity"]]
+    if "recompute_method" in s:
+        a += ["--recompute-method", s["recompute_method"], "--recompute-num-layers", str(s["recompute_num_layers"])]
+    if "recompute_modules" in s and (name_modules or cfg.recompute_modules):
+        a += ["--recompute-modules", *s["recompute_modules"]]
+    return a
 
 
 def _runner_args(model: ModelSpec, cfg: TrainConfig, train_iters: int) -> list[str]:

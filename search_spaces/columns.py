@@ -9,12 +9,23 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, FP8_PARAM_QUANTS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS, ClusterSpec,
-                                   ModelSpec, TrainConfig, moe_knobs_key, quant_name, quant_parts)
+from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, FP8_PARAM_QUANTS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS,
+                                   RECOMPUTE_MODULES, ClusterSpec, ModelSpec, TrainConfig, moe_knobs_key, quant_name,
+                                   quant_parts, recompute_knobs_key)
 from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, fsdp_choices,
                                          model_parallel_choices, split_choices)
 
 RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
+
+
+def recompute_modules_code(modules) -> int:
+    """A bitmask of RECOMPUTE_MODULES (0: (), megatron-core's default) for Layouts.rc_modules."""
+    return sum(1 << RECOMPUTE_MODULES.index(m) for m in modules)
+
+
+def recompute_modules_of(code: int) -> tuple[str, ...]:
+    """The modules of a recompute_modules_code, in RECOMPUTE_MODULES order."""
+    return tuple(m for b, m in enumerate(RECOMPUTE_MODULES) if code >> b & 1)
 
 
 _COLS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "dist", "rc", "split", "fsdp")
@@ -153,6 +164,8 @@ class Layouts:
     fsdp: np.ndarray | None = None  # TrainConfig.fsdp (None: all off)
     lazy: np.ndarray | None = None  # TrainConfig.nccl_lazy_init (None: all eager)
     offload: np.ndarray | None = None  # TrainConfig.cpu_offload_layers (None: all 0)
+    rc_layers: np.ndarray | None = None  # TrainConfig.recompute_layers, -1 for None (None: all None)
+    rc_modules: np.ndarray | None = None  # TrainConfig.recompute_modules as modules_code (None: all ())
 
     def __len__(self) -> int:
         return len(self.tp)
@@ -200,7 +213,11 @@ class Layouts:
                    else None,
                    fsdp=col("fsdp", bool) if any(c.fsdp for c in cfgs) else None,
                    lazy=col("nccl_lazy_init", bool) if any(c.nccl_lazy_init for c in cfgs) else None,
-                   offload=col("cpu_offload_layers") if any(c.cpu_offload_layers for c in cfgs) else None)
+                   offload=col("cpu_offload_layers") if any(c.cpu_offload_layers for c in cfgs) else None,
+                   rc_layers=np.array([-1 if c.recompute_layers is None else c.recompute_layers for c in cfgs], np.int64)
+                   if any(c.recompute_layers is not None for c in cfgs) else None,
+                   rc_modules=np.array([recompute_modules_code(c.recompute_modules) for c in cfgs], np.int64)
+                   if any(c.recompute_modules for c in cfgs) else None)
 
     def config(self, i: int) -> TrainConfig:
         """Row i's TrainConfig (made from the columns the first time it is asked for)."""
@@ -223,8 +240,16 @@ class Layouts:
                 deallocate_pipeline_outputs=bool(self.dpo[i]) if self.dpo is not None else False,
                 fsdp=bool(self.fsdp[i]) if self.fsdp is not None else False,
                 nccl_lazy_init=bool(self.lazy[i]) if self.lazy is not None else False,
-                cpu_offload_layers=int(self.offload[i]) if self.offload is not None else 0)
+                cpu_offload_layers=int(self.offload[i]) if self.offload is not None else 0,
+                **self.recompute_fields(i))
         return c
+
+    def recompute_fields(self, i: int) -> dict:
+        """Row i's recompute_layers and recompute_modules (TrainConfig fields)."""
+        n = int(self.rc_layers[i]) if self.rc_layers is not None else -1
+        code = int(self.rc_modules[i]) if self.rc_modules is not None else 0
+        return {"recompute_layers": None if n < 0 else n,
+                "recompute_modules": recompute_modules_of(code)}
 
     def key(self, i: int) -> str:
         """TrainConfig.key() of row i (from the columns when its TrainConfig is not made yet)."""
@@ -239,7 +264,7 @@ class Layouts:
                 f"-{QUANTS[int(self.fp8[i])]}-{names[int(self.recompute[i])]}"
                 + ("-acce" if sp.get("account_for_embedding") else "") + ("-accl" if sp.get("account_for_loss") else "")
                 + (f"-layout[{sp['pipeline_layout']}]" if sp.get("pipeline_layout") else "")
-                + moe_knobs_key(self.extras[i])
+                + moe_knobs_key(self.extras[i]) + recompute_knobs_key(*self.recompute_fields(i).values())
                 + (f"-offload{self.offload[i]}" if self.offload is not None and self.offload[i] else ""))
 
     def take(self, idx: np.ndarray) -> "Layouts":

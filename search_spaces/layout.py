@@ -331,6 +331,38 @@ def moe_knob_violations(model: ModelSpec, cfg: TrainConfig) -> list[str]:
     return out
 
 
+def recompute_violations(model: ModelSpec, cfg: TrainConfig) -> list[str]:
+    """What megatron-core refuses (or what does nothing) among the partial-recompute knobs on this
+    model: more block-recompute layers than a virtual chunk holds, "mla_up_proj" without MLA,
+    "moe_act" without grouped GEMM (megatron-core raises), MoE modules on a dense model,
+    "shared_experts" with shared-expert overlap (megatron-core raises)."""
+    out = []
+    n = cfg.recompute_layers
+    if n is not None and cfg.recompute == "full":
+        try:
+            most = max(pipeline_plan(model, cfg).chunk_layers)
+        except IllegalLayout:
+            most = None  # reported by violations
+        if most is not None and n > most:
+            out.append(f"recompute_layers={n} exceeds the {most} layers of a virtual chunk")
+    mods = set(cfg.recompute_modules)
+    if "mla_up_proj" in mods and model.mla is None:
+        out.append("recompute module mla_up_proj needs multi-latent attention")
+    moe_mods = sorted(mods & {"moe_act", "moe", "shared_experts"})
+    if moe_mods and not model.is_moe:
+        out.append(f"recompute module(s) {', '.join(moe_mods)} need a mixture-of-experts model")
+    if model.is_moe:
+        if "moe_act" in mods and not cfg.moe_grouped_gemm:
+            out.append("recompute module moe_act needs moe_grouped_gemm (megatron-core raises)")
+        if "shared_experts" in mods and cfg.moe_shared_expert_overlap:
+            out.append("recompute module shared_experts does not run with moe_shared_expert_overlap (megatron-core raises)")
+        if "shared_experts" in mods and not model.moe.shared_ffn_hidden_size:
+            out.append("recompute module shared_experts needs a model with shared experts")
+        if "moe" in mods and cfg.moe_a2a_overlap:
+            out.append("recompute module moe does not run with the MoE all-to-all overlap (megatron-core asserts)")
+    return out
+
+
 def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) -> list[str]:
     """Every rule the layout breaks, as one-line reasons (empty when legal)."""
     out: list[str] = []
@@ -378,6 +410,7 @@ def violations(model: ModelSpec, cluster: ClusterSpec | None, cfg: TrainConfig) 
             out.append(f"ep={cfg.ep} needs a mixture-of-experts model")
         if cfg.etp > 1:
             out.append(f"etp={cfg.etp} needs a mixture-of-experts model")
+    out += recompute_violations(model, cfg)
     if cfg.sequence_parallel and cfg.tp == 1:
         out.append("sequence parallel needs tp > 1")
     if cfg.tp_comm_overlap and not cfg.sequence_parallel:
