@@ -286,7 +286,8 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
     if options is None:
         options = SpaceOptions.wide(tp_comm_overlap=bool(st.layout_defaults.get("tp_comm_overlap")),
                                     moe_fusion=bool(st.layout_defaults.get("moe_permute_fusion")),
-                                    gradient_accumulation_fusion=bool(st.layout_defaults.get("gradient_accumulation_fusion")))
+                                    gradient_accumulation_fusion=bool(st.layout_defaults.get("gradient_accumulation_fusion")),
+                                    fsdp=st.space_fsdp)
     # what the user left to the stack (te: TE's fused cross entropy, FP8 primary weights and
     # expandable segments, as NVIDIA's recipes)
     unset = {k: v for k, v in stack_option_defaults(st.name).items() if getattr(options, k) is None}
@@ -534,7 +535,7 @@ LAYOUT_KEYS = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "precis
                "tp_comm_overlap", "pp_first_layers", "pp_last_layers", "account_for_embedding",
                "account_for_loss", "pipeline_layout", "moe_dispatcher", "moe_router", "moe_capacity_factor",
                "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap", "moe_router_fusion",
-               "moe_permute_fusion", "cpu_offload_layers", "recompute_layers", "recompute_modules")
+               "moe_permute_fusion", "cpu_offload_layers", "recompute_layers", "recompute_modules", "fsdp")
 
 
 def layout_from_flags(model: ModelSpec, cluster: ClusterSpec, values: Mapping[str, Any],

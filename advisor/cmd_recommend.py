@@ -122,7 +122,7 @@ _LAYOUT_INT = ("tp", "pp", "cp", "ep", "etp", "vp", "mbs", "pp_first_layers", "p
 
 _COMPARE_BOOLS = ("sequence_parallel", "tp_comm_overlap", "distributed_optimizer", "account_for_embedding",
                   "account_for_loss", "moe_pad_to_capacity", "moe_a2a_overlap", "moe_shared_expert_overlap",
-                  "moe_router_fusion", "moe_permute_fusion")
+                  "moe_router_fusion", "moe_permute_fusion", "fsdp")
 _COMPARE_NAMES = ("recompute", "moe_dispatcher", "moe_router")
 
 
@@ -190,6 +190,8 @@ def predict_cmd(
     sequence_parallel: SequenceParallel = None,
     distributed_optimizer: Optional[bool] = typer.Option(None, "--distributed-optimizer/--no-distributed-optimizer"),
     cpu_offload_layers: CpuOffloadLayers = None,
+    fsdp: Optional[bool] = typer.Option(None, "--fsdp/--no-fsdp", help="Megatron FSDP (optim_grads_params: weights, "
+                                        "gradients and optimizer states sharded over DP)"),
     power_cap: PowerCap = None,
     power_caps: PowerCaps = None,
     calibration: Optional[str] = typer.Option(None, "--calibration", help=CAL_HELP, callback=calibration_default),
@@ -205,7 +207,7 @@ def predict_cmd(
 
     values = dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs, gbs=gbs, seq=seq, precision=precision,
                   fp8_recipe=fp8_recipe, recompute=recompute, sequence_parallel=sequence_parallel,
-                  distributed_optimizer=distributed_optimizer, pp_first_layers=pp_first_layers,
+                  distributed_optimizer=distributed_optimizer, fsdp=fsdp, pp_first_layers=pp_first_layers,
                   pp_last_layers=pp_last_layers, account_for_embedding=account_for_embedding,
                   account_for_loss=account_for_loss, pipeline_layout=pipeline_layout,
                   cpu_offload_layers=cpu_offload_layers)

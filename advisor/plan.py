@@ -361,7 +361,7 @@ def layout_label(cfg: TrainConfig) -> str:
     for k, v in (("CP", cfg.cp), ("EP", cfg.ep), ("VP", cfg.vp)):
         if v > 1:
             s += f" {k}{v}"
-    s += f" mbs{cfg.mbs}"
+    s += f" mbs{cfg.mbs}" + (" FSDP" if cfg.fsdp else "")
     return s + ("" if cfg.recompute == "none" else f" {cfg.recompute[:3]}")
 
 

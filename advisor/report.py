@@ -65,6 +65,8 @@ def layout_text(cfg: TrainConfig) -> str:
         s += "·acc" + "E" * cfg.account_for_embedding + "L" * cfg.account_for_loss
     if cfg.pipeline_layout:
         s += f"·layout {cfg.pipeline_layout}"
+    if cfg.fsdp:
+        s += "·FSDP"
     if cfg.cpu_offload_layers:
         s += f"·offload {cfg.cpu_offload_layers}L"
     return s

@@ -46,7 +46,8 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
     mems, upper, tight, outside = band_upper_many(m, L, band, constants, under_pressure=True)
     fit = (upper <= MB.usable_gib(c.gpu.memory_gib, margin)).tolist()
     # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
-    but = np.stack([L.tp, L.pp, L.dp, L.cp, L.ep, L.etp, L.vp, L.mbs, L.dist_opt, L.split], 1)
+    fsdp = L.fsdp if L.fsdp is not None else np.zeros(len(L.tp), bool)
+    but = np.stack([L.tp, L.pp, L.dp, L.cp, L.ep, L.etp, L.vp, L.mbs, L.dist_opt, L.split, fsdp], 1)
     group = np.concatenate([[0], np.cumsum(np.any(but[1:] != but[:-1], axis=1))]).tolist()
     costs = np.array([RECOMPUTE_COST[r] for r in ("none", "selective", "full")])[L.recompute].tolist()
     feasible = 0

@@ -224,6 +224,12 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
     layouts, screened, seen, left_out = [], {}, set(), {}
     stack = s.stack if s.runner == "megatron" else None  # the stack the runner runs (search_spaces.runnable)
     for cfg in enumerate_layouts(model, cluster, wl, options):
+        # Megatron FSDP, which the runner's settings turn off (runners.megatron_args.runner_config):
+        # never sampled, counted (search_spaces.runnable.RUNNER_RULES)
+        rule = stack and cfg.fsdp and first_broken_rule(model, cfg, stack, runner=True)
+        if rule:
+            left_out[rule] = left_out.get(rule, 0) + 1
+            continue
         cfg, refusal = prepare(s.runner, model, cluster, cfg, s.stack)
         key = layout_key(cfg)
         if key in seen:

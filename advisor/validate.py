@@ -381,7 +381,7 @@ STRINGS: dict[str, Callable[[str, Any], Any]] = {
 LAYOUT_INTS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "gbs", "seq", "pp_first_layers", "pp_last_layers")
 LAYOUT_BOOLS = ("sequence_parallel", "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
                 "tp_comm_overlap", "gradient_accumulation_fusion", "account_for_embedding", "account_for_loss", "moe_pad_to_capacity", "moe_a2a_overlap",
-                "moe_shared_expert_overlap", "moe_router_fusion", "moe_permute_fusion")
+                "moe_shared_expert_overlap", "moe_router_fusion", "moe_permute_fusion", "fsdp")
 
 
 def as_flag(key: str) -> str:

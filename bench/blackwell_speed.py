@@ -33,7 +33,8 @@ def main() -> int:
                           fp8_recipe=cfg.fp8_recipe, top=1)
             best = r.recommendations[0].prediction.tokens_per_s_per_gpu
             from advisor.api import compare
-            vals = {k: getattr(cfg, k) for k in ("tp", "pp", "cp", "vp", "mbs", "recompute")}
+            vals = {k: getattr(cfg, k) for k in ("tp", "pp", "cp", "vp", "mbs", "recompute", "fsdp",
+                                                      "cpu_offload_layers")}
             # the row's uneven pipeline split (405B: the embedding / loss counted as layers)
             vals.update({k: getattr(cfg, k) for k in ("pp_first_layers", "pp_last_layers", "account_for_embedding",
                                                       "account_for_loss", "pipeline_layout") if getattr(cfg, k)})
@@ -41,8 +42,8 @@ def main() -> int:
                 x = compare(r, vals)
                 gap = (1 - x.prediction.tokens_per_s_per_gpu / best) * 100
                 print(f"  row {run.row_id:>4} {run.model.name:14} x{run.num_gpus:<4} {cfg.quant:14} {cfg.key()[:40]:40} "
-                      f"{gap:+6.1f}% below #1" + ("" if x.prediction.feasible else "  (predicted not to fit" + (
-                          ": an FSDP run, FSDP not modelled)" if run.fsdp else ")")))
+                      f"{gap:+6.1f}% below #1" + ("  (FSDP)" if cfg.fsdp else "")
+                      + ("" if x.prediction.feasible else "  (predicted not to fit)"))
             except Exception as e:  # noqa: BLE001 - print why the row's layout is not comparable
                 print(f"  row {run.row_id:>4} {run.model.name:14} x{run.num_gpus:<4} not compared: {e}")
     return 0

@@ -105,7 +105,8 @@ def check(group, meas: dict, calibration: str, top: int, runner_settings: bool, 
     # comes (expandable segments off) and megatron-core's default of keeping the pipeline's outputs
     options = SpaceOptions.wide(tp_comm_overlap=False, gradient_accumulation_fusion=False,
                                 cross_entropy_impl="native", fp8_param_gather=False, expandable_segments=False,
-                                deallocate_pipeline_outputs=False, nccl_lazy_init=False) if runner_settings else None
+                                deallocate_pipeline_outputs=False, nccl_lazy_init=False,
+                                fsdp=(False,)) if runner_settings else None  # the runner does not run Megatron FSDP
     res = recommend(model, cluster, seq=seq, gbs=gbs, precision=prec, fp8_recipe=cfg0.fp8_recipe, top=top,
                     calibration=calibration, stack="te", options=options)
     ranked = [match_key(x.config) for x in res.recommendations]

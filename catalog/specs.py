@@ -691,6 +691,7 @@ class TrainConfig:
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
             + self.moe_key() + self.recompute_key()
             + (f"-offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
+            + ("-fsdp" if self.fsdp else "")
         )
 
     def moe_key(self) -> str:

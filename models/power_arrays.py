@@ -301,7 +301,7 @@ class StepModel:
         """Rows `rows` (their stages: the mask `sm`)."""
         L = self.L.take(rows)
         base = {k: (v[sm] if k == "totals" else v[rows]) for k, v in self.base.items()}
-        dp = DPTerms(self.dp.grad[sm], self.dp.gather[sm], self.dp.opt_base[sm])
+        dp = self.dp.take(sm)
         return StepModel(L, Stages(L), self.c, {k: v[sm] for k, v in self.full.items()}, base, dp, self.extra[rows])
 
 
@@ -406,7 +406,7 @@ class PowerInputs:
         base = {k: (v[sm] if k == "totals" else v[rows]) for k, v in self.base.items()}
         ps = self.power_scale[sm] if isinstance(self.power_scale, np.ndarray) else self.power_scale
         return PowerInputs(self.cluster, L, S, self.c, {k: v[sm] for k, v in self.full.items()},
-                           DPTerms(self.dp.grad[sm], self.dp.gather[sm], self.dp.opt_base[sm]), base, self.cap[sm], ps)
+                           self.dp.take(sm), base, self.cap[sm], ps)
 
 
 def evaluate_power(inp: PowerInputs, extra_wait_s: np.ndarray | float = 0.0) -> "PowerArrays":

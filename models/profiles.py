@@ -31,6 +31,8 @@ class Stack:
     layout_defaults: Mapping[str, Any] = field(default_factory=dict)
     # GPU generation (catalog `generation`) -> the profile fitted on that generation's published rows
     generations: Mapping[str, Path] = field(default_factory=dict)
+    # Megatron FSDP settings recommend searches (SpaceOptions.fsdp): a layout choice, not a default
+    space_fsdp: tuple[bool, ...] = (False,)
 
     def file_for(self, gpu=None) -> Path:
         """The stack's profile for a GPU: its generation's where one is shipped, else the stack's."""
@@ -77,10 +79,16 @@ STACKS: dict[str, Stack] = {
          # passes no device_id to init_process_group: TrainConfig.nccl_lazy_init)
          "nccl_lazy_init": True},
         # fitted on the published B200 / GB200 / GB300 rows (bench/fit_blackwell.py); H100's stays
-        {"blackwell": DATA / "te_blackwell_calibration.joblib"}),
+        {"blackwell": DATA / "te_blackwell_calibration.joblib"},
+        # with and without Megatron FSDP (optim_grads_params): NVIDIA's Llama3-70B recipes on GB200 /
+        # GB300 / B200 / B300 run it at DP 64 (Megatron-Bridge scripts/performance/configs/llama/
+        # llama3_workload_base_configs.py: use_megatron_fsdp=True)
+        space_fsdp=(False, True)),
     "local": Stack(
         "local", "this project's runner: megatron-core local layers, no Transformer Engine",
-        DATA / "default_calibration.joblib", {}),
+        DATA / "default_calibration.joblib", {},
+        # searched so that recommend counts what this runner leaves out (search_spaces.runnable: FSDP)
+        space_fsdp=(False, True)),
 }
 DEFAULT_STACK = "te"
 

@@ -17,8 +17,11 @@ import numpy as np
 
 from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.attention import attention_seconds, softmax_stretch  # noqa: F401  (their home was here)
+from advisor.models.collectives import (COLLECTIVES, Link, bus_factor, collective_time, group_link,  # noqa: F401
+                                         group_links)  # (their home was here)
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
+from advisor.models.fsdp_time import FSDPTerms, fsdp_exposed_per_microbatch, fsdp_stage_terms, outside_unit_params
 from advisor.models.memory import stage_param_arrays
 from advisor.models.moe import moe_layer_time
 from advisor.models.offload import offload_wait_arrays
@@ -46,75 +49,6 @@ def gemm_time(m: float, k: float, n: float, peak_flops: float, hbm_bw: float, c:
     t_memory = (in_bytes * (m * k + k * n) + 2.0 * m * n) / (hbm_bw * c.hbm_efficiency)
     t = max(t_compute, t_memory)
     return t, flops / (t * peak_flops * eff_max)
-
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-
-
-def bus_factor(kind: str, n):
-    """NCCL's bus-bandwidth factor (nccl-tests' PERFORMANCE.md): bytes on the busiest link per byte of
-    the buffer over a ring of n ranks; 1 for a point-to-point transfer (p2p, a CP ring's send / recv)."""
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
-
-
-def collective_time(kind: str, nbytes, n, bw_gbs, latency):
-    """NCCL ring-style cost of a collective over n ranks moving nbytes per rank (the full buffer):
-    bus_factor x bytes / bandwidth + latency (x sqrt(n-1) per ring pass for the collectives).
-    Floats or arrays (one group per element; a group of one rank or no bytes costs nothing)."""
-    if kind not in COLLECTIVES:
-        raise ValueError(kind)
-    arrays = any(isinstance(v, np.ndarray) for v in (nbytes, n, bw_gbs, latency))
-    if not arrays and (n <= 1 or nbytes <= 0):
-        return 0.0
-    bw = bw_gbs * 1e9
-    with np.errstate(divide="ignore", invalid="ignore"):
-        if kind == "p2p":
-            lat = latency
-        else:
-            lat = (2 * latency if kind == "all_reduce" else latency) * (n - 1) ** 0.5
-        v = bus_factor(kind, n) * nbytes / bw + lat
-    return np.where((np.asarray(n) <= 1) | (np.asarray(nbytes) <= 0), 0.0, v) if arrays else v
-
-
-@dataclass
-class Link:
-    """A group's link (group_links): floats for one group, arrays for many."""
-
-    bw_gbs: float | np.ndarray
-    latency: float | np.ndarray
-    inter_node: bool | np.ndarray
-
-    def groups(self) -> list[Link]:
-        """One Link of floats per group."""
-        return [Link(float(b), float(t), bool(x)) for b, t, x in
-                zip(np.atleast_1d(self.bw_gbs), np.atleast_1d(self.latency), np.atleast_1d(self.inter_node))]
-
-
-def group_links(cluster: ClusterSpec, stride, size, c: Constants) -> Link:
-    """Link a group of `size` ranks spaced `stride` apart uses (arrays: one group per element):
-    NVLink when it fits in the job's share of one NVLink domain (`ClusterSpec.domain_gpus`: an
-    HGX node, or the GPUs of an NVL72 rack, over its 4-GPU trays). Across domains, the k ranks of
-    the group that share a domain drive k NICs at once (NCCL runs one ring / channel per NIC; a
-    node's boundary hop carries the group's traffic over all of them), so the group's per-rank
-    bandwidth is k NICs' worth, at most the NVLink rate: nccl-tests on DGX H100 (8 x 400 Gb/s per
-    node) show multi-node all-reduce bus bandwidths near the NVLink one with full nodes, and
-    ~50 GB/s with one rank per node."""
-    gpn = cluster.domain_gpus
-    stride, size = np.asarray(stride), np.asarray(size)
-    inter = (size > 1) & (stride * size > gpn)
-    per_node = np.where(stride < gpn, np.maximum(1, np.minimum(size, gpn // np.maximum(stride, 1))), 1)
-    bw = np.minimum(cluster.intra_node_bw_gbs, per_node * cluster.inter_node_bw_gbs)
-    return Link(np.where(inter, bw * c.network_efficiency, cluster.intra_node_bw_gbs * c.nvlink_efficiency),
-                np.where(inter, c.inter_latency_s, c.intra_latency_s), inter)
-
-
-def group_link(cluster: ClusterSpec, stride: int, size: int, c: Constants) -> Link:
-    """group_links of one group, as floats."""
-    return group_links(cluster, stride, size, c).groups()[0]
 
 
 @dataclass
@@ -657,17 +591,23 @@ def at_clocks_arrays(full: dict[str, np.ndarray], x: np.ndarray, c: Constants, y
 
 @dataclass
 class DPTerms:
-    """Per-stage DP traffic and optimizer terms that do not depend on the clocks."""
+    """Per-stage DP traffic and optimizer terms that do not depend on the clocks; `fsdp`: Megatron
+    FSDP's per-micro-batch gathers and reduce-scatters (models.fsdp_time; None: no row has FSDP)."""
 
     grad: np.ndarray
     gather: np.ndarray
     opt_base: np.ndarray
+    fsdp: FSDPTerms | None = None
+
+    def take(self, sm: np.ndarray) -> "DPTerms":
+        """The terms of stages `sm`."""
+        return DPTerms(self.grad[sm], self.gather[sm], self.opt_base[sm], self.fsdp.take(sm) if self.fsdp else None)
 
 
 def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:
     r, k = S.row, S.k
     params = stage_param_arrays(L, memo, S)
-    dense, experts = params[:, 0], params[:, 1]
+    dense, experts, lin = params[:, 0], params[:, 1], params[:, 2] - params[:, 1]  # lin: the dense linear weights
     dl = group_links(cluster, L.tp * L.cp, L.dp, c)
     edp = L.expert_dp
     el = group_links(cluster, L.ep * L.etp, edp, c)
@@ -675,13 +615,21 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     d = (L.dp * L.cp)[r]
     gb = c.dp_grad_reduce_bytes
     dist = L.dist_opt[r]
+    fpg = L.fpg[r] if L.fpg is not None else 0.0  # FP8 primary weights gather at 1 B each (TrainConfig.fp8_param_gather)
+    fsdp = None
+    if L.fsdp is not None and L.fsdp[r].any():  # Megatron FSDP: the units' traffic per micro-batch (models.fsdp_time)
+        on = L.fsdp[r]
+        outside = outside_unit_params(model, L.tp[r], k == 0, k == L.pp[r] - 1, L.pp[r])
+        fsdp = fsdp_stage_terms(on, dense - outside, experts, lin, fpg, S.counts(memo).sum(axis=1), d,
+                                Link(dbw, dlat, dl.inter_node[r]), edp, Link(ebw, elat, el.inter_node[r]), c)
+        # the parameters outside the units keep the distributed optimizer's once-per-step terms
+        dense, experts, lin = np.where(on, outside, dense), np.where(on, 0.0, experts), np.where(on, 0.0, lin)
     grad = np.where(dist, collective_time("reduce_scatter", dense * gb, d, dbw, dlat) + collective_time("reduce_scatter", experts * gb, edp, ebw, elat),
                     collective_time("all_reduce", dense * gb, d, dbw, dlat) + collective_time("all_reduce", experts * gb, edp, ebw, elat))
-    fpg = L.fpg[r] if L.fpg is not None else 0.0  # FP8 primary weights gather at 1 B each (TrainConfig.fp8_param_gather)
-    gather = np.where(dist, collective_time("all_gather", dense * 2 - (params[:, 2] - experts) * fpg, d, dbw, dlat) + collective_time("all_gather", experts * (2 - fpg), edp, ebw, elat), 0.0)
-    shard = np.where(dist, dense / d + experts / edp, dense + experts)
+    gather = np.where(dist, collective_time("all_gather", dense * 2 - lin * fpg, d, dbw, dlat) + collective_time("all_gather", experts * (2 - fpg), edp, ebw, elat), 0.0)
+    shard = np.where(dist, params[:, 0] / d + params[:, 1] / edp, params[:, 0] + params[:, 1])
     opt_base = shard * c.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency)
-    return DPTerms(grad, gather, opt_base)
+    return DPTerms(grad, gather, opt_base, fsdp)
 
 
 def step_arrays(L: Layouts, c: Constants, S: Stages, full: dict, at: dict, dp: DPTerms) -> dict[str, np.ndarray]:
@@ -703,6 +651,10 @@ def step_arrays(L: Layouts, c: Constants, S: Stages, full: dict, at: dict, dp: D
                           dp.gather)
     dp_total = np.maximum(0.0, S.max(dp.grad + dp.gather))
     dp_exposed = np.maximum(0.0, S.max(exp_grad + exp_gather))
+    if dp.fsdp is not None:  # Megatron FSDP: each micro-batch's gathers and reduce-scatters, what compute leaves exposed
+        f = dp.fsdp
+        dp_total = dp_total + m * S.max(f.gather * 2 + f.reduce)
+        dp_exposed = dp_exposed + m * S.max(fsdp_exposed_per_microbatch(f, per_fwd, per_bwd, c.dp_overlap_efficiency))
     opt = np.maximum(0.0, S.max(dp.opt_base * mem_stretch))
     total = pipeline + dp_exposed + opt + c.step_overhead_s
     return {"step_time_s": total, "pipeline_s": pipeline, "bubble_s": fill, "dp_comm_s": dp_total,

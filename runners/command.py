@@ -224,7 +224,16 @@ def bridge_overrides(cfg: TrainConfig, iters: int) -> list[str]:
         f"optimizer.use_distributed_optimizer={b(c.distributed_optimizer)}",
         f"ddp.overlap_grad_reduce={b(c.overlap_grad_reduce)}", f"ddp.overlap_param_gather={b(c.overlap_param_gather)}",
         "logger.log_interval=1", "train.eval_iters=0",
-    ] + rec + MA.offload_overrides(c, "model.")
+    ] + rec + MA.offload_overrides(c, "model.") + bridge_fsdp_overrides(c)
+
+
+def bridge_fsdp_overrides(cfg: TrainConfig) -> list[str]:
+    """Megatron FSDP (TrainConfig.fsdp) as Megatron-Bridge overrides, the DDP fields its performance
+    scripts' set_megatron_fsdp_overrides sets (its ddp config is megatron-core's
+    DistributedDataParallelConfig): use_megatron_fsdp, the optim_grads_params sharding strategy, and
+    average_in_collective off ("not supported with Megatron FSDP")."""
+    return (["ddp.use_megatron_fsdp=true", "ddp.data_parallel_sharding_strategy=optim_grads_params",
+             "ddp.average_in_collective=false"] if cfg.fsdp else [])
 
 
 def placeholder_values(model: ModelSpec, cfg: TrainConfig, iters: int, node: NodeInfo, trial_id: str,

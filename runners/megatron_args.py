@@ -53,7 +53,7 @@ def refusal_reason(model: ModelSpec, cfg: TrainConfig, world_size: int | None = 
     if stack not in RUNNER_STACKS:
         return f"unknown runner stack {stack!r} (known: {', '.join(RUNNER_STACKS)})"
     cfg = effective_config(cfg)
-    reason = refusal(model, cfg, stack)
+    reason = refusal(model, cfg, stack, runner=True)
     if reason:
         return reason
     if cfg.gradient_accumulation_fusion:

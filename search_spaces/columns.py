@@ -12,8 +12,8 @@ import numpy as np
 from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, FP8_PARAM_QUANTS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS,
                                    RECOMPUTE_MODULES, ClusterSpec, ModelSpec, TrainConfig, moe_knobs_key, quant_name,
                                    quant_parts, recompute_knobs_key)
-from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, model_parallel_choices,
-                                         split_choices)
+from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, fsdp_choices,
+                                         model_parallel_choices, split_choices)
 
 RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
 
@@ -28,7 +28,7 @@ def recompute_modules_of(code: int) -> tuple[str, ...]:
     return tuple(m for b, m in enumerate(RECOMPUTE_MODULES) if code >> b & 1)
 
 
-_COLS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "dist", "rc", "split")
+_COLS = ("tp", "pp", "dp", "cp", "ep", "etp", "vp", "mbs", "dist", "rc", "split", "fsdp")
 
 
 def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload,
@@ -46,7 +46,9 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
         # the (ep, etp) pairs and distributed-optimizer settings _inner keeps, in its order
         pairs = [(ep, etp) for ep in eps for etp in etps
                  if not (dp * cp * tp) % (ep * etp) and not (moe and model.moe.ffn_hidden_size % etp)]
-        dists = [bool(d and dp * cp > 1) for d in options.distributed_optimizer]
+        # the (distributed optimizer, FSDP) settings _inner keeps, in its order
+        dists = [(bool(d and dp * cp > 1), f) for d in options.distributed_optimizer
+                 for f in fsdp_choices(options, bool(d and dp * cp > 1), dp, cp, pp)]
         per_dp = workload.gbs // dp
         for split, vps in split_choices(model.num_layers, pp, options):
             key = tuple(sorted(split.items()))
@@ -62,11 +64,12 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
             n_mv, n_pe, n_d, n_r = len(mv), len(pairs), len(dists), len(rcs)
             mva = np.repeat(np.array(mv, np.int64), n_pe * n_d * n_r, axis=0)
             pea = np.tile(np.repeat(np.array(pairs, np.int64), n_d * n_r, axis=0), (n_mv, 1))
-            da = np.tile(np.repeat(np.array(dists, np.int64), n_r), n_mv * n_pe)
+            da = np.tile(np.repeat(np.array(dists, np.int64), n_r, axis=0), (n_mv * n_pe, 1))
             ra = np.tile(rcs, n_mv * n_pe * n_d)
             n = len(ra)
             blocks.append(np.stack([np.full(n, tp), np.full(n, pp), np.full(n, dp), np.full(n, cp),
-                                    pea[:, 0], pea[:, 1], mva[:, 1], mva[:, 0], da, ra, np.full(n, sid)], 1))
+                                    pea[:, 0], pea[:, 1], mva[:, 1], mva[:, 0], da[:, 0], ra, np.full(n, sid),
+                                    da[:, 1]], 1))
     a = np.concatenate(blocks, 0) if blocks else np.zeros((0, len(_COLS)), np.int64)
     col = {k: a[:, j] for j, k in enumerate(_COLS)}
     n = len(a)
@@ -99,8 +102,8 @@ def enumerate_columns(model: ModelSpec, cluster: ClusterSpec, workload: Workload
         L.dpo = np.ones(n, bool)
     if options.nccl_lazy_init:
         L.lazy = np.ones(n, bool)
-    if options.fsdp:  # Megatron FSDP wherever the layout has the distributed optimizer
-        L.fsdp = col["dist"].astype(bool)
+    if any(options.fsdp):  # Megatron FSDP where the space offers it (search_spaces.space.fsdp_applies)
+        L.fsdp = col["fsdp"].astype(bool)
     L.split = col["split"]
     L.splits = splits
     L.precision = workload.precision

@@ -12,6 +12,10 @@ Stacks (advisor.models.profiles):
          The runner turns sequence parallelism off itself (`runs_sequence_parallel`), so a dense
          layout with TP > 1 runs without it.
   te     Megatron-Core with Transformer Engine: none of the above is refused.
+This project's runner, whatever the stack, does not run Megatron FSDP (RUNNER_RULES: its worker
+builds megatron-core's DistributedDataParallel itself, runners.megatron_args.runner_config): the
+local stack (which is that runner) leaves FSDP out of recommend, and `advisor tune` with the megatron
+runner never samples it (`runner=True`); the te stack's recommend ranks it (NVIDIA's recipes run it).
 """
 from __future__ import annotations
 
@@ -31,9 +35,16 @@ LOCAL_RULES = (
     ("cpu_offload", "cpu_offload_layers needs Transformer Engine's get_cpu_offload_context (megatron-core "
                     "asserts \"CPU Offloading is enabled when TE is not present\")"),
 )
+# what this project's runner does not run with any stack's layers
+RUNNER_RULES = (
+    ("fsdp", "Megatron FSDP (fsdp) is not run by this runner (its worker builds megatron-core's "
+             "DistributedDataParallel, not MegatronFSDP); measure it with --runner command"),
+)
+LOCAL_RULES = LOCAL_RULES + RUNNER_RULES
 # short labels of the rules for the one line that counts what was left out
 LABELS = {"fp8": "FP8", "sequence_parallel": "sequence parallelism", "cp": "CP > 1",
-          "tp_comm_overlap": "TP comm overlap", "moe_tp": "MoE with TP > 1", "cpu_offload": "CPU offloading"}
+          "tp_comm_overlap": "TP comm overlap", "moe_tp": "MoE with TP > 1", "cpu_offload": "CPU offloading",
+          "fsdp": "Megatron FSDP"}
 RESTRICTED_STACKS = ("local",)
 
 
@@ -42,37 +53,46 @@ def runs_sequence_parallel(stack: str) -> bool:
     return stack not in RESTRICTED_STACKS
 
 
-def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo, offload=0) -> dict:
+def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo, offload=0, fsdp=False) -> dict:
     """Each rule of the local stack: True (or a boolean array) where the layout breaks it."""
     return {"fp8": fp8, "sequence_parallel": sp, "cp": cp > 1, "tp_comm_overlap": tpo,
-            "moe_tp": model.is_moe & (tp > 1), "cpu_offload": np.asarray(offload) > 0}
+            "moe_tp": model.is_moe & (tp > 1), "cpu_offload": np.asarray(offload) > 0, "fsdp": fsdp}
 
 
-def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
-    """The key (LOCAL_RULES) of the first rule of the stack's runner this layout breaks; None if none."""
-    if stack not in RESTRICTED_STACKS:
+def _rules(stack: str, runner: bool) -> tuple:
+    """The rules that apply: the local stack's, or this project's runner's with another stack's layers."""
+    return LOCAL_RULES if stack in RESTRICTED_STACKS else RUNNER_RULES if runner else ()
+
+
+def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str, runner: bool = False) -> str | None:
+    """The key (LOCAL_RULES) of the first rule of the stack's runner this layout breaks; None if none.
+    `runner`: the stack's layers run by this project's runner (RUNNER_RULES apply to every stack)."""
+    rules = _rules(stack, runner)
+    if not rules:
         return None
     broken = _broken(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision != "bf16", cfg.tp_comm_overlap,
-                     cfg.cpu_offload_layers)
-    return next((key for key, _ in LOCAL_RULES if broken[key]), None)
+                     cfg.cpu_offload_layers, cfg.fsdp)
+    return next((key for key, _ in rules if broken[key]), None)
 
 
-def refusal(model: ModelSpec, cfg: TrainConfig, stack: str) -> str | None:
+def refusal(model: ModelSpec, cfg: TrainConfig, stack: str, runner: bool = False) -> str | None:
     """Why the stack's runner cannot run this layout, in one line; None if it can."""
-    key = first_broken_rule(model, cfg, stack)
+    key = first_broken_rule(model, cfg, stack, runner)
     return dict(LOCAL_RULES)[key] if key else None
 
 
-def refused(model: ModelSpec, L, stack: str) -> tuple[np.ndarray, dict[str, int]]:
+def refused(model: ModelSpec, L, stack: str, runner: bool = False) -> tuple[np.ndarray, dict[str, int]]:
     """On columns (models.vectorized.Layouts): a boolean per row, True where the stack's runner
     refuses the layout, and how many rows each rule refuses first (in LOCAL_RULES' order)."""
     n = len(L.tp)
     out = np.zeros(n, bool)
     counts: dict[str, int] = {}
-    if stack not in RESTRICTED_STACKS:
+    rules = _rules(stack, runner)
+    if not rules:
         return out, counts
-    broken = _broken(model, L.tp, L.cp, L.sp, L.fp8, L.tp_overlap, 0 if L.offload is None else L.offload)
-    for key, _ in LOCAL_RULES:
+    broken = _broken(model, L.tp, L.cp, L.sp, L.fp8, L.tp_overlap, 0 if L.offload is None else L.offload,
+                     L.fsdp if L.fsdp is not None else False)
+    for key, _ in rules:
         b = np.broadcast_to(np.asarray(broken[key], bool), (n,)) & ~out
         if b.any():
             counts[key] = int(b.sum())

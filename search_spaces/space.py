@@ -73,10 +73,15 @@ class SpaceOptions:
     # NCCL communicators at each group's first collective (TrainConfig.nccl_lazy_init); None: the
     # stack's layout default
     nccl_lazy_init: bool | None = None
-    # Megatron FSDP (optim_grads_params) wherever a layout has the distributed optimizer (TrainConfig.fsdp)
-    fsdp: bool = False
+    # Megatron FSDP (optim_grads_params, TrainConfig.fsdp) choices: (False,) never, (True,) or (False, True)
+    # on the layouts fsdp_applies to (a bool is read as a one-choice tuple)
+    fsdp: tuple[bool, ...] = (False,)
     moe_fusion: bool = False  # TE's fused router and permutation on a MoE model (the te stack's recipes)
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fsdp, bool):
+            object.__setattr__(self, "fsdp", (self.fsdp,))
 
     @classmethod
     def wide(cls, **kw) -> "SpaceOptions":
@@ -224,6 +229,23 @@ def model_parallel_choices(model: ModelSpec, cluster: ClusterSpec, workload: Wor
                 yield tp, cp, pp, dp
 
 
+def fsdp_applies(dist, dp, cp, pp):
+    """Where the space offers Megatron FSDP (bools or arrays): with the distributed optimizer (which
+    Megatron-LM turns on with --use-megatron-fsdp), a DP x CP group to shard over, and no pipeline.
+    NVIDIA's FSDP recipes are PP 1 (Megatron-Bridge llama3_workload_base_configs.py: Llama3-70B on
+    GB200 / GB300 / B200 / B300, DP 64); megatron-core 0.19's arguments.py does not assert PP 1 with
+    --use-megatron-fsdp, but its schedules handle Megatron FSDP only in forward_backward_no_pipelining
+    (synchronize_param_gather) and the pipeline support is still being added (Megatron-LM pull
+    request #6486, "Enable Pipeline Parallelism Support for M-FSDP v2", open): not searched with PP > 1."""
+    return dist & (dp * cp > 1) & (pp == 1)
+
+
+def fsdp_choices(options: SpaceOptions, dist: bool, dp: int, cp: int, pp: int) -> list[bool]:
+    """The FSDP settings of one layout, in the options' order (off where fsdp_applies does not)."""
+    ok = bool(fsdp_applies(dist, dp, cp, pp))
+    return list(dict.fromkeys(f and ok for f in options.fsdp))
+
+
 def expert_choices(model: ModelSpec, tp: int, cp: int, dp: int) -> tuple[list[int], list[int]]:
     """(EP sizes, expert-TP sizes) to try: divisors of the experts that divide dp·cp·tp, and 1 or TP."""
     if model.is_moe:
@@ -247,7 +269,8 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                         continue
                     if model.is_moe and model.moe.ffn_hidden_size % etp:
                         continue
-                    for dist in options.distributed_optimizer:
+                    for dist, fsdp in [(d, f) for d in options.distributed_optimizer
+                                       for f in fsdp_choices(options, d and dp * cp > 1, dp, cp, pp)]:
                         for rc in options.recompute:
                             cfg = TrainConfig(
                                 tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, etp=etp, vp=vp, mbs=mbs,
@@ -264,7 +287,7 @@ def _inner(model, cluster, workload, options, tp, cp, pp, dp, split, vps, keep):
                                 expandable_segments=bool(options.expandable_segments),
                                 deallocate_pipeline_outputs=bool(options.deallocate_pipeline_outputs),
                                 nccl_lazy_init=bool(options.nccl_lazy_init),
-                                fsdp=options.fsdp and dist,
+                                fsdp=fsdp,
                                 moe_router_fusion=options.moe_fusion and model.is_moe,
                                 moe_permute_fusion=options.moe_fusion and model.is_moe,
                                 gradient_accumulation_fusion=options.gradient_accumulation_fusion,

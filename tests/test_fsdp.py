@@ -53,7 +53,8 @@ def test_weights_and_gradients_are_sharded_and_two_units_gathered():
 def test_columns_and_configs_carry_it():
     m, c = load_model("llama3-8b"), load_cluster("h100x8")
     L = enumerate_columns(m, c, Workload(gbs=64, seq=4096, precision="bf16"), SpaceOptions(fsdp=True))
-    assert L.fsdp is not None and (L.fsdp == L.dist_opt).all() and L.fsdp.any()
+    # FSDP where the space offers it: the distributed optimizer, DP x CP > 1, no pipeline
+    assert L.fsdp is not None and (L.fsdp == (L.dist_opt & (L.pp == 1))).all() and L.fsdp.any()
     for i in range(0, len(L), max(1, len(L) // 40)):
         cfg = L.config(i)
         assert cfg.fsdp == bool(L.fsdp[i])

@@ -103,11 +103,14 @@ def test_nvidia_llama3_70b_layout_is_near_the_top_and_the_difference_is_named():
     regression left open in issue #22. Session 25: 0.935, the speed model unchanged: the te stack's
     NCCL communicators are created lazily (TrainConfig.nccl_lazy_init, Megatron-Bridge's initialize),
     3.8 GiB less outside the allocator per GPU, so TP8 PP1 DP8 (67.0 GiB + 2.9 outside) fits and
-    ranks #1 (1,179 tok/s/GPU; TP8 PP2 VP8, #1 before, 1,163)."""
+    ranks #1 (1,179 tok/s/GPU; TP8 PP2 VP8, #1 before, 1,163). Session 26: 0.901, the te stack searches
+    Megatron FSDP (models/fsdp_time.py): TP4 PP1 DP16 with FSDP fits (61.3 GiB) and ranks #1 at
+    1,224 tok/s/GPU, its per-micro-batch gathers nearly hidden behind a TP4 layer's compute (0.12 s
+    exposed a step with the te profile's constants); not measured (no FSDP run)."""
     res = recommend("llama3-70b", "h100x64", seq=8192, gbs=128, top=3)
     assert res.stack == "te" and res.profile == "te"
     x = compare(res, dict(tp=4, pp=4, cp=2, vp=5, mbs=1))
-    assert x.ratio_to_top >= 0.93
+    assert x.ratio_to_top >= 0.89
     assert x.rank is not None and 1 <= x.rank <= res.feasible
     assert x.why.startswith("#1 takes") and any(abs(v) > 0 for v in x.differences_s.values())
     assert math.isclose(x.prediction.tokens_per_s_per_gpu / res.recommendations[0].prediction.tokens_per_s_per_gpu,
