@@ -58,29 +58,29 @@ def test_the_loader_applies_a_pending_setting_trainconfig_has(monkeypatch, by_id
     key = next(r for r in R.RECIPES if r.model_key == "llama3.1_405b" and r.gpu_type == "GB200" and r.fsdp)
     s = key.settings
     patched = R.Recipe(key.source_group, key.model_key, key.gpu_type, R.RecipeSettings(
-        s.fields, s.source, s.unmodelled, s.notes, {"cpu_offload_layers": 92, "nccl_lazy_init": True}, s.layout),
+        s.fields, s.source, s.unmodelled, s.notes, {"cuda_graph_scope": "full_iteration", "nccl_lazy_init": True}, s.layout),
         key.fsdp, key.precisions, key.containers, key.gbs)
     monkeypatch.setattr(R, "RECIPES", (patched,) + tuple(r for r in R.RECIPES if r is not key))
     row = next(r for r in P.load() if r.row_id == "305")
     assert row.cfg.nccl_lazy_init and "nccl_lazy_init" in row.explicit
-    assert any(u.startswith("cpu_offload_layers=92") for u in row.unmodelled)
+    assert any(u.startswith("cuda_graph_scope='full_iteration'") for u in row.unmodelled)  # not a field
     assert "nccl_lazy_init" not in by_id["305"].explicit  # the shipped recipe has no such setting
 
 
 def test_rows_get_their_recipe_only_where_the_layout_is_the_read_configs(by_id):
-    r305 = by_id["305"]  # GB200 405B FSDP V1 (GBS 64): cpu_offloading_num_layers 92, not a TrainConfig field yet
+    r305 = by_id["305"]  # GB200 405B FSDP V1 (GBS 64): cpu_offloading_num_layers 92 (TrainConfig.cpu_offload_layers)
     assert r305.cfg.fsdp and r305.cfg.account_for_embedding and r305.cfg.account_for_loss
-    assert any(u.startswith("cpu_offload_layers=92") for u in r305.unmodelled)
-    assert any(a.startswith("recipe setting not modelled: cpu_offload_layers=92") for a in r305.assumptions)
+    assert r305.cfg.cpu_offload_layers == 92 and "cpu_offload_layers" in r305.explicit
+    assert not any(u.startswith("cpu_offload_layers") for u in r305.unmodelled)
     r126 = by_id["126"]  # B200 DeepSeek-V3 MXFP8 V2: its pp_layout less the MTP layer, flex dispatcher
     assert r126.cfg.pipeline_layout == "Et*4|(t*4|)*14tL" and r126.cfg.moe_dispatcher == "flex"
     assert r126.cfg.moe_a2a_overlap and {"pipeline_layout", "moe_dispatcher"} <= r126.explicit
     assert any("multi-token-prediction" in u for u in r126.unmodelled)
-    assert any(u.startswith("recompute_modules=('mla_up_proj', 'mlp')") for u in r126.unmodelled)
+    assert r126.cfg.recompute == "selective" and r126.cfg.recompute_modules == ("mla_up_proj", "mlp")
     r123 = by_id["123"]  # GB300 DeepSeek-V3 MXFP8 at mbs 2: the newest FP8_MX preset runs mbs 1, the earlier
     assert r123.cfg.pipeline_layout == "Et*4|(t*4|)*14tL"  # version's (GB300_V1 for every precision) mbs 2
     assert any("earlier version" in a for a in r123.assumptions)
-    assert any(u.startswith("recompute_modules=('mla_up_proj',)") for u in r123.unmodelled)
+    assert r123.cfg.recompute_modules == ("mla_up_proj",)
     r78 = by_id["78"]  # B300 DeepSeek-V3 MXFP8 PP8 (no VP) mbs 2: neither version read prints that layout
     assert r78.explicit == frozenset() and r78.unmodelled == ()
     assert any(a.startswith("recipe read") and "mbs 2 vs 1" in a for a in r78.assumptions)
