@@ -37,7 +37,8 @@ def main() -> int:
                                                       "cpu_offload_layers")}
             # the row's uneven pipeline split (405B: the embedding / loss counted as layers)
             vals.update({k: getattr(cfg, k) for k in ("pp_first_layers", "pp_last_layers", "account_for_embedding",
-                                                      "account_for_loss", "pipeline_layout") if getattr(cfg, k)})
+                                                      "account_for_loss", "pipeline_layout", "recompute_layers",
+                                                      "recompute_modules") if getattr(cfg, k)})
             try:
                 x = compare(r, vals)
                 gap = (1 - x.prediction.tokens_per_s_per_gpu / best) * 100
