@@ -307,6 +307,9 @@ class Constants:
     # 450 GB/s per direction in the same test (public reports, not measured on our machines).
     # 0.85 taken; bench/te_campaign.py's offload batch measures it on 4 x H100.
     host_link_efficiency: float = 0.85
+    # Fraction of the other layers' compute the offload copies of a pass run beside
+    # (models/offload.py: exposed = N t_c - offload_overlap (L - 2) t_layer).
+    offload_overlap: float = 1.0
     # Fraction of the hideable TP communication (1 - 1 / (2 tp) of it: the last chunk of TE's
     # pipelined reduce-scatter has no GEMM beside it) hidden when tp_comm_overlap is on (needs
     # Transformer Engine user buffers; Megatron reports most of it hidden).

@@ -37,12 +37,13 @@ from advisor.search_spaces.columns import Layouts
 __all__ = ["exposed_transfer_s", "offload_wait_arrays"]
 
 
-def exposed_transfer_s(n, layers, copy_s, layer_s):
+def exposed_transfer_s(n, layers, copy_s, layer_s, overlap=1.0):
     """Seconds one pass (forward or backward) of a microbatch waits for the offload copies: `n`
     layers of `layers` offloaded, `copy_s` one layer's copy, `layer_s` one layer's compute in that
-    pass (floats or arrays). 0 where n = 0."""
+    pass, `overlap` the fraction of the other layers' compute the copies run beside
+    (Constants.offload_overlap; floats or arrays). 0 where n = 0."""
     n = np.asarray(n, float)
-    queued = np.maximum(0.0, n * copy_s - (np.asarray(layers, float) - 2.0) * layer_s)
+    queued = np.maximum(0.0, n * copy_s - overlap * (np.asarray(layers, float) - 2.0) * layer_s)
     return np.where(n <= 0, 0.0, np.where(n >= np.asarray(layers) - 1, n * copy_s, queued))
 
 
@@ -63,5 +64,6 @@ def offload_wait_arrays(cluster: ClusterSpec, L: Layouts, c: Constants, memo: Me
     bw = cluster.gpu.host_link_gbs * 1e9 * c.host_link_efficiency
     per_layer = offloaded_activation_bytes(L, memo, S) / np.maximum(n, 1)
     copy_s = per_layer / bw if bw > 0 else np.where(n > 0, np.inf, 0.0)
-    return (exposed_transfer_s(n, layers, copy_s, fwd_layers_s / layers)
-            + exposed_transfer_s(n, layers, copy_s, bwd_layers_s / layers))
+    f = c.offload_overlap
+    return (exposed_transfer_s(n, layers, copy_s, fwd_layers_s / layers, f)
+            + exposed_transfer_s(n, layers, copy_s, bwd_layers_s / layers, f))
