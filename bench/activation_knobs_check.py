@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 PREFIXES = ("te-l8bo-offload-", "te-l8b-prc-", "te-qw3-prc-18")
 # the grid of the two offload constants: the per-GPU fraction of the host link while every GPU of
 # the node copies at once, and the fraction of the other layers' compute the copies run beside
-EFFICIENCIES = np.round(np.arange(0.10, 0.905, 0.01), 3)
+EFFICIENCIES = np.round(np.arange(0.10, 0.905, 0.02), 3)
 OVERLAPS = np.round(np.arange(0.0, 1.0001, 0.05), 3)
 
 
