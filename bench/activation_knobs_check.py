@@ -107,11 +107,11 @@ def fit_offload(records: dict[str, dict], cal=None, held_out: str | None = None)
     return best_of(grid, records, held_out)
 
 
-def fit_grid(records: dict[str, dict], cal) -> dict:
-    """{(eff, overlap): {id: log(pred / measured)}} over EFFICIENCIES x OVERLAPS."""
+def fit_grid(records: dict[str, dict], cal, effs=EFFICIENCIES, overlaps=OVERLAPS) -> dict:
+    """{(eff, overlap): {id: log(pred / measured)}} over effs x overlaps (the bench's grid)."""
     meas = {k: r["steps"]["median_s"] for k, r in records.items()}
-    return {(e, o): {k: float(np.log(v / meas[k])) for k, v in offload_steps(records, cal, e, o).items()}
-            for e in EFFICIENCIES for o in OVERLAPS}
+    return {(float(e), float(o)): {k: float(np.log(v / meas[k])) for k, v in offload_steps(records, cal, e, o).items()}
+            for e in effs for o in overlaps}
 
 
 def best_of(grid: dict, records: dict[str, dict], held_out: str | None = None) -> dict:
