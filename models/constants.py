@@ -298,15 +298,25 @@ class Constants:
     # across nodes).
     intra_latency_s: float = 15e-6
     inter_latency_s: float = 40e-6
-    # Achieved fraction of the host link (GPUSpec.host_link_gbs) for the large pinned-memory copies
-    # of activation offloading (TrainConfig.cpu_offload_layers; models/offload.py): a copy engine's
-    # cudaMemcpyAsync to / from pinned host memory. Plausible range 0.75-0.92: PCIe's TLP headers
-    # cap a 256 B-payload Gen5 x16 link near 0.93 of its 63 GB/s, and NVIDIA's nvbandwidth
-    # (host_to_device_memcpy_ce / device_to_host_memcpy_ce) and CUDA's bandwidthTest report about
-    # 50-57 GB/s on H100 SXM hosts (0.80-0.90); GH200's NVLink-C2C reaches about 0.85-0.9 of its
-    # 450 GB/s per direction in the same test (public reports, not measured on our machines).
-    # 0.85 taken; bench/te_campaign.py's offload batch measures it on 4 x H100.
-    host_link_efficiency: float = 0.85
+    # Activation offloading's copies (TrainConfig.cpu_offload_layers; models/offload.py), two
+    # constants fitted on the 4 x H100 PCIe Gen5 records of session 26 (te-l8bo-offload-01..08:
+    # llama3-8b[16L] DP4, 2-12 of 16 layers offloaded; bench/activation_knobs_check.py --fit).
+    # host_link_efficiency: the fraction of the host link (GPUSpec.host_link_gbs) one GPU's pinned
+    # cudaMemcpyAsync achieves while every GPU of the node copies at once. Plausible range 0.35-0.92:
+    # alone, PCIe's TLP headers cap a Gen5 x16 link near 0.93 and nvbandwidth / bandwidthTest report
+    # 0.80-0.90 on H100 SXM hosts; four GPUs copying at once share the host's root ports and memory
+    # (two GPUs per x16 uplink would halve it). Fitted 0.70 (leave-one-run-out 0.57-0.73), about
+    # 44 GB/s per GPU. GH200 / GB200's NVLink-C2C takes the same fraction (not measured there).
+    host_link_efficiency: float = 0.70
+    # offload_overlap: the fraction of the other layers' compute the copies of a pass run beside
+    # (exposed = N t_c - offload_overlap (L - 2) t_layer). TE 2.x (transformer_engine/pytorch/
+    # cpu_offload.py, OffloadSynchronizer) issues every D2H and H2D copy on one offload stream, each
+    # layer's D2H after that layer's forward (waiting on its tensors' events), each reload only after
+    # offload_stream.wait_stream(compute) at layer L - 1 - N + i's backward, into per-tensor pinned
+    # buffers allocated each step (retain_pinned_cpu_buffers=False): the copies start late and
+    # queue, so less than the whole window hides them. Plausible range 0.3-1.0 (1: the window
+    # fully used). Fitted 0.45 (leave-one-run-out 0.35-0.75; it trades against host_link_efficiency).
+    offload_overlap: float = 0.45
     # Fraction of the hideable TP communication (1 - 1 / (2 tp) of it: the last chunk of TE's
     # pipelined reduce-scatter has no GEMM beside it) hidden when tp_comm_overlap is on (needs
     # Transformer Engine user buffers; Megatron reports most of it hidden).
