@@ -6,6 +6,8 @@ collectives cost the compute they hide behind (Constants.collective_sm_share: th
     python bench/fsdp_check.py                 # per GPU: mean signed error, FSDP vs non-FSDP rows
     python bench/fsdp_check.py --rows          # and every FSDP row
     python bench/fsdp_check.py --fit           # fit collective_sm_share on a grid, leave one GPU out
+    python bench/fsdp_check.py --recommend     # recommend's top layouts (llama3-70b on h100x64 bf16,
+                                               # gb200x64 fp8) at shares 0, 0.0625, 0.25
     python bench/fsdp_check.py --fit --json out.json
 
 The signed error of a row is log(predicted / measured) (printed as %), averaged with the fit set's
@@ -140,10 +142,48 @@ def fit(rows: list[F.Row], grid=GRID, say=print) -> dict:
     return out
 
 
+# `advisor recommend` questions the FSDP pricing decides (issue #25): (model, cluster, precision)
+RECOMMEND = (("llama3-70b", "h100x64", "bf16"), ("llama3-70b", "gb200x64", "fp8"))
+
+
+def recommend_at(shares=(0.0, 0.0625, 0.25), top: int = 5, say=print) -> dict:
+    """The te stack's top `top` layouts for each RECOMMEND question with collective_sm_share at each
+    of `shares` (the stack's profile otherwise): layout, FSDP or not, tokens/s per GPU; and the best
+    FSDP and best non-FSDP layout's tokens/s among every layout that fits."""
+    import dataclasses
+
+    from advisor.api import recommend
+    from advisor.catalog.loaders import load_cluster
+
+    out = {}
+    for model, cluster, prec in RECOMMEND:
+        gpu = load_cluster(cluster).gpu
+        cal = resolve_calibration("default", "te", gpu=gpu)
+        for s in shares:
+            c = dataclasses.replace(cal, constants=cal.constants.replace(collective_sm_share=s))
+            r = recommend(model, cluster, precision=prec, top=top, stack="te", calibration=c)
+            best = {}
+            for cfg, p in r.candidates:
+                k = "fsdp" if cfg.fsdp else "plain"
+                best[k] = max(best.get(k, 0.0), p.tokens_per_s_per_gpu)
+            key = f"{model} {cluster} {prec} share {s}"
+            out[key] = {"top": [{"layout": x.config.key(), "fsdp": bool(x.config.fsdp),
+                                 "tokens_per_s_per_gpu": x.prediction.tokens_per_s_per_gpu} for x in r.recommendations],
+                        "best_fsdp": best.get("fsdp", math.nan), "best_plain": best.get("plain", math.nan)}
+            v = out[key]
+            say(f"\n{key}: best FSDP {v['best_fsdp']:,.0f} vs best non-FSDP {v['best_plain']:,.0f} tok/s/GPU "
+                f"({(v['best_fsdp'] / v['best_plain'] - 1) * 100:+.1f}%)")
+            for i, t in enumerate(v["top"], 1):
+                say(f"  #{i} {t['layout'][:70]:70} {t['tokens_per_s_per_gpu']:8,.0f}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", action="store_true", help="print every FSDP row")
     ap.add_argument("--fit", action="store_true", help="fit collective_sm_share, leave one GPU out")
+    ap.add_argument("--recommend", action="store_true",
+                    help="recommend's top layouts for RECOMMEND at collective_sm_share 0, 0.0625, 0.25")
     ap.add_argument("--json", help="write the numbers here")
     a = ap.parse_args(argv)
     rows = load_rows()
@@ -165,6 +205,8 @@ def main(argv=None) -> int:
     if a.fit:
         result["fit"] = fit(rows)
         print_table(result["fit"]["at_fit"], f"at the fitted share {result['fit']['share']:.4f}")
+    if a.recommend:
+        result["recommend"] = recommend_at()
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
