@@ -85,11 +85,28 @@ def bias_table(rows: list[F.Row], e: np.ndarray) -> dict[str, dict]:
     return out
 
 
+def matched_table(rows: list[F.Row], e: np.ndarray) -> dict[str, dict]:
+    """The same comparison within (GPU, model) groups: those that have FSDP and
+    non-FSDP rows (the profile's level on other models and formats taken out)."""
+    w = np.array([x.weight for x in rows])
+    groups: dict[str, tuple[list[int], list[int]]] = {}
+    for i, x in enumerate(rows):
+        k = f"{x.run.gpu_type} {x.run.model_key}"
+        groups.setdefault(k, ([], []))[bool(x.run.fsdp)].append(i)
+    out = {}
+    for k, (a, b) in sorted(groups.items()):
+        if a and b:
+            ma, mb = wmean(e[a], w[a]), wmean(e[b], w[b])
+            out[k] = {"n_plain": len(a), "plain_pct": pct(ma), "n_fsdp": len(b), "fsdp_pct": pct(mb),
+                      "excess_pct": pct(mb - ma)}
+    return out
+
+
 def print_table(t: dict[str, dict], title: str) -> None:
     print(f"\n{title}")
-    print(f"  {'gpu':6} {'n':>3} {'non-FSDP %':>10} {'n':>3} {'FSDP %':>8} {'FSDP excess %':>14}")
+    print(f"  {'group':34} {'n':>3} {'non-FSDP %':>10} {'n':>3} {'FSDP %':>8} {'FSDP excess %':>14}")
     for g, v in t.items():
-        print(f"  {g:6} {v['n_plain']:>3} {v['plain_pct']:>+10.1f} {v['n_fsdp']:>3} {v['fsdp_pct']:>+8.1f} "
+        print(f"  {g[:34]:34} {v['n_plain']:>3} {v['plain_pct']:>+10.1f} {v['n_fsdp']:>3} {v['fsdp_pct']:>+8.1f} "
               f"{v['excess_pct']:>+14.1f}")
 
 
@@ -190,7 +207,8 @@ def main(argv=None) -> int:
     e, preds = errors(rows)
     t = bias_table(rows, e)
     print_table(t, "shipped profiles: weighted mean signed error, log(predicted / measured) as %")
-    result = {"table": t}
+    result = {"table": t, "matched": matched_table(rows, e)}
+    print_table(result["matched"], "within (GPU, model) groups with both kinds of rows")
     if a.rows:
         print(f"\n{'row':>5} {'gpu':6} {'model':14} {'format':15} {'layout':28} {'measured':>9} {'pred':>7} "
               f"{'err %':>6} {'DP hidden %':>11}")

@@ -65,6 +65,14 @@ def test_bias_table_on_the_committed_rows(rows):
     assert t["H100"]["excess_pct"] < 0 < t["GB200"]["excess_pct"] < t["GB300"]["excess_pct"]
 
 
+def test_matched_groups_on_the_committed_rows(rows):
+    # within one GPU and model: GB200's 70B FSDP rows are priced as its other 70B rows, GB300's are not
+    t = FC.matched_table(rows, FC.errors(rows)[0])
+    for g, excess in (("GB200 llama3_70b", -1.1), ("GB200 llama3.1_405b", 10.4), ("GB300 llama3_70b", 13.2),
+                      ("H100 llama3_8b", -9.9)):
+        assert t[g]["excess_pct"] == pytest.approx(excess, abs=1.5), g
+
+
 def test_fit_of_the_share_and_leave_one_gpu_out(rows):
     # python bench/fsdp_check.py --fit: in sample 0.0625; leave one GPU out does not carry it over
     # (why the profiles ship 0): a refit outside 0.0375 .. 0.0875 means the rows or the term changed
