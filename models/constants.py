@@ -334,6 +334,8 @@ class Constants:
     # (SMs - channels) / SMs of its rate: 8 / 132 = 0.06 .. 32 / 132 = 0.24 on H100 SXM, 8 / 148 = 0.05
     # .. 32 / 148 = 0.22 on B200 / GB200. Range 0 .. 0.25. 0 until fitted (bench/fsdp_check.py --fit:
     # the published FSDP rows against the same GPUs' non-FSDP rows; docs/calibration.md, "FSDP").
+    # Simplifications while it is 0: the lost seconds are in dp_exposed_s, so the power model prices
+    # them as a communication phase (not compute) and they do not stretch at lower SM clocks.
     collective_sm_share: float = 0.0
     # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction
     # (Megatron-LM's default for bf16, this project's runner: grad_reduce_in_fp32=True), 2 in the
