@@ -334,6 +334,19 @@ class Constants:
     cp_step_passes: float = 6.0
     # Fraction of the eligible window actually used to hide DP communication (fitted).
     dp_overlap_efficiency: float = 0.8
+    # Compute lost to the SMs NCCL's kernels take while an overlapped DP collective runs: a collective
+    # hidden behind compute for H seconds slows that compute by this share of H (models.step_time.
+    # step_arrays, `collective_contention_s`). NCCL runs one CTA per channel, each on its own SM, and
+    # caps them with NCCL_MIN_CTAS / NCCL_MAX_CTAS (ncclConfig_t min_ctas / max_ctas, NCCL 2.17+;
+    # docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html); PyTorch exposes them because
+    # "it affects the communication-computation overlap for NCCL kernels" (pytorch/pytorch PR 97394).
+    # With 8-32 channels on NVLink / NVSwitch systems (not measured here) a GEMM sharing the GPU keeps
+    # (SMs - channels) / SMs of its rate: 8 / 132 = 0.06 .. 32 / 132 = 0.24 on H100 SXM, 8 / 148 = 0.05
+    # .. 32 / 148 = 0.22 on B200 / GB200. Range 0 .. 0.25. 0 until fitted (bench/fsdp_check.py --fit:
+    # the published FSDP rows against the same GPUs' non-FSDP rows; docs/calibration.md, "FSDP").
+    # Simplifications while it is 0: the lost seconds are in dp_exposed_s, so the power model prices
+    # them as a communication phase (not compute) and they do not stretch at lower SM clocks.
+    collective_sm_share: float = 0.0
     # Bytes per gradient element in the DP reduce-scatter / all-reduce: 4 with fp32 reduction
     # (Megatron-LM's default for bf16, this project's runner: grad_reduce_in_fp32=True), 2 in the
     # Megatron-Bridge / NeMo performance recipes (grad_reduce_in_fp32=False).

@@ -632,6 +632,13 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     return DPTerms(grad, gather, opt_base, fsdp)
 
 
+def collective_contention_s(hidden_s: np.ndarray | float, sm_share: float) -> np.ndarray:
+    """Seconds the compute loses to NCCL's kernels while `hidden_s` seconds of collectives run behind
+    it: they hold `sm_share` of the SMs (Constants.collective_sm_share), so that much of the compute
+    the window held is done after it, at the full rate. 0 where nothing is hidden or the share is 0."""
+    return np.maximum(0.0, np.asarray(hidden_s, float)) * sm_share
+
+
 def step_arrays(L: Layouts, c: Constants, S: Stages, full: dict, at: dict, dp: DPTerms) -> dict[str, np.ndarray]:
     """step_time of every row from its stages at full clocks (`full`) and at the clocks
     held (`at`): per-row arrays of STEP_FIELDS plus 'totals' (per stage)."""
@@ -655,6 +662,8 @@ def step_arrays(L: Layouts, c: Constants, S: Stages, full: dict, at: dict, dp: D
         f = dp.fsdp
         dp_total = dp_total + m * S.max(f.gather * 2 + f.reduce)
         dp_exposed = dp_exposed + m * S.max(fsdp_exposed_per_microbatch(f, per_fwd, per_bwd, c.dp_overlap_efficiency))
+    # the SMs NCCL takes from the compute it hides behind (Constants.collective_sm_share)
+    dp_exposed = dp_exposed + collective_contention_s(dp_total - dp_exposed, c.collective_sm_share)
     opt = np.maximum(0.0, S.max(dp.opt_base * mem_stretch))
     total = pipeline + dp_exposed + opt + c.step_overhead_s
     return {"step_time_s": total, "pipeline_s": pipeline, "bubble_s": fill, "dp_comm_s": dp_total,
