@@ -344,7 +344,7 @@ def published_check(quick: bool) -> None:
     te = MOE.te_moe_constants(Calibration.load(STACKS["te"].file).screening_constants).replace(**MOE.MOE_TE_VM_HOST)
     rows = []
     for r in runs:
-        cfg = apply_layout_defaults(r.cfg, "te", moe=True)
+        cfg = apply_layout_defaults(r.cfg, "te", r.explicit, moe=True)  # the recipe's own settings win
         notes = (r.raw.get("notes") or "").lower()
         if "force-balanced" in notes or "token-drop" in notes:
             cfg = cfg.replace(moe_router="forced")  # NVIDIA's footnote: forced-balanced routing
