@@ -256,10 +256,12 @@ C2C_GBS = (225.0, 450.0)
 
 
 def offload_bound(c=None, bandwidths=C2C_GBS + (150.0, 100.0), say=print) -> dict:
-    """The 70B FP8 pairs with the presets' activation offloading priced at each host bandwidth (GB/s
-    per GPU, one direction): each offloaded layer's activations (models.memory.layer_activation_bytes)
-    go out during the next layer's forward and come back during the backward (twice the forward's
-    time); what the transfer takes beyond the compute it overlaps is exposed, per microbatch."""
+    """The 70B FP8 pairs with the presets' activation offloading priced again at each host bandwidth
+    (GB/s per GPU, one direction), on top of the model's own pricing of the rows' cpu_offload_layers
+    (models/offload.py; "no offload" below: nothing added to it): each offloaded layer's activations
+    (models.memory.layer_activation_bytes) go out during the next layer's forward and come back during
+    the backward (twice the forward's time); what the transfer takes beyond the compute it overlaps
+    is exposed, per microbatch. A diagnostic of how the ratio moves with the link, not a prediction."""
     from advisor.models.memory import layer_activation_bytes
 
     c = c or blackwell_constants()

@@ -51,7 +51,8 @@ def test_term_table_same_layout_pair(consts):
     ta, tb = a["us_per_token"], b["us_per_token"]
     # the same 8 TB/s HBM: memory-bound time all but equal; the doubled SFU: attention the most apart
     assert 0.98 < ta["memory_bound_s"] / tb["memory_bound_s"] < 1.05
-    assert ta["attention_s"] / tb["attention_s"] > ta["gemm_s"] / tb["gemm_s"] > 1.05
+    # (GB200 waits on its 40 offloaded layers' copies, GB300 on 20: its power-capped clock rises more)
+    assert ta["attention_s"] / tb["attention_s"] > ta["gemm_s"] / tb["gemm_s"] > 1.04
     assert a["clock"] < b["clock"]
     assert sum(ta[t] for t in T.TERMS if t.endswith("comm_s")) == 0.0  # TP1, no exposed DP: no comm term
     assert any("llama3_70b fp8 64 GPUs" in s for s in lines)
@@ -60,12 +61,14 @@ def test_term_table_same_layout_pair(consts):
 def test_candidate_solve_meets_the_measured_ratio(groups, consts):
     v = groups[SEVENTY]
     meas, model = T.measured_ratio(v), T.group_ratio(v, consts, "GB200", {})
-    assert meas > model + 0.05  # the gap the issue is about
+    # the gap the issue is about: 1.240 measured vs 1.16 before the recipes' offloaded layers were
+    # priced (models/offload.py), 1.225 with them
+    assert model < meas < model + 0.03
     k = T.candidate_changes()["gb200_cap_w"]
     gpu, fn, rng = k.gpu, k.changes, k.span
     assert k.shipped == 1200.0
     w = T.solve(v, consts, gpu, fn, rng[0], rng[1], meas)
-    assert w is not None and 1000.0 < w < 1200.0
+    assert w is not None and 1150.0 < w < 1200.0  # what is left needs ~25 W less (was ~100 W)
     assert T.group_ratio(v, consts, gpu, fn(w)) == pytest.approx(meas, abs=2e-3)
     # a budget above the shipped one only moves the ratio further from the measured
     assert T.group_ratio(v, consts, gpu, fn(1200.0)) == pytest.approx(model, abs=1e-9)
@@ -95,12 +98,15 @@ def test_fit_blackwell_changes_only_the_named_gpus_rows(groups, consts):
     assert v["GB200"][0].run.cluster.power_cap_w == 1200.0  # the group's own rows are untouched
 
 
-def test_offload_over_c2c_moves_the_70b_ratio_only_below_the_link_rate(consts):
-    out = T.offload_bound(consts, bandwidths=(450.0, 225.0, 100.0), say=lambda s: None)
-    # at the link's rates the transfer hides behind the forward: the ratio stays (or drops: GB300's
-    # shorter layers hide less); only at 100 GB/s, below the C2C, does GB200's doubled offload show
-    assert abs(out[450.0] - out[None]) < 0.01 and out[225.0] <= out[None] + 1e-9
-    assert out[100.0] > out[None] + 0.05
+def test_the_recipes_offload_explains_most_of_the_70b_gb300_gb200_gap(consts):
+    """The rows carry their recipes' cpu_offload_layers (GB200 40, GB300 20: models/published_recipes.py),
+    priced by models/offload.py (host link efficiency and overlap fitted on our H100 offload runs):
+    the model's GB300 / GB200 ratio of the 70B FP8 pairs is within 2% of the measured (1.162 before
+    offloading was modelled). The bench's extra bandwidths are a diagnostic on top of that."""
+    out = T.offload_bound(consts, bandwidths=(450.0, 100.0), say=lambda s: None)
+    v = T.pair_groups(same_container=True)[("llama3_70b", "fp8", 64)]
+    assert abs(out[None] / T.measured_ratio(v) - 1) < 0.02
+    assert out[100.0] > out[None]  # a slower link exposes GB200's doubled offload more
 
 
 def test_gb200_runs_like_a_b200_where_the_model_gives_it_its_rate(consts):
