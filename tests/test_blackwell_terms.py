@@ -53,7 +53,7 @@ def test_term_table_same_layout_pair(consts):
     assert 0.98 < ta["memory_bound_s"] / tb["memory_bound_s"] < 1.05
     # (GB200 waits on its 40 offloaded layers' copies, GB300 on 20: its power-capped clock rises more)
     assert ta["attention_s"] / tb["attention_s"] > ta["gemm_s"] / tb["gemm_s"] > 1.04
-    assert a["clock"] < b["clock"]
+    assert abs(a["clock"] - b["clock"]) < 0.02  # GB200's longer offload waits let its capped clock rise to GB300's
     assert sum(ta[t] for t in T.TERMS if t.endswith("comm_s")) == 0.0  # TP1, no exposed DP: no comm term
     assert any("llama3_70b fp8 64 GPUs" in s for s in lines)
 
