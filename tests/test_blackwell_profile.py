@@ -34,9 +34,8 @@ def test_note_outside_the_domain_only():
 def test_gb300_over_gb200_speed_is_the_clock_the_extra_power_buys():
     """GB200 and GB300 run FP8 at the same dense rate (catalog); NVIDIA's published llama3-70b FP8
     64-GPU runs at one layout, one container each (NeMo 26.02 - 26.04.01) run 1.20-1.27x faster on
-    GB300 (mean 1.24): the 1,400 vs 1,200 W limit's clock and the doubled SFU. The profile's
-    gemm_clock_share (GEMM time at the SM clock) carries part of it: 1.15x at the fitted 1.0 (7% short),
-    1.11x at the H100's 0.415 (10% short)."""
+    GB300 (mean 1.24): the 1,400 vs 1,200 W limit's clock, the doubled SFU and, at that layout (FSDP,
+    NVIDIA's recipes offload 40 layers on GB200 and 20 on GB300), the offloaded layers' copies."""
     from advisor.models import profile_fit as F
     from advisor.models import published as P
 
@@ -55,5 +54,7 @@ def test_gb300_over_gb200_speed_is_the_clock_the_extra_power_buys():
     for share in (cal.constants.gemm_clock_share, 0.415):
         p = F.predict_rows([pairs[0][0], pairs[0][1]], cal.constants.replace(gemm_clock_share=share))
         ratios.append(p[1].tokens_per_s_per_gpu / p[0].tokens_per_s_per_gpu)
-    assert 0.91 <= ratios[0] / measured <= 1.05, (ratios, measured)
-    assert ratios[0] > ratios[1] * 1.02, ratios
+    assert 0.95 <= ratios[0] / measured <= 1.05, (ratios, measured)
+    # since the recipes' offloaded layers are priced (GB200 40, GB300 20: models/offload.py) they carry
+    # the gap (1.16 without them), and the share of GEMM time at the SM clock barely moves it
+    assert abs(ratios[0] / ratios[1] - 1) < 0.02, ratios
