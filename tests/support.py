@@ -55,3 +55,27 @@ def assert_dies_with_parent(parent: subprocess.Popen, get_child: Callable[[], in
         parent.wait()
         if child is not None and pid_alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+def run_tiny_pair(tmp_path, monkeypatch, ids: tuple[str, str], **run_keys) -> dict:
+    """Two 2-layer jobs through the measure launcher and tests/data/measure/fake_worker.py on 2
+    ranks, the first with `run_keys` (a run key under test), the second without: {id: record}."""
+    import sys
+
+    from advisor.catalog.specs import ModelSpec
+    from advisor.runners import measure as M
+
+    data = ROOT / "tests" / "data" / "measure"
+
+    def cmd(nproc, run_dir, start=0, python=None):
+        return [sys.executable, str(data / "fake_worker.py"), str(run_dir), str(start), str(nproc)]
+    monkeypatch.setattr(M, "torchrun_command", cmd)
+    monkeypatch.setattr(M, "WORKER", data / "fake_worker.py")
+    tiny = ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                     vocab_size=256)
+    es = [M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2, **run_keys),
+          M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2)]
+    es[0].id, es[1].id = ids
+    ds = tmp_path / "out.jsonl"
+    M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=20.0, telemetry="off")
+    return {r["id"]: r for r in M.read_jsonl(ds)}

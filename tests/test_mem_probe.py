@@ -7,6 +7,7 @@ import pytest
 from advisor.catalog.specs import ModelSpec
 from advisor.runners import measure as M
 from advisor.runners.mem_probe import GIB, per_stage, point, summarize
+from support import run_tiny_pair
 
 
 def _pt(alloc, max_alloc, resv, max_resv, retries=0, ooms=0, inactive=0, device=None):
@@ -152,10 +153,7 @@ def test_pressure_plan_leaves_the_peak_plus_headroom():
 
 
 def test_pressure_key_reaches_the_job_and_the_record(tmp_path, monkeypatch):
-    import sys
-    from pathlib import Path
     from advisor.catalog.specs import SpecError
-    data = Path(__file__).parent / "data" / "measure"
 
     e = M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "gbs": 8,
                            "pressure_headroom_gib": 1.5}, 4)
@@ -170,18 +168,7 @@ def test_pressure_key_reaches_the_job_and_the_record(tmp_path, monkeypatch):
         M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "warmup": 0,
                            "pressure_headroom_gib": 1.0}, 4)
 
-    def cmd(nproc, run_dir, start=0, python=None):
-        return [sys.executable, str(data / "fake_worker.py"), str(run_dir), str(start), str(nproc)]
-    monkeypatch.setattr(M, "torchrun_command", cmd)
-    monkeypatch.setattr(M, "WORKER", data / "fake_worker.py")
-    tiny = ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-                     vocab_size=256)
-    es = [M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2, pressure_headroom_gib=1.0),
-          M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2)]
-    es[0].id, es[1].id = "pressed", "plain"
-    ds = tmp_path / "out.jsonl"
-    M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=20.0, telemetry="off")
-    by_id = {r["id"]: r for r in M.read_jsonl(ds)}
+    by_id = run_tiny_pair(tmp_path, monkeypatch, ("pressed", "plain"), pressure_headroom_gib=1.0)
     assert by_id["pressed"]["status"] == "ok"
     assert by_id["pressed"]["pressure"]["0"] == {"headroom_gib": 1.0, "ballast_gib": 60.0, "retries": 2}
     assert set(by_id["pressed"]["pressure"]) == {"0", "1"} and "pressure" not in by_id["plain"]

@@ -3,14 +3,13 @@ runners/mem_snapshot.py): synthetic snapshots in the format of torch.cuda.memory
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from advisor.catalog.specs import ModelSpec, SpecError
+from advisor.catalog.specs import SpecError
 from advisor.runners import measure as M
 from advisor.runners.mem_snapshot import GIB, site, summarize
+from support import run_tiny_pair
 
 MIB = 2 ** 20
 MEGA = [{"filename": "/x/torch/autograd/function.py", "line": 5, "name": "apply"},
@@ -73,7 +72,6 @@ def test_expandable_segments_are_not_split():
 
 
 def test_snapshot_key_reaches_the_job_and_the_record(tmp_path, monkeypatch):
-    data = Path(__file__).parent / "data" / "measure"
     e = M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "memory_snapshot_steps": 1}, 4)
     assert M.job_for(e, 0)["memory_snapshot_steps"] == 1
     assert M.entry_from_dict(M.entry_to_dict(e)).memory_snapshot_steps == 1
@@ -83,18 +81,7 @@ def test_snapshot_key_reaches_the_job_and_the_record(tmp_path, monkeypatch):
         with pytest.raises(SpecError, match="memory_snapshot_steps"):
             M.entry_from_line({"model": "llama3-8b", "layers": 2, "dp": 4, "mbs": 1, "memory_snapshot_steps": bad}, 4)
 
-    def cmd(nproc, run_dir, start=0, python=None):
-        return [sys.executable, str(data / "fake_worker.py"), str(run_dir), str(start), str(nproc)]
-    monkeypatch.setattr(M, "torchrun_command", cmd)
-    monkeypatch.setattr(M, "WORKER", data / "fake_worker.py")
-    tiny = ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
-                     vocab_size=256)
-    es = [M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2, memory_snapshot_steps=1),
-          M.make_entry(tiny, 2, mbs=1, gbs=4, warmup=1, steps=2)]
-    es[0].id, es[1].id = "snap", "plain"
-    ds = tmp_path / "out.jsonl"
-    M.run_batch(es, ds, 2, run_dir=tmp_path / "run", timeout=20.0, telemetry="off")
-    by_id = {r["id"]: r for r in M.read_jsonl(ds)}
+    by_id = run_tiny_pair(tmp_path, monkeypatch, ("snap", "plain"), memory_snapshot_steps=1)
     snap = by_id["snap"]["memory_snapshot"]
     assert set(snap) == {"0", "1"} and snap["0"]["at_allocated_peak"]["allocated_gib"] * GIB == 3 * MIB
     assert "memory_snapshot" not in by_id["plain"]
