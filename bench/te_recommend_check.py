@@ -40,7 +40,10 @@ TARGET = 0.97
 
 
 def match_key(cfg) -> tuple:
-    return (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.vp, cfg.mbs, cfg.recompute, cfg.quant)
+    """A measured run's layout as recommend's ranking names it: the activation knobs (partial
+    recompute, offloaded layers, FSDP) apart, so a run with them is not averaged into the plain layout."""
+    return (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep, cfg.etp, cfg.vp, cfg.mbs, cfg.recompute, cfg.quant,
+            cfg.recompute_layers, tuple(cfg.recompute_modules), cfg.cpu_offload_layers, cfg.fsdp)
 
 
 def short(cfg) -> str:
