@@ -16,7 +16,6 @@ over a grid), then leave-one-run-out: each run predicted by the constants fitted
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -34,11 +33,12 @@ OVERLAPS = np.round(np.arange(0.0, 1.0001, 0.05), 3)
 
 def measured_records(paths) -> dict[str, dict]:
     """The ok records of the session-26 activation-knob jobs, by id."""
+    from advisor.runners.records import read_jsonl
+
     out = {}
     for p in paths:
-        for line in Path(p).read_text().splitlines():
-            rec = json.loads(line) if line.strip() else None
-            if rec and rec.get("status") == "ok" and rec.get("id", "").startswith(PREFIXES):
+        for rec in read_jsonl(p):
+            if rec.get("status") == "ok" and rec.get("id", "").startswith(PREFIXES):
                 out[rec["id"]] = rec
     return out
 

@@ -10,22 +10,19 @@ blocks; the same at the step's start (its reserved peak when the earlier steps c
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from advisor.runners.records import read_jsonl  # noqa: E402
 DEFAULT = [ROOT / "data/measurements/h100x4-te.jsonl"]
 
 
 def runs(paths) -> list[dict]:
-    out = []
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            r = json.loads(line)
-            if r.get("memory_snapshot"):
-                out.append(r)
-    return out
+    """The records with a memory_snapshot block."""
+    return [r for p in paths for r in read_jsonl(p) if r.get("memory_snapshot")]
 
 
 def row(x: dict) -> str:

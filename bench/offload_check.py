@@ -15,7 +15,6 @@ calibrated prediction. The campaign's jobs as the runner runs them (runners/mega
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -65,12 +64,9 @@ def campaign_rows(paths: list[str]) -> list[dict]:
     from advisor.runners import measure as M
     from te_campaign import s26_offload
 
-    measured = {}
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            rec = json.loads(line) if line.strip() else None
-            if rec and rec.get("id", "").startswith("te-l8bo-"):
-                measured[rec["id"]] = rec
+    from advisor.runners.records import read_jsonl
+
+    measured = {rec["id"]: rec for p in paths for rec in read_jsonl(p) if rec.get("id", "").startswith("te-l8bo-")}
     cal = resolve_calibration("default", "te")
     c = cal.screening_constants
     cluster = load_cluster("h100x4")

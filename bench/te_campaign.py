@@ -271,6 +271,24 @@ L8_CP2 = dict(cp=2, dp=2, mbs=8)
 MIX_EP4 = dict(dp=4, ep=4, mbs=1)
 
 
+# the models of sessions 25's and 26's batches: (model, id tag, _jobs keywords)
+GPT3 = (GPT3_2_7B, "gpt3", dict(seq=2048, gbs=64))
+L70_8L = ("llama3-70b", "l70b", dict(layers=8, seq=4096, gbs=16))
+L8_32L = ("llama3-8b", "l8b", dict(layers=32, seq=4096, gbs=16))
+L8_8L = ("llama3-8b", "l8b", dict(layers=8, seq=4096, gbs=32))
+MIX_4L = (MIXTRAL_PROXY, "mix", dict(layers=4, seq=4096, gbs=16))
+
+
+def qw3(layers: int) -> tuple:
+    return (QWEN3_PROXY, "qw3", dict(layers=layers, seq=4096, gbs=32))
+
+
+def _on(model: tuple, rows: list, first: int) -> list[dict]:
+    """_jobs of `rows` on one of the models above, numbered from `first`."""
+    name, tag, kw = model
+    return _jobs(name, tag, rows, first=first, **kw)
+
+
 def _press(layout: dict, headroom: float, *settings: dict) -> tuple[str, dict]:
     """A "press" row: the layout with its allocator settings and pressure_headroom_gib."""
     return ("press", {**layout, **{k: v for d in settings for k, v in d.items()}, "pressure_headroom_gib": headroom})
@@ -292,11 +310,8 @@ def s25() -> list[dict]:
     l8pp = [("vpp", {**L8_VP4, **DPO}), ("vpp", {**L8_VP4, **ES, **DPO}), _press(L8_VP4, 1.0, ES, DPO)]
     l8 = [_press(L8_CP2, 1.0, ES), _press(L8_CP2, 1.0)]
     mix = [_press(MIX_EP4, 1.0)]
-    return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=17)
-            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=14)
-            + _jobs("llama3-8b", "l8b", l8pp, layers=32, seq=4096, gbs=16, first=46)
-            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=49)
-            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=15))
+    return (_on(GPT3, gpt, 17) + _on(L70_8L, l70, 14) + _on(L8_32L, l8pp, 46)
+            + _on(L8_8L, l8, 49) + _on(MIX_4L, mix, 15))
 
 
 def s25b() -> list[dict]:
@@ -310,8 +325,8 @@ def s25b() -> list[dict]:
            ("top", dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, precision="fp8", **ES))]
     qw = [("top", dict(dp=4, ep=2, etp=1, mbs=8, **ES))]
     return (_jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=7)
-            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=16)
-            + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=15))
+            + _on(MIX_4L, mix, 16)
+            + _on(qw3(6), qw, 15))
 
 
 def s25c() -> list[dict]:
@@ -324,11 +339,8 @@ def s25c() -> list[dict]:
     l8pp = [_press(L8_VP4, 2.5, ES, DPO)]
     l8 = [_press(L8_CP2, 2.5)]
     mix = [_press(MIX_EP4, 2.5)]
-    return (_jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=19)
-            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=17)
-            + _jobs("llama3-8b", "l8b", l8pp, layers=32, seq=4096, gbs=16, first=51)
-            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=52)
-            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=18))
+    return (_on(GPT3, gpt, 19) + _on(L70_8L, l70, 17) + _on(L8_32L, l8pp, 51)
+            + _on(L8_8L, l8, 52) + _on(MIX_4L, mix, 18))
 
 
 def s25d() -> list[dict]:
@@ -343,12 +355,8 @@ def s25d() -> list[dict]:
     l70 = [_press(L70_VP2, 4.0, DPO)]
     l8 = [_press(L8_CP2, 4.0)]
     qw12 = [_press(dict(dp=4, ep=4, etp=1, mbs=4), 2.5)]
-    return (_jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=16)
-            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=19)
-            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=21)
-            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=19)
-            + _jobs("llama3-8b", "l8b", l8, layers=8, seq=4096, gbs=32, first=53)
-            + _jobs(QWEN3_PROXY, "qw3", qw12, layers=12, seq=4096, gbs=32, first=17))
+    return (_on(qw3(6), qw, 16) + _on(MIX_4L, mix, 19) + _on(GPT3, gpt, 21)
+            + _on(L70_8L, l70, 19) + _on(L8_8L, l8, 53) + _on(qw3(12), qw12, 17))
 
 
 SNAP = {"memory_snapshot_steps": 1}
@@ -366,10 +374,7 @@ def s26snap() -> list[dict]:
     qw = [("snap", dict(dp=4, ep=4, etp=1, mbs=4, **SNAP))]
     l70 = [("snap", {**L70_VP2, **DPO, **SNAP})]
     gpt = [("snap", {**GPT3_VP16, **DPO, **SNAP})]
-    return (_jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=20)
-            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=18)
-            + _jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=20)
-            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=22))
+    return (_on(MIX_4L, mix, 20) + _on(qw3(12), qw, 18) + _on(L70_8L, l70, 20) + _on(GPT3, gpt, 22))
 
 
 def s26b() -> list[dict]:
@@ -385,10 +390,7 @@ def s26b() -> list[dict]:
     etp = dict(tp=2, dp=2, ep=1, etp=2, mbs=8, sequence_parallel=True, **kp)
     mix = [("kp", dict(dp=4, ep=2, etp=1, mbs=4, **kp)), ("kp", etp), ("kp", dict(etp, precision="fp8"))]
     qw = [("kp", dict(dp=4, ep=4, mbs=4, **kp))]
-    return (_jobs("llama3-70b", "l70b", l70, layers=8, seq=4096, gbs=16, first=21)
-            + _jobs(GPT3_2_7B, "gpt3", gpt, seq=2048, gbs=64, first=23)
-            + _jobs(MIXTRAL_PROXY, "mix", mix, layers=4, seq=4096, gbs=16, first=22)
-            + _jobs(QWEN3_PROXY, "qw3", qw, layers=12, seq=4096, gbs=32, first=19))
+    return (_on(L70_8L, l70, 21) + _on(GPT3, gpt, 23) + _on(MIX_4L, mix, 22) + _on(qw3(12), qw, 19))
 
 
 def s26_offload() -> list[dict]:

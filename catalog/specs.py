@@ -631,10 +631,6 @@ class TrainConfig:
         if mods and self.recompute != "selective":
             raise SpecError(f"recompute_modules needs recompute 'selective', got recompute {self.recompute!r}")
 
-    def recompute_key(self) -> str:
-        """The key suffix of the partial-recompute knobs ('' at their defaults)."""
-        return recompute_knobs_key(self.recompute_layers, self.recompute_modules)
-
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
@@ -689,9 +685,8 @@ class TrainConfig:
             f"-mbs{self.mbs}-gbs{self.gbs}-seq{self.seq}-{self.quant}-{self.recompute}"
             + ("-acce" if self.account_for_embedding else "") + ("-accl" if self.account_for_loss else "")
             + (f"-layout[{self.pipeline_layout}]" if self.pipeline_layout else "")
-            + self.moe_key() + self.recompute_key()
-            + (f"-offload{self.cpu_offload_layers}" if self.cpu_offload_layers else "")
-            + ("-fsdp" if self.fsdp else "")
+            + knobs_key(self.moe_knobs(), self.recompute_layers, self.recompute_modules, self.cpu_offload_layers,
+                        self.fsdp)
         )
 
     def moe_key(self) -> str:
@@ -706,6 +701,14 @@ class TrainConfig:
 def recompute_knobs_key(layers: int | None, modules: tuple[str, ...]) -> str:
     """'-rcl4' for recompute_layers 4, '-rcm[mlp+layernorm]' for recompute_modules ('' at defaults)."""
     return (f"-rcl{layers}" if layers is not None else "") + (f"-rcm[{'+'.join(modules)}]" if modules else "")
+
+
+def knobs_key(moe_knobs: tuple, recompute_layers: int | None, recompute_modules: tuple[str, ...],
+              cpu_offload_layers: int, fsdp: bool) -> str:
+    """The tail of TrainConfig.key() (and of search_spaces.columns.Layouts.key): the MoE, partial
+    recompute, offloading and FSDP knobs that differ from their defaults."""
+    return (moe_knobs_key(moe_knobs) + recompute_knobs_key(recompute_layers, recompute_modules)
+            + (f"-offload{cpu_offload_layers}" if cpu_offload_layers else "") + ("-fsdp" if fsdp else ""))
 
 
 # The TrainConfig fields of the MoE knobs, in the order of TrainConfig.moe_knobs() / Layouts.extras.

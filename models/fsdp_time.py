@@ -36,12 +36,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from advisor.catalog.specs import ModelSpec
 from advisor.models.collectives import Link, collective_time
 from advisor.models.constants import Constants
-from advisor.models.flops import embedding_params, output_params
 
-__all__ = ["FSDPTerms", "fsdp_exposed_per_microbatch", "fsdp_stage_terms", "outside_unit_params"]
+__all__ = ["FSDPTerms", "fsdp_exposed_per_microbatch", "fsdp_stage_terms"]
 
 
 @dataclass
@@ -57,21 +55,11 @@ class FSDPTerms:
         return FSDPTerms(self.gather[sm], self.reduce[sm], self.units[sm])
 
 
-def outside_unit_params(model: ModelSpec, tp: np.ndarray, first: np.ndarray, last: np.ndarray,
-                        pp: np.ndarray) -> np.ndarray:
-    """Parameters per GPU of a stage that are in no FSDP unit: the embedding on the first stage, the
-    output layer and final norm on the last (and Megatron's copy of tied word embeddings there when
-    the two are on different ranks), as models.memory._stage_params counts them."""
-    tied = model.vocab_size * model.hidden_size if model.tied_embeddings else 0
-    return (np.where(first, embedding_params(model), 0.0)
-            + np.where(last, output_params(model) + np.where(pp > 1, tied, 0), 0.0)) / tp
-
-
 def fsdp_stage_terms(on: np.ndarray, dense_units: np.ndarray, experts: np.ndarray, linear_dense: np.ndarray,
                      fpg: np.ndarray | float, units: np.ndarray, d: np.ndarray, dlink: Link, edp: np.ndarray,
                      elink: Link, c: Constants) -> FSDPTerms:
-    """FSDPTerms of every stage: `dense_units` the units' dense parameters (outside_unit_params taken
-    out), `experts` their expert parameters (sharded over the expert-DP group `edp`), `linear_dense`
+    """FSDPTerms of every stage: `dense_units` the units' dense parameters (memory.outside_layer_params
+    taken out), `experts` their expert parameters (sharded over the expert-DP group `edp`), `linear_dense`
     the dense linear layers' weights (the ones FP8 primary weights gather at 1 byte where `fpg`).
     Each unit is its own collective (its latency counted once per unit): n x the cost of 1/n of the bytes."""
     gb = c.dp_grad_reduce_bytes

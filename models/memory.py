@@ -21,7 +21,7 @@ from advisor.models.allocator_memory import dense_block_bytes, logits_block_byte
 from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
 from advisor.models.recompute import partial_activations
-from advisor.models.stages import Memo, Stages, gather_blocks, memo_for, quant_fields
+from advisor.models.stages import Memo, Stages, gather_blocks, layer_shape_config, memo_for
 from advisor.search_spaces.columns import RECOMPUTE_CODES, Layouts, extra_codes, unique_rows
 from advisor.search_spaces.layout import (PipelinePlan, in_flight_chunks, in_flight_layers, layer_kind_counts,
                                           pipeline_plan, rank_kinds, stage_layers)
@@ -107,13 +107,18 @@ def _stage_params(model: ModelSpec, kinds: dict[int, int], embedding: bool, loss
         dense += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / tp + lp.router + lp.norms)
         experts += n * lp.experts / ep_etp
         linear += n * ((lp.attention + lp.dense_mlp + lp.shared_experts) / tp + lp.experts / ep_etp)
-    if embedding:
-        dense += embedding_params(model) / tp
-    if loss:
-        dense += output_params(model) / tp
-        if model.tied_embeddings and split:  # Megatron keeps a copy of the word embeddings
-            dense += model.vocab_size * model.hidden_size / tp
+    dense += float(outside_layer_params(model, embedding, loss, split, tp))
     return dense, experts, linear
+
+
+def outside_layer_params(model: ModelSpec, embedding, loss, split, tp):
+    """Parameters per GPU outside the transformer layers (no Megatron FSDP unit holds them): the
+    embedding on the `embedding` stage, the output layer and final norm on the `loss` stage, and
+    there Megatron's copy of tied word embeddings when the two are on different ranks (`split`).
+    Floats or arrays."""
+    tied = model.vocab_size * model.hidden_size if model.tied_embeddings else 0
+    return (np.where(embedding, embedding_params(model) / tp, 0.0)
+            + np.where(loss, output_params(model) / tp + np.where(split, tied / tp, 0.0), 0.0))
 
 
 # fp32 tensors of the logits' shape (s x b x V / TP) the loss stage holds at the cross entropy's
@@ -311,10 +316,7 @@ def activation_table(memo: Memo, key) -> np.ndarray:
     MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer), for a layer
     shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (grouped GEMM, router, capacity factor, padding))."""
     def make():
-        tp, cp, mbs, seq, ep, etp, sp, fp8, (grouped, router, cf, pad) = key
-        cfg = TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp,
-                          **quant_fields(fp8), moe_grouped_gemm=grouped, moe_router=router,
-                          moe_capacity_factor=cf, moe_pad_to_capacity=pad)
+        cfg = layer_shape_config(key)
         moe = moe_buffer_bytes(memo.model, cfg, memo.c)
         return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
                           layer_activation_bytes(memo.model, i, cfg, memo.c, "none"),
@@ -462,7 +464,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     shard = np.where(L.dist_opt[r], dense / d + experts / edp, total)
     opt = c.bytes_optimizer * shard
     transient = c.bytes_optimizer_transient * shard
-    if L.rc_layers is None and L.rc_modules is None:
+    if not L.partial_recompute:
         acts = np.zeros(len(r))
         for j in range(K):  # a layer's bytes per kind with the stage's recompute mode
             acts = acts + flight[:, j] * np.where(full, per_key[:, j, 0][key], per_key[:, j, 1][key])

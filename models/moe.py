@@ -168,6 +168,12 @@ def expert_load(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float
     return capped, max(1.0, capped)
 
 
+def routed_tokens(model: ModelSpec, cfg: TrainConfig, c: Constants) -> float:
+    """Token copies the busiest EP rank's experts take per microbatch: moe_tokens x top_k x its load
+    (expert_load's work)."""
+    return moe_tokens(model, cfg) * model.moe.top_k * expert_load(model, cfg, c)[0]
+
+
 def nodes_hit(k: int, nodes: int) -> float:
     """Expected distinct nodes among a token's k experts drawn evenly over `nodes` nodes:
     N (1 - (1 - 1/N)^k). DeepEP sends a token once per node it needs (then forwards it on NVLink)."""
@@ -481,7 +487,7 @@ _ACT_MEMO: dict[tuple, tuple] = {}
 def _moe_activation_elements(model: ModelSpec, cfg: TrainConfig, c: Constants) -> tuple[float, float]:
     m = model.moe
     T = moe_tokens(model, cfg)
-    routed = T * m.top_k * expert_load(model, cfg, c)[0]
+    routed = routed_tokens(model, cfg, c)
     gated = model.activation == "swiglu"
     # expert TP gathers the routed tokens of its ETP ranks and splits f: per GPU etp x the tokens
     # at f / etp (the same FFN elements), etp x the hidden ones

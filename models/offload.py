@@ -53,18 +53,15 @@ def exposed_transfer_s(n, layers, copy_s, layer_s, overlap=1.0):
     return np.where(n <= 0, 0.0, np.where(n >= np.asarray(layers) - 1, n * copy_s, queued))
 
 
-def offload_wait_arrays(cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages, parts) -> np.ndarray:
+def offload_wait_arrays(cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages,
+                        fwd_layers_s: np.ndarray, bwd_layers_s: np.ndarray) -> np.ndarray:
     """[S] seconds per microbatch each stage waits for activation offloading (forward D2H plus
-    backward H2D; exposed_transfer_s). `parts`: the stage's transformer layers' forward GEMM,
-    attention, memory-bound and fp8-cast time, backward fp8-cast time and forward TP / CP / EP
-    communication per microbatch (models.step_time.stage_time_arrays, without the embedding and the
-    loss): a layer's forward and backward as that function adds them (no recompute: offloading
-    refuses it). 0 where nothing is offloaded."""
+    backward H2D; exposed_transfer_s). `fwd_layers_s` / `bwd_layers_s`: the stage's transformer
+    layers' forward / backward per microbatch with their collectives (models.step_time.stage_time_arrays,
+    without the embedding and the loss; no recompute: offloading refuses it). 0 where nothing is
+    offloaded."""
     if L.offload is None or not L.offload.any():
         return np.zeros(S.total)
-    gemm_f, attn_f, mb_f, fp8_f, fp8_b, comm_f = parts
-    fwd_layers_s = gemm_f + attn_f + mb_f + fp8_f + comm_f
-    bwd_layers_s = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f + fp8_b + comm_f
     n = L.offload[S.row]
     layers = np.maximum(S.counts(memo).sum(axis=1), 1.0)
     bw = cluster.gpu.host_link_gbs * 1e9 * c.host_link_efficiency

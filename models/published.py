@@ -297,7 +297,7 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
     fsdp = fsdp_col not in ("", "0")
     if fsdp:
         notes.append("FSDP: Megatron FSDP optim_grads_params (TrainConfig.fsdp: weights, gradients and optimizer "
-                     "states sharded over the DP ranks; step time as data parallelism with the distributed optimizer)")
+                     "states sharded over the DP ranks; per-unit gathers and reduce-scatters priced by models/fsdp_time.py)")
     rc = (r.get("recompute") or "").lower()
     recompute = "full" if rc.startswith("full") else "selective" if rc.startswith("selective") else "none"
     found = recipes_for(r["source_group"], key, gpu_type, fsdp, precision_class(precision, fp8_recipe),

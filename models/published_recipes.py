@@ -391,5 +391,4 @@ def recipe_settings(source_group: str, model_key: str, gpu_type: str, fsdp: bool
                     container: str = "", gbs: int | None = None) -> RecipeSettings | None:
     """The RECIPES entry of a row (None: none read). `precision` is a `precision_class`; an entry
     keyed by precision, container or global batch matches only rows that give them."""
-    return next((r.settings for r in RECIPES
-                 if r.matches(source_group, model_key, gpu_type, fsdp, precision, container, gbs)), None)
+    return next(iter(recipes_for(source_group, model_key, gpu_type, fsdp, precision, container, gbs)), None)

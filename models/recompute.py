@@ -41,9 +41,9 @@ import numpy as np
 from advisor.catalog.specs import ModelSpec, TrainConfig
 from advisor.models.constants import Constants
 from advisor.models.flops import layer_params, qk_norm_width
-from advisor.models.moe import expert_load, moe_activation_elements, moe_tokens
+from advisor.models.moe import expert_load, moe_activation_elements, routed_tokens
 from advisor.models.quant import saved_input_bytes
-from advisor.models.stages import Memo, Stages, gather_blocks, quant_fields
+from advisor.models.stages import Memo, Stages, gather_blocks, layer_shape_config, quant_fields
 from advisor.search_spaces.columns import recompute_modules_of
 from advisor.search_spaces.layout import in_flight_chunks, layer_kind_counts
 
@@ -51,8 +51,10 @@ DEFAULT_MODULES: tuple[str, ...] = ("core_attn",)  # megatron-core's default rec
 
 
 def effective_modules(modules: Sequence[str]) -> frozenset[str]:
-    """The modules recomputed: () means megatron-core's default, core_attn."""
-    return frozenset(modules or DEFAULT_MODULES)
+    """The modules recomputed: () means megatron-core's default, core_attn; "moe" covers "moe_act"
+    and "shared_experts" (the whole MoE block)."""
+    mods = frozenset(modules or DEFAULT_MODULES)
+    return mods - {"moe_act", "shared_experts"} if "moe" in mods else mods
 
 
 def _separate_norms(model: ModelSpec, layer: int) -> int:
@@ -96,7 +98,7 @@ def module_saved_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Consta
         elems, gemm_in = moe_activation_elements(model, cfg, c)
         return e * elems + gemm * gemm_in
     if module == "moe_act":
-        routed = moe_tokens(model, cfg) * model.moe.top_k * expert_load(model, cfg, c)[0]
+        routed = routed_tokens(model, cfg, c)
         return routed * model.moe.ffn_hidden_size * (e + (0.0 if quantized else e))
     if module == "shared_experts":
         fs = s * b * model.moe.shared_ffn_hidden_size / t
@@ -106,12 +108,8 @@ def module_saved_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Consta
 
 def selective_saved_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants,
                           modules: Sequence[str]) -> float:
-    """Bytes the selective recompute of `modules` drops from one layer ("moe" covers "moe_act"
-    and "shared_experts")."""
-    mods = effective_modules(modules)
-    if "moe" in mods:
-        mods = mods - {"moe_act", "shared_experts"}
-    return sum(module_saved_bytes(model, layer, cfg, c, m) for m in sorted(mods))
+    """Bytes the selective recompute of `modules` drops from one layer."""
+    return sum(module_saved_bytes(model, layer, cfg, c, m) for m in sorted(effective_modules(modules)))
 
 
 def module_forward_parts(model: ModelSpec, layer: int, cfg: TrainConfig, c: Constants, hbm_bw: float,
@@ -125,8 +123,6 @@ def module_forward_parts(model: ModelSpec, layer: int, cfg: TrainConfig, c: Cons
     GEMM FLOPs are 2 x those per token; a routed token passes top_k experts of the layer's E x the
     busiest rank's load); its memory-bound seconds are the passes step_time.layer_forward counts."""
     mods = effective_modules(modules)
-    if "moe" in mods:
-        mods = mods - {"moe_act", "shared_experts"}
     lp = layer_params(model, layer)
     moe_layer = model.is_moe_layer(layer)
     routed_w = 0.0
@@ -165,23 +161,16 @@ def module_forward_parts(model: ModelSpec, layer: int, cfg: TrainConfig, c: Cons
         if "shared_experts" in mods:
             gemm += lp.shared_experts / per_token
         if "moe_act" in mods:
-            routed = moe_tokens(model, cfg) * model.moe.top_k * expert_load(model, cfg, c)[0]
+            routed = routed_tokens(model, cfg, c)
             mb += rate * c.elementwise_ffn_passes * routed * model.moe.ffn_hidden_size
     return np.array([gemm, attn, tp, ep, mb, mb_share])
-
-
-def _layer_cfg(key) -> TrainConfig:
-    """The TrainConfig of memory.activation_table's layer-shape key."""
-    tp, cp, mbs, seq, ep, etp, sp, fp8, (grouped, router, cf, pad) = key
-    return TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp, **quant_fields(fp8),
-                       moe_grouped_gemm=grouped, moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
 
 
 def saved_table(memo: Memo, key, code: int) -> np.ndarray:
     """[K] selective_saved_bytes per kind for memory.activation_table's layer-shape key and a
     recompute_modules_code."""
     return memo.get("rc_saved", (key, code), lambda: np.array(
-        [selective_saved_bytes(memo.model, i, _layer_cfg(key), memo.c, recompute_modules_of(code)) for i in memo.kinds]))
+        [selective_saved_bytes(memo.model, i, layer_shape_config(key), memo.c, recompute_modules_of(code)) for i in memo.kinds]))
 
 
 def rank_chunk_layers(plan, rank: int) -> list[range]:

@@ -12,18 +12,26 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, quant_parts
+from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig, quant_parts
 from advisor.models.constants import Constants
 from advisor.search_spaces.columns import Layouts, unique_rows
 from advisor.search_spaces.layout import kind_representatives, rank_kinds
 
-__all__ = ["Memo", "Stages", "gather_blocks", "memo_for", "quant_fields"]
+__all__ = ["Memo", "Stages", "gather_blocks", "layer_shape_config", "memo_for", "quant_fields"]
 
 
 def quant_fields(code) -> dict:
     """TrainConfig precision fields of a QUANTS code (the `fp8` column of Layouts)."""
     precision, recipe = quant_parts(int(code))
     return {"precision": precision, "fp8_recipe": recipe}
+
+
+def layer_shape_config(key) -> TrainConfig:
+    """The TrainConfig of a layer-shape key (models.memory.activation_keys: tp, cp, mbs, seq, ep, etp,
+    sequence parallel, QUANTS code, (grouped GEMM, router, capacity factor, padding))."""
+    tp, cp, mbs, seq, ep, etp, sp, fp8, (grouped, router, cf, pad) = key
+    return TrainConfig(tp=tp, cp=cp, mbs=mbs, seq=seq, ep=ep, etp=etp, sequence_parallel=sp, **quant_fields(fp8),
+                       moe_grouped_gemm=grouped, moe_router=router, moe_capacity_factor=cf, moe_pad_to_capacity=pad)
 
 
 class Memo:

@@ -21,8 +21,8 @@ from advisor.models.collectives import (COLLECTIVES, Link, bus_factor, collectiv
                                          group_links)  # (their home was here)
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
-from advisor.models.fsdp_time import FSDPTerms, fsdp_exposed_per_microbatch, fsdp_stage_terms, outside_unit_params
-from advisor.models.memory import stage_param_arrays
+from advisor.models.fsdp_time import FSDPTerms, fsdp_exposed_per_microbatch, fsdp_stage_terms
+from advisor.models.memory import outside_layer_params, stage_param_arrays
 from advisor.models.moe import moe_layer_time
 from advisor.models.offload import offload_wait_arrays
 from advisor.models.quant import quant
@@ -469,14 +469,16 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     comm_f = out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"]
     out["forward_s"] = gemm_f + attn_f + mb_f + fp8_f
     backward = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f + fp8_b
+    # the transformer layers' forward and backward with their collectives (no loss, no recompute yet)
+    layers_f, layers_b = out["forward_s"] + comm_f, backward + comm_f
     out["gemm_s"] = 3 * gemm_f
     out["attention_s"] = attn_f * (1 + c.attention_backward_factor)
     mb = 3 * mb_f + fp8_f + fp8_b
     for name in ("tp_comm_s", "cp_comm_s", "ep_comm_s"):  # the backward's collectives mirror the forward's
         out[name] = out[name] * 2
     rc = L.recompute[r]  # partial recompute (Layouts.rc_layers / rc_modules): models/recompute.py
-    recompute = (np.where(rc == 2, gemm_f + attn_f + mb_f + fp8_f + comm_f, np.where(rc == 1, attn_f, 0.0))
-                 if L.rc_layers is None and L.rc_modules is None else recompute_time(model, L, memo, S, U, UNIT_FIELDS, key, counts, hbm))
+    recompute = (np.where(rc == 2, layers_f, np.where(rc == 1, attn_f, 0.0)) if not L.partial_recompute
+                 else recompute_time(model, L, memo, S, U, UNIT_FIELDS, key, counts, hbm))
     out["recompute_s"] = recompute
     backward = backward + recompute
     T = (L.seq / L.cp * L.mbs)[r]
@@ -527,7 +529,7 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     out["backward_s"] = backward
     with np.errstate(divide="ignore", invalid="ignore"):
         out["gemm_utilization"] = np.where(util1 != 0, util0 / util1, 0.0)
-    out["overhead_s"] = out["overhead_s"] + offload_wait_arrays(cluster, L, c, memo, S, (gemm_f, attn_f, mb_f, fp8_f, fp8_b, comm_f))
+    out["overhead_s"] = out["overhead_s"] + offload_wait_arrays(cluster, L, c, memo, S, layers_f, layers_b)
     # the host issues kernels no faster than layer_host_s each layer: the GPU runs ahead of nothing,
     # so where its own work is shorter it waits for the host (no kernel: NVML utilization < 100%)
     out["host_wait_s"] = np.maximum(0.0, out["host_s"] - total_arrays(out))
@@ -619,7 +621,7 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     fsdp = None
     if L.fsdp is not None and L.fsdp[r].any():  # Megatron FSDP: the units' traffic per micro-batch (models.fsdp_time)
         on = L.fsdp[r]
-        outside = outside_unit_params(model, L.tp[r], k == 0, k == L.pp[r] - 1, L.pp[r])
+        outside = outside_layer_params(model, k == 0, k == L.pp[r] - 1, L.pp[r] > 1, L.tp[r])
         fsdp = fsdp_stage_terms(on, dense - outside, experts, lin, fpg, S.counts(memo).sum(axis=1), d,
                                 Link(dbw, dlat, dl.inter_node[r]), edp, Link(ebw, elat, el.inter_node[r]), c)
         # the parameters outside the units keep the distributed optimizer's once-per-step terms

@@ -173,23 +173,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def recompute_overrides(c: TrainConfig, prefix: str) -> list[str]:
-    """KEY=VALUE overrides of the recompute_* fields under `prefix` (MA.recompute_settings); the
-    default module, core_attn, is left to the recipe unless the layout names modules."""
-    out = []
-    for k, v in MA.recompute_settings(c).items():
-        if k == "recompute_modules":
-            if not c.recompute_modules:
-                continue
-            v = "[" + ",".join(v) + "]"
-        out.append(f"{prefix}{k}={v}")
-    return out
-
-
 def nemo_overrides(cfg: TrainConfig, iters: int) -> list[str]:
     """NeMo 2 recipe overrides (`nemo llm pretrain --factory ... KEY=VALUE`, NeMo-Run syntax)."""
     c = MA.effective_config(cfg)
-    rec = recompute_overrides(c, "model.config.")
+    rec = MA.recompute_overrides(c, "model.config.")
     return [
         f"trainer.strategy.tensor_model_parallel_size={c.tp}",
         f"trainer.strategy.pipeline_model_parallel_size={c.pp}",
@@ -211,7 +198,7 @@ def nemo_overrides(cfg: TrainConfig, iters: int) -> list[str]:
 def bridge_overrides(cfg: TrainConfig, iters: int) -> list[str]:
     """Megatron-Bridge ConfigContainer overrides (Hydra / OmegaConf `key=value` of its recipes)."""
     c = MA.effective_config(cfg)
-    rec = recompute_overrides(c, "model.")
+    rec = MA.recompute_overrides(c, "model.")
     b = lambda v: "true" if v else "false"  # noqa: E731
     return [
         f"model.tensor_model_parallel_size={c.tp}", f"model.pipeline_model_parallel_size={c.pp}",

@@ -269,16 +269,11 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
     probe = ((ranks.get(0) or {}).get("done") or {}).get("moe_probe")
     if probe:  # MoE sub-step times of rank 0 (runners/moe_probe.py), from steps after the measured ones
         rec["moe_probe"] = probe
-    pressure = {}
-    for r in sorted(ranks):
-        last = (ranks[r] or {}).get("done") or (ranks[r] or {}).get("oom") or {}
-        if last.get("pressure"):
-            pressure[str(r)] = last["pressure"]
+    pressure = _per_rank(ranks, "pressure", ("done", "oom"))
     if pressure:  # per rank: the ballast of the allocator-pressure run and what the steps did beside it
         rec["pressure"] = pressure
     kprof = ((ranks.get(0) or {}).get("done") or {}).get("kernel_profile")
-    snaps = {str(r): ranks[r]["done"]["memory_snapshot"] for r in sorted(ranks)
-             if ((ranks[r] or {}).get("done") or {}).get("memory_snapshot")}
+    snaps = _per_rank(ranks, "memory_snapshot")
     if snaps:  # per rank: the allocator's state at the snapshot step's peaks (runners/mem_snapshot.py)
         rec["memory_snapshot"] = snaps
     if kprof:  # rank 0's kernel profile (runners/kernel_probe.py), from steps after the measured ones
@@ -361,6 +356,17 @@ def telemetry_block(trace: Any, t0: float, t1: float, tokens: int, rank_map: lis
             "sampler_overhead_pct": 100.0 * of if of is not None else None,
             "rate_hz": (getattr(trace, "meta", {}) or {}).get("rate_hz"),
             "interval_s": t1 - t0, "trace_path": trace_path}
+
+
+def _per_rank(ranks: Mapping, key: str, events: tuple[str, ...] = ("done",)) -> dict[str, Any]:
+    """{rank: its last event's `key`} over the ranks whose first present event of `events` has it."""
+    out = {}
+    for r in sorted(ranks):
+        d = ranks[r] or {}
+        last = next((d[e] for e in events if d.get(e)), {})
+        if last.get(key):
+            out[str(r)] = last[key]
+    return out
 
 
 def entry_to_dict(e: Entry) -> dict[str, Any]:

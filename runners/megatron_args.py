@@ -147,11 +147,30 @@ def offload_args(cfg: TrainConfig) -> list[str]:
     return ["--cpu-offloading", "--cpu-offloading-num-layers", str(n)] if n else []
 
 
+def config_overrides(fields: dict[str, Any], prefix: str) -> list[str]:
+    """TransformerConfig fields as recipe overrides under `prefix` ("model." for Megatron-Bridge's
+    ConfigContainer, "model.config." for NeMo 2's GPTConfig): KEY=VALUE, booleans lower case, lists
+    as [a,b]."""
+    def value(v):
+        if isinstance(v, bool):
+            return str(v).lower()
+        return "[" + ",".join(map(str, v)) + "]" if isinstance(v, list) else v
+    return [f"{prefix}{k}={value(v)}" for k, v in fields.items()]
+
+
 def offload_overrides(cfg: TrainConfig, prefix: str) -> list[str]:
-    """Activation offloading as recipe overrides of the model's TransformerConfig under `prefix`
-    ("model." for Megatron-Bridge's ConfigContainer, "model.config." for NeMo 2's GPTConfig), as
-    Megatron-Bridge's set_recompute_overrides writes them. [] when nothing is offloaded."""
-    return [f"{prefix}{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in offload_kwargs(cfg).items()]
+    """Activation offloading as recipe overrides (config_overrides), as Megatron-Bridge's
+    set_recompute_overrides writes them. [] when nothing is offloaded."""
+    return config_overrides(offload_kwargs(cfg), prefix)
+
+
+def recompute_overrides(cfg: TrainConfig, prefix: str) -> list[str]:
+    """The recompute_* fields (recompute_settings) as recipe overrides (config_overrides); the default
+    module, core_attn, is left to the recipe unless the layout names modules."""
+    s = recompute_settings(cfg)
+    if not cfg.recompute_modules:
+        s.pop("recompute_modules", None)
+    return config_overrides(s, prefix)
 
 
 def fsdp_args(cfg: TrainConfig) -> list[str]:

@@ -10,8 +10,8 @@ from typing import Sequence
 import numpy as np
 
 from advisor.catalog.specs import (CROSS_ENTROPY_IMPLS, FP8_PARAM_QUANTS, MOE_KNOB_DEFAULTS, MOE_KNOBS, QUANTS,
-                                   RECOMPUTE_MODULES, ClusterSpec, ModelSpec, TrainConfig, moe_knobs_key, quant_name,
-                                   quant_parts, recompute_knobs_key)
+                                   RECOMPUTE_MODULES, ClusterSpec, ModelSpec, TrainConfig, knobs_key, quant_name,
+                                   quant_parts)
 from advisor.search_spaces.space import (SpaceOptions, Workload, expert_choices, fsdp_choices,
                                          model_parallel_choices, split_choices)
 
@@ -244,6 +244,11 @@ class Layouts:
                 **self.recompute_fields(i))
         return c
 
+    @property
+    def partial_recompute(self) -> bool:
+        """Some row sets recompute_layers or recompute_modules (models/recompute.py prices them)."""
+        return self.rc_layers is not None or self.rc_modules is not None
+
     def recompute_fields(self, i: int) -> dict:
         """Row i's recompute_layers and recompute_modules (TrainConfig fields)."""
         n = int(self.rc_layers[i]) if self.rc_layers is not None else -1
@@ -264,8 +269,9 @@ class Layouts:
                 f"-{QUANTS[int(self.fp8[i])]}-{names[int(self.recompute[i])]}"
                 + ("-acce" if sp.get("account_for_embedding") else "") + ("-accl" if sp.get("account_for_loss") else "")
                 + (f"-layout[{sp['pipeline_layout']}]" if sp.get("pipeline_layout") else "")
-                + moe_knobs_key(self.extras[i]) + recompute_knobs_key(*self.recompute_fields(i).values())
-                + (f"-offload{self.offload[i]}" if self.offload is not None and self.offload[i] else ""))
+                + knobs_key(self.extras[i], **self.recompute_fields(i),
+                            cpu_offload_layers=int(self.offload[i]) if self.offload is not None else 0,
+                            fsdp=bool(self.fsdp[i]) if self.fsdp is not None else False))
 
     def take(self, idx: np.ndarray) -> "Layouts":
         """The rows `idx` (in that order)."""
