@@ -43,7 +43,7 @@ def recommend_cmd(
                                 "(repeatable): its ratio to #1, its rank and where the time differs"),
     memory_margin: Optional[float] = typer.Option(
         None, "--memory-margin", help="share of the GPU's memory a layout's memory upper bound must leave free "
-                                      "[default: 1 - the profile's memory_usable_fraction, 0.05]"),
+                                      "[default: the profile's memory_margin_gib, 4 GiB, as a share: 0.050 of an H100, 0.022 of a GB200]"),
     as_json: AsJson = False,
     html: Html = None,
 ) -> None:

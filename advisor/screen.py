@@ -32,7 +32,7 @@ class Screened:
 
 
 def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str, margin: float | None) -> Screened:
-    margin = MB.default_margin(constants.memory_usable_fraction) if margin is None else MB.check_margin(margin)
+    margin = MB.default_margin(constants.memory_margin_gib, c.gpu.memory_gib) if margin is None else MB.check_margin(margin)
     bad, by_rule = refused(m, L_all, stack)
     left = {"count": int(bad.sum()), "by_rule": by_rule, "line": left_out_line(stack, by_rule)}
     runs = np.flatnonzero(~bad)

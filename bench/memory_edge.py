@@ -410,11 +410,12 @@ def recipes(margin: float | None) -> list[dict]:
     from fit_profiles import in_fit
 
     c = resolve_calibration("default", "te").screening_constants
-    m = MB.check_margin(margin) if margin is not None else MB.default_margin(c.memory_usable_fraction)
     out = []
     for r in P.load():
         if not (r.usable and in_fit(r)):
             continue
+        m = MB.check_margin(margin) if margin is not None else MB.default_margin(c.memory_margin_gib,
+                                                                                  r.cluster.gpu.memory_gib)
         cfg = apply_layout_defaults(r.cfg, "te", r.explicit)
         pred = peak_memory_gib(r.model, cfg, c)
         outside = outside_allocator_gib(r.model, cfg, None, c)
@@ -491,7 +492,7 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
                                               under_pressure=True)[1]),
                     "upper_unpressed": float(b.interval(sm.total_gib, sm.outside_gib, sm.reserved_free_gib,
                                                         cfg.expandable_segments, periodic, sm.reserved_free_off_gib)[1])})
-    m = MB.default_margin(c.memory_usable_fraction)
+    m = MB.default_margin(c.memory_margin_gib, r.cluster.gpu.memory_gib)
     head = {"id": r.row_id, "model": r.model.name, "layout": cfg.key(), "microbatches": cfg.num_microbatches,
             "usable": MB.usable_gib(r.cluster.gpu.memory_gib, m), "band": b, "expandable": cfg.expandable_segments,
             "periodic": periodic,
@@ -703,21 +704,23 @@ def main() -> None:
         MB.BAND_FILE.write_text(json.dumps(fit(rs), indent=1) + "\n", encoding="utf-8")
         MB._load.cache_clear()
         print(f"wrote {MB.BAND_FILE.relative_to(ROOT)}")
-    margins = {}
-    for stack in {r["stack"] for r in rs}:
-        c = resolve_calibration("default", stack).screening_constants
-        margins[stack] = MB.check_margin(a.margin) if a.margin is not None else MB.default_margin(c.memory_usable_fraction)
+    margin_gib = {stack: resolve_calibration("default", stack).screening_constants.memory_margin_gib
+                  for stack in {r["stack"] for r in rs}}
+
+    def margin(r):  # --margin (a share of every GPU's memory), else the profile's GiB on the record's GPU
+        return MB.check_margin(a.margin) if a.margin is not None else MB.default_margin(margin_gib[r["stack"]],
+                                                                                        r["gpu_gib"])
     print("OOM records: predicted peak, the band's upper bound and the usable memory (GiB)")
     print(f"{'id':18} {'stack':5} {'model':28} {'pred':>6} {'out':>5} {'upper':>6} {'usable':>6} {'had':>6}  predicted")
     fit_oom = without = 0
     for r in (r for r in rs if r["status"] == "oom"):
         b = MB.band(r["stack"], r["moe"])
         up = b.interval(r["predicted"], r["outside_pred"], r["rf"], r["x"], r["periodic"], r["rf_off"], under_pressure=True)[1]
-        usable = MB.usable_gib(r["gpu_gib"], margins[r["stack"]])
+        usable = MB.usable_gib(r["gpu_gib"], margin(r))
         ok = bool(up <= usable)  # MB.fits: the verdict's bound
         fit_oom += ok
         without += bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"],
-                                margins[r["stack"]], r["periodic"], r["rf_off"], under_pressure=False))
+                                margin(r), r["periodic"], r["rf_off"], under_pressure=False))
         had = f"{r['gpu_gib'] - r['outside'] - r['start']:6.1f}" if r["outside"] is not None else "     -"
         print(f"{r['id']:18} {r['stack']:5} {r['model'][:28]:28} {r['predicted']:6.1f} {r['outside_pred']:5.1f} "
               f"{up:6.1f} {usable:6.1f} {had}  {'FITS (wrong)' if ok else 'does not fit'}")
@@ -737,7 +740,7 @@ def main() -> None:
             b = MB.band(stack, kind == "moe")
             mine = [r for r in ok if bool(r["moe"]) == (kind == "moe")]
             rejected = sum(not MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"], b, r["gpu_gib"],
-                                       margins[stack], r["periodic"], r["rf_off"]) for r in mine)
+                                       margin(r), r["periodic"], r["rf_off"]) for r in mine)
             print(f"{stack:5} {kind:5} {s['form']:6} {s['n']:4d} {s['architectures']:5d} {s['lo']:6.3f} {s['hi']:6.3f} "
                   f"{s['add_lo_gib']:5.1f} {s['add_hi_gib']:5.1f} " + rf_cells(s) + " "
                   f"{s['loao_covered']:6d} of {s['n']:<4d} "

@@ -174,7 +174,7 @@ def pipeline(paths: list[str], p: float | None, k_by_stack: dict[str, float] | N
             fit_oom = sum(bool(MB.fits(r["predicted"], r["outside_pred"], r["rf"], r["x"],
                                        MB.band(r["stack"], r["moe"], band_file), r["gpu_gib"],
                                        MB.default_margin(resolve_calibration("default", r["stack"])
-                                                         .screening_constants.memory_usable_fraction),
+                                                         .screening_constants.memory_margin_gib, r["gpu_gib"]),
                                        r["periodic"], r["rf_off"])) for r in ooms)
     return {"mape": mape, "oom_fit": fit_oom, "oom": len(ooms)}
 

@@ -441,7 +441,7 @@ def predict(names: list[str]) -> int:
 
     c = resolve_calibration("default", "te").screening_constants
     gib = load_gpu("h100").memory_gib
-    usable = MB.usable_gib(gib, MB.default_margin(c.memory_usable_fraction))
+    usable = MB.usable_gib(gib, MB.default_margin(c.memory_margin_gib, gib))
     print(f"H100 {gib:.0f} GiB, usable {usable:.1f} GiB (te profile, default margin)")
     print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6}  verdict")
     for name in names:

@@ -125,10 +125,14 @@ class Constants:
     # all-gather with prefetch=True in FORWARD_PASS_ORDER, and BACKWARD_PASS_ORDER in the backward;
     # the unit's gradient is reduce-scattered after its backward). Not measured (no FSDP run).
     fsdp_units_in_flight: float = 2.0
-    # A layout is feasible when its fullest stage needs at most this fraction of the GPU's memory:
-    # headroom for allocation spikes and buffers the model does not see (our memory predictions
-    # are within 7-12% MAPE of the measured peaks, docs/measurement.md).
-    memory_usable_fraction: float = 0.95
+    # A layout is feasible when its fullest stage's memory upper bound leaves this much of the GPU's
+    # memory free. A fixed amount, not a share of the GPU: the band (models/memory_band.py) already
+    # scales its uncertainty with the predicted bytes (a ratio of the allocated peak, the allocator's
+    # cache term), and what the margin is for does not grow with the HBM (another CUDA context,
+    # driver and NCCL buffers past those measured). 4 GiB is the 5% of an H100 (79.65 GiB) every
+    # OOM record in data/ was checked with; those records need none (python bench/memory_edge.py
+    # --margin 0: 0 of 26 OOMs predicted to fit). As a share it was 9 GiB on a GB200, 14 on a GB300.
+    memory_margin_gib: float = 4.0
 
     # ---- compute ------------------------------------------------------------------------------
     # Best sustained fraction of dense bf16 peak for large GEMMs before power capping:

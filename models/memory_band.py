@@ -60,7 +60,7 @@ the unpressed line says whether the allocator may keep all it caches (memory_fit
 fits_without_retries).
 
 A layout fits when the upper bound is at most the usable memory: the GPU's memory less a margin
-(`--memory-margin`, a fraction of the GPU's memory; default 1 - Constants.memory_usable_fraction).
+(`--memory-margin`, a fraction of the GPU's memory; default Constants.memory_margin_gib of it, 4 GiB).
 Works on floats and on numpy arrays alike (recommend's array path and the per-layout path use the
 same function, so they cannot disagree).
 """
@@ -225,8 +225,9 @@ def band(stack: str | None, is_moe: bool, path: str | Path = BAND_FILE) -> Band:
                 rf_pressure_expandable_gib=(x.get("pressure") or {}).get("cap_gib"))
 
 
-def default_margin(memory_usable_fraction: float) -> float:
-    return 1.0 - memory_usable_fraction
+def default_margin(memory_margin_gib: float, gpu_memory_gib: float) -> float:
+    """The default margin as a share of the GPU's memory: Constants.memory_margin_gib of it."""
+    return min(memory_margin_gib / gpu_memory_gib, 0.5)
 
 
 def check_margin(margin: float) -> float:

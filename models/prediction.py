@@ -71,11 +71,11 @@ def assemble(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Consta
     power estimate (which holds the step at the clocks the caps hold)."""
     worst = max(mem, key=lambda s: s.total_gib)
     capacity = cluster.gpu.memory_gib
-    usable = capacity * c.memory_usable_fraction
+    usable = capacity - c.memory_margin_gib
     feasible = worst.total_gib <= usable
     reason = "" if feasible else (
         f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {usable:.1f} GiB usable "
-        f"({c.memory_usable_fraction:.0%} of {capacity:.1f} GiB per GPU)")
+        f"({capacity:.1f} GiB per GPU less {c.memory_margin_gib:g} GiB)")
     st = power.step
     tokens = cfg.tokens_per_step
     n = cluster.world_size

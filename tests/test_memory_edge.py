@@ -97,6 +97,19 @@ def test_memory_fit_of_the_top_layout_and_the_margin():
         recommend("llama3-8b", "h100x4", stack="local", memory_margin=float("nan"))
 
 
+def test_default_margin_is_a_fixed_amount_on_every_gpu():
+    """The default margin leaves Constants.memory_margin_gib free on any GPU (a share of the HBM would
+    be 9 GiB on a GB200): the usable memory is the driver-reported capacity less 4 GiB."""
+    assert DEFAULT.memory_margin_gib == 4.0
+    for gpu, driver_mib in (("h100", 81559), ("b200", 183359), ("gb200", 189471), ("b300", 275040),
+                            ("gb300", 284208)):
+        gib = load_cluster(f"{gpu}x8").gpu.memory_gib
+        assert gib == pytest.approx(driver_mib / 1024, abs=0.01), gpu  # nvidia-smi's total, as torch sees it
+        assert MB.usable_gib(gib, MB.default_margin(DEFAULT.memory_margin_gib, gib)) == pytest.approx(gib - 4.0)
+    res = recommend("llama3-70b", "gb200x64", precision="fp8", top=1)
+    assert res.recommendations[0].memory["usable_gib"] == pytest.approx(185.03 - 4.0)
+
+
 def test_te_band_is_fitted_on_te_runs_and_the_outside_term_matches_the_oom_messages():
     mod, rs = memory_edge_rows()
     for stack in ("local", "te"):
