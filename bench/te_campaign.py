@@ -429,6 +429,57 @@ def s26() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", qw, layers=6, seq=4096, gbs=32, first=18))
 
 
+# the te stack's own settings a runner job can take (runners.megatron_args.runner_config with a
+# batch line's keys): torch's allocator with expandable segments, and FP8 primary weights where FP8
+STACK = dict(ES)
+FPG = {"fp8_param_gather": True}
+L70_4L = ("llama3-70b", "l70b", dict(layers=4, seq=4096, gbs=16))
+L8_16L = ("llama3-8b", "l8b", dict(layers=16, seq=4096, gbs=32))
+
+
+def s27() -> list[dict]:
+    """Session 27, issue #22: recommend --stack te's #1 of each measured group, run with the stack's
+    settings (expandable segments on; FP8 primary weights for FP8: the runner builds them now), and
+    the group's best measured layout again with the same settings: the check compares like with like
+    (`python bench/te_recommend_check.py`). llama3-70b[4L] FP8 mbs4 (measured at 68.9% of the best
+    with the runner's settings: 7 allocator retries) and llama3-8b[8L] FP8 mbs8 (OOM with them) first."""
+    fp8 = dict(precision="fp8", **STACK, **FPG)
+    l70 = [("stack", dict(dp=4, mbs=4, **fp8)), ("stack", dict(dp=4, mbs=2, **fp8)),
+           ("stack", dict(dp=4, mbs=4, **STACK)), ("stack", dict(dp=4, mbs=2, **STACK))]
+    l8 = [("stack", dict(dp=4, mbs=8, **fp8)), ("stack", dict(dp=4, mbs=4, **fp8)),
+          ("stack", dict(dp=4, mbs=8, **STACK)), ("stack", dict(dp=4, mbs=4, **STACK)),
+          ("stack", dict(dp=4, mbs=4, seq=8192, gbs=16, **STACK)), ("stack", dict(dp=4, mbs=2, seq=8192, gbs=16, **STACK))]
+    l16 = [("stack", dict(dp=4, mbs=4, **STACK)), ("stack", dict(dp=4, mbs=2, **STACK)),
+           ("stack", dict(dp=4, mbs=2, seq=8192, gbs=16, **STACK)), ("stack", dict(dp=4, mbs=1, seq=8192, gbs=16, **STACK))]
+    nem = [("stack", dict(dp=4, mbs=4, **STACK)), ("stack", dict(dp=4, mbs=2, **STACK))]
+    mix = [("stack", dict(dp=4, ep=4, mbs=4, **STACK)), ("stack", dict(dp=4, ep=2, mbs=4, **STACK)),
+           ("stack", dict(dp=4, ep=1, mbs=4, **fp8)), ("stack", dict(dp=4, ep=4, mbs=4, **fp8))]
+    return (_on(L70_4L, l70, 22) + _on(L8_8L, l8, 59) + _on(L8_16L, l16, 65)
+            + _jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=8) + _on(MIX_4L, mix, 25))
+
+
+def s27c() -> list[dict]:
+    """Session 27's second call: the stack's #1s that ran out of memory in x4-te-s27a/b (llama3-8b at
+    mbs8 / seq 8192 mbs4 / 16 layers mbs4: each died allocating the FP32 logits, 15.7 GiB at mbs8)
+    ran megatron-core's native cross entropy, while recommend --stack te ranks them with TE's
+    (TrainConfig.cross_entropy_impl "te", the stack's default): again with it, each beside the
+    group's best measured layout with the same settings; llama3-70b[4L] FP8 mbs2 with TE's cross
+    entropy with and without FP8 primary weights (with them it measured 24,020 tok/s/GPU against
+    26,332 without them and with the runner's settings); then the groups s27b had no time for."""
+    te = dict(STACK, cross_entropy_impl="te")
+    fp8 = dict(te, precision="fp8", **FPG)
+    l8 = [("stack", dict(dp=4, mbs=8, **fp8)), ("stack", dict(dp=4, mbs=4, **fp8)),
+          ("stack", dict(dp=4, mbs=8, **te)), ("stack", dict(dp=4, mbs=4, **te)),
+          ("stack", dict(dp=4, mbs=4, seq=8192, gbs=16, **te)), ("stack", dict(dp=4, mbs=2, seq=8192, gbs=16, **te))]
+    l16 = [("stack", dict(dp=4, mbs=4, **te)), ("stack", dict(dp=4, mbs=2, **te)),
+           ("stack", dict(dp=4, mbs=2, seq=8192, gbs=16, **te)), ("stack", dict(dp=4, mbs=1, seq=8192, gbs=16, **te))]
+    l70 = [("stack", dict(dp=4, mbs=2, **fp8)), ("stack", dict(dp=4, mbs=2, precision="fp8", **te))]
+    nem = [("stack", dict(dp=4, mbs=4, **te)), ("stack", dict(dp=4, mbs=2, **te))]
+    mix = [("stack", dict(dp=4, ep=4, mbs=4, **te)), ("stack", dict(dp=4, ep=2, mbs=4, **te))]
+    return (_on(L8_8L, l8, 69) + _on(L8_16L, l16, 75) + _on(L70_4L, l70, 26)
+            + _jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=10) + _on(MIX_4L, mix, 29))
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -542,7 +593,9 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s24b": lambda: [j for j in s24() if not j.get("kernel_profile_steps")],
            "x4-te-s24c": s24c, "x4-te-s24d": s24d, "x4-te-s24e": s24e, "x4-te-s25": s25, "x4-te-s25b": s25b, "x4-te-s25c": s25c, "x4-te-s25d": s25d,
            "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload,
-           "x4-te-s26-recompute": s26, "x4-te-s26c": s26c}
+           "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
+           "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
+           "x4-te-s27c": s27c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

@@ -102,18 +102,19 @@ def effective_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def runner_config(cfg: TrainConfig, keep_requested: bool = False) -> TrainConfig:
-    """The layout as this project's runner runs it: effective_config with BF16 weights (the worker
-    does not build FP8 primary weights: fp8_param_gather off), megatron-core's DDP with the
+    """The layout as this project's runner runs it: effective_config with megatron-core's DDP with the
     distributed optimizer, not Megatron FSDP (fsdp off: the worker builds DistributedDataParallel
     itself), NCCL communicators created eagerly (nccl_lazy_init off: the worker passes device_id to
-    init_process_group), torch's allocator as it comes (expandable segments off) and megatron-core's default of
-    keeping the pipeline's sent outputs (deallocate_pipeline_outputs off); with `keep_requested` (a
-    batch line that asks for them) the last two as the layout says: the worker then turns
+    init_process_group), BF16 weights (FP8 primary weights off), torch's allocator as it comes
+    (expandable segments off) and megatron-core's default of keeping the pipeline's sent outputs
+    (deallocate_pipeline_outputs off); with `keep_requested` (a batch line that asks for them) the
+    last three as the layout says: the worker then builds TE's linear weights in FP8
+    (TransformerConfig.fp8_param, DDP fp8_param_gather: Megatron-LM's --fp8-param-gather), turns
     expandable segments on for that job (megatron_worker.set_allocator) and its TransformerConfig
     sets deallocate_pipeline_outputs. Its records say so."""
     cfg = effective_config(cfg)
-    runner_off = ("fp8_param_gather", "fsdp", "nccl_lazy_init") + (() if keep_requested else ("expandable_segments",
-                                                                                               "deallocate_pipeline_outputs"))
+    runner_off = ("fsdp", "nccl_lazy_init") + (() if keep_requested else ("fp8_param_gather", "expandable_segments",
+                                                                          "deallocate_pipeline_outputs"))
     off = {k: False for k in runner_off if getattr(cfg, k)}
     return cfg.replace(**off) if off else cfg
 
@@ -305,6 +306,8 @@ def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str,
                   fp8_amax_compute_algo="max")
     elif cfg.precision == "mxfp8":
         kw.update(fp8="e4m3", fp8_recipe="mxfp8")
+    if cfg.fp8_param_gather:  # FP8 primary weights: TE builds its linear weights under fp8_model_init
+        kw["fp8_param"] = True
     elif cfg.precision == "nvfp4":
         kw.update(fp4="e2m1", fp4_recipe="nvfp4")
     if model.is_moe:
@@ -333,6 +336,9 @@ def ddp_kwargs(cfg: TrainConfig, stack: str = "local") -> dict[str, Any]:
         "overlap_grad_reduce": cfg.overlap_grad_reduce,
         "overlap_param_gather": cfg.overlap_param_gather,
         "use_distributed_optimizer": cfg.distributed_optimizer,
+        # FP8 primary weights: the distributed optimizer all-gathers the FP8 weights (only where asked:
+        # the job dicts of every other layout stay as they were)
+        **({"fp8_param_gather": True} if cfg.fp8_param_gather else {}),
     }
 
 

@@ -494,8 +494,21 @@ def destroy_groups():
 
 
 def free_storage(t):
-    if isinstance(t, torch.Tensor) and t.is_cuda:
-        t.untyped_storage().resize_(0)
+    if not isinstance(t, torch.Tensor):
+        return
+    # TE's quantized parameters (FP8 primary weights: Float8Tensor, MXFP8Tensor) are wrappers whose
+    # bytes live in inner tensors
+    inner = [x for x in (getattr(t, a, None) for a in ("_data", "_transpose", "_rowwise_data", "_columnwise_data",
+                                                       "_scale_inv", "_rowwise_scale_inv", "_columnwise_scale_inv"))
+             if isinstance(x, torch.Tensor) and x is not t]
+    for x in inner:
+        free_storage(x)
+    if t.is_cuda:
+        try:
+            t.untyped_storage().resize_(0)
+        except (RuntimeError, NotImplementedError, TypeError):
+            if not inner:
+                raise
 
 
 def drop_cached_tensors(model):

@@ -72,3 +72,20 @@ def test_megatron_argument_and_the_runner_runs_it_off():
     assert "--fp8-param-gather" not in MA.layout_args(FP8)
     assert not MA.runner_config(on).fp8_param_gather
     assert MA.runner_config(on).replace(fp8_param_gather=True) == MA.effective_config(on)
+
+
+def test_the_runner_builds_fp8_primary_weights_where_a_batch_line_asks():
+    """A batch line with fp8_param_gather: true keeps it (runner_config(keep_requested=True)): the
+    worker's TransformerConfig gets fp8_param (TE's fp8_model_init) and its DDP config
+    fp8_param_gather, as Megatron-LM's --fp8-param-gather sets both; every other job dict is as before."""
+    from advisor.runners.jobs import job_for, make_entry
+
+    e = make_entry("llama3-8b", 4, layers=2, stack="te", tp=1, pp=1, mbs=1, gbs=8, seq=1024, precision="fp8",
+                   fp8_param_gather=True)
+    assert e.refused is None and e.config.fp8_param_gather
+    job = job_for(e, 0)
+    assert job["tc"]["fp8_param"] is True and job["tc"]["fp8"] == "hybrid"
+    assert job["ddp"]["fp8_param_gather"] is True and job["ddp"]["use_distributed_optimizer"] is True
+    plain = job_for(make_entry("llama3-8b", 4, layers=2, stack="te", tp=1, pp=1, mbs=1, gbs=8, seq=1024,
+                               precision="fp8"), 0)
+    assert "fp8_param" not in plain["tc"] and "fp8_param_gather" not in plain["ddp"]
