@@ -132,16 +132,24 @@ def outside_layer_params(model: ModelSpec, embedding, loss, split, tp):
 #   Measured: 9.3-10.3 B per logit on the 50 dense stages of the te runner's runs (native; python
 #   bench/memory_terms.py data/measurements/*.jsonl --stack te --dense, before this term).
 # - "te": Transformer Engine's parallel_cross_entropy (pytorch/cross_entropy.py, a Triton kernel)
-#   takes the bf16 logits as they are and writes the gradient into them in place during the
-#   forward: 0.
+#   takes the bf16 logits as they are: 0 (but see CROSS_ENTROPY_BF16_COPIES).
 CROSS_ENTROPY_FP32_COPIES: dict[str, int] = {"unfused": 1, "native": 2, "te": 0}
+# bf16 tensors of the logits' shape each implementation keeps beside the logits: TE 2.20's
+# parallel_cross_entropy saves a copy of its input for the backward unless called with
+# overwrite_input=True (pytorch/triton/cross_entropy.py cross_entropy_forward: saved_input =
+# torch.empty(_input.shape) unless overwrite_input; the backward writes the gradient into that
+# copy), and megatron-core 0.19's te_parallel_cross_entropy does not pass it: 1. Measured peak
+# reserved (x4-te-s27c, TE's cross entropy; python bench/te_check.py --rows) against predicted
+# without / with the copy: llama3-8b[8L] mbs4 43.9 GiB vs 39.7 / 43.7, mbs8 69.4 vs 60.7 / 68.5;
+# nemotron4-15b[8L] (256K vocabulary) mbs2 60.2 vs 56.1 / 60.0; llama3-70b[4L] mbs2 55.1 vs 52.2 / 54.2.
+CROSS_ENTROPY_BF16_COPIES: dict[str, int] = {"unfused": 0, "native": 0, "te": 1}
 
 
 def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT, impl: str = "unfused") -> float:
-    """Bytes per logit the loss stage holds: the bf16 logits and the fp32 tensors of the cross
-    entropy `impl` (CROSS_ENTROPY_FP32_COPIES), plus the uncapped logits a final soft-capping
+    """Bytes per logit the loss stage holds: the bf16 logits and the fp32 and bf16 tensors of the
+    cross entropy `impl` (CROSS_ENTROPY_FP32_COPIES, CROSS_ENTROPY_BF16_COPIES), plus the uncapped logits a final soft-capping
     (tanh) keeps for its backward."""
-    return (c.bytes_activation + CROSS_ENTROPY_FP32_COPIES[impl] * c.bytes_logits_fp32
+    return (c.bytes_activation * (1 + CROSS_ENTROPY_BF16_COPIES[impl]) + CROSS_ENTROPY_FP32_COPIES[impl] * c.bytes_logits_fp32
             + (c.bytes_activation if model.final_logit_softcap else 0.0))
 
 
