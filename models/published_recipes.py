@@ -21,6 +21,20 @@ Megatron-Bridge sources (NVIDIA-NeMo/Megatron-Bridge; commit as read with the re
 - scripts/performance/configs/llama/llama31_workload_base_configs.py @ 0013c9a8ed4d655cd4e8ad8f918b11588e53c85d
 - scripts/performance/configs/deepseek/deepseek_workload_base_configs.py @ 042641823051ce167c52b0ae289941a227c11535
 - scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py @ 07eea52d4523a69fc8975cef34938d61ae13f9e2
+- scripts/performance/configs/deepseek/deepseek_workload_base_configs.py as stored in the forks
+  dingqingy-nv/Megatron-Bridge @ 0a0e1537ab76eb2fdb0e52b651f6d373315693a5 (read whole) and
+  kocchop/Megatron-Bridge @ 6219b1a8fc23ce44fd96700ab87dfb5ff0b045b0 (the same B300 V2 lines): the
+  B300 V2 preset at PP8 (no VP) mbs 2, the layout the B300 MXFP8 rows of containers 26.04.01 / 26.06 print
+- scripts/performance/configs/qwen3/qwen3_30b_a3b_llm_pretrain.yaml (the perf_matrix era) as stored in the
+  forks y-okochi/Megatron-Bridge @ 7919cbae0ce78d6dcbfbbd8145e45c33e6507308 and salberdi-nvidia/
+  Megatron-Bridge @ bb10eafb7f3a7cc812fd27e1b5086a5e94aceee6 (same h100 block): H100 TP1 PP2 VP24 EP8
+  mbs 2 for fp8_cs, the layout the H100 rows of containers 25.09 / 25.11 print (NVIDIA-NeMo's stored
+  version @ 48b5204a prints VP24 mbs 1, the .py presets @ 58fa56a3 VP12 mbs 2: not these rows' layout)
+- searched, no stored version prints the row's layout (the rows keep no recipe): GB300 Llama3 70B of
+  container 26.02.01 (NVFP4 TP1 PP1 mbs 2, MXFP8 PP4 VP1 mbs 2: every stored llama3 workload / perf_matrix
+  version has GB300 FP8_MX / NVFP4 at PP4 VP5 mbs 1); GB200 Llama3 70B MXFP8 of 25.09 (TP2 PP4 VP5 mbs 2:
+  every stored version runs FP8_MX at mbs 1); GPT-OSS 120B of 25.11 (H100 PP4 EP8 mbs 4, B200 EP8 mbs 4:
+  the stored versions have H100 PP4 EP8 mbs 1 or EP8 mbs 8 without PP, B200 EP64 mbs 4 or EP8 mbs 8)
 - how the keys become TransformerConfig settings (scripts/performance/utils, set_recompute_overrides):
   recompute_num_layers -> recompute_granularity "full", recompute_method "block", that many
   layers; cpu_offloading_num_layers > 0 -> cpu_offloading True, cpu_offloading_weights False
@@ -132,6 +146,10 @@ _L31 = "scripts/performance/configs/llama/llama31_workload_base_configs.py@0013c
 _DS = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py@04264182"
 _DS_OLD = "scripts/performance/configs/deepseek/deepseek_workload_base_configs.py (earlier version, id 52245127557)"
 _OSS = "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py@07eea52d"
+_DS_B300_V2 = ("scripts/performance/configs/deepseek/deepseek_workload_base_configs.py (fork dingqingy-nv/"
+               "Megatron-Bridge@0a0e1537; kocchop/Megatron-Bridge@6219b1a8 the same B300 V2)")
+_QW3_YAML = ("scripts/performance/configs/qwen3/qwen3_30b_a3b_llm_pretrain.yaml (fork y-okochi/Megatron-Bridge"
+             "@7919cbae; salberdi-nvidia/Megatron-Bridge@bb10eafb the same)")
 FSDP_UNMODELLED = ("ddp.fsdp_double_buffer = True (a second all-gather buffer of the FSDP units)",
                    "ddp.suggested_communication_unit_size = 800000000")
 CUDA_GRAPH = "cuda_graph_impl {} scope {} (graph-captured static buffers)"
@@ -145,10 +163,11 @@ def _lay(tp=1, pp=1, vp=1, cp=1, ep=1, mbs=1) -> dict:
 
 def _bridge(model: str, gpu: str, precisions: str, src: str, layout: dict, fields: dict | None = None,
             pending: dict | None = None, unmodelled: tuple = (), fsdp: bool = False, gbs: int | None = None,
-            notes: tuple = ()) -> Recipe:
+            notes: tuple = (), containers: tuple = ()) -> Recipe:
     return Recipe(BMB, model, gpu, RecipeSettings(
         {**BRIDGE, **(fields or {})}, BRIDGE_SRC + ", " + src, unmodelled=unmodelled, notes=notes,
-        pending=pending or {}, layout=layout), fsdp=fsdp, precisions=frozenset(precisions.split()), gbs=gbs)
+        pending=pending or {}, layout=layout), fsdp=fsdp, precisions=frozenset(precisions.split()), gbs=gbs,
+        containers=frozenset(containers))
 
 
 def _llama3_70b() -> list[Recipe]:
@@ -254,7 +273,26 @@ def _deepseek_v3() -> list[Recipe]:
         _bridge("deepseek_v3", "H100", "bf16 fp8", _DS, _lay(tp=2, pp=8, vp=4, ep=64),
                 {**flex, "pipeline_layout": "Et|(tt|)*30L"}, {"recompute_modules": ("mla_up_proj", "mlp")}, (mtp,)),
     ]
+    # a later version (_DS_B300_V2): DEEPSEEK_V3_PRETRAIN_CONFIG_B300_V2 = B300_V1 (EP8, hybridep,
+    # moe_a2a_overlap False, recompute_modules ["mla_up_proj"], no pp_layout) with GBS 4096, mbs 2, PP8,
+    # VP None, recompute_modules ["mla_up_proj"], cuda_graph_impl transformer_engine scope attn,
+    # moe_router, moe_preprocess; B300 BF16 / FP8_CS / FP8_MX / NVFP4 V2 all that preset. Keyed to the
+    # containers whose B300 MXFP8 rows print its layout (rows 78, 125)
+    out.append(_bridge("deepseek_v3", "B300", "mxfp8", _DS_B300_V2, _lay(pp=8, ep=8, mbs=2), flex,
+                       {"recompute_modules": ("mla_up_proj",)}, (cg_attn,), gbs=4096,
+                       containers=("NeMo container 26.04.01", "NeMo container 26.06")))
     return out
+
+
+def _qwen3_30b_a3b() -> list[Recipe]:
+    """The perf_matrix-era qwen3_30b_a3b_llm_pretrain.yaml (_QW3_YAML): ConfigContainer.model
+    cross_entropy_fusion_impl "te", bias_activation_fusion true, recompute_granularity / method /
+    num_layers null, moe_router_fusion true; perf_matrix h100 num_gpus_16: TP1 PP2 CP1 VP24 EP8 ETP1,
+    GBS 512, cuda_graphs false, fsdp false, fp8_cs mbs 2 (bf16 mbs 1). Keyed to the containers whose
+    H100 FP8 rows print that layout (rows 299: 25.11, 327: 25.09)."""
+    return [_bridge("qwen3_30b_a3b", "H100", "fp8", _QW3_YAML, _lay(pp=2, vp=24, ep=8, mbs=2),
+                    {"moe_router_fusion": True}, unmodelled=("model.bias_activation_fusion = True",), gbs=512,
+                    containers=("NeMo container 25.09", "NeMo container 25.11"))]
 
 
 def _gpt_oss_120b() -> list[Recipe]:
@@ -377,7 +415,7 @@ def _nemo_blackwell() -> list[Recipe]:
 
 
 RECIPES: tuple[Recipe, ...] = tuple(_H100 + _llama3_70b() + _llama31_405b() + _deepseek_v3() + _gpt_oss_120b()
-                                    + _nemo_blackwell())
+                                    + _qwen3_30b_a3b() + _nemo_blackwell())
 
 
 def recipes_for(source_group: str, model_key: str, gpu_type: str, fsdp: bool, precision: str = "",

@@ -81,9 +81,27 @@ def test_rows_get_their_recipe_only_where_the_layout_is_the_read_configs(by_id):
     assert r123.cfg.pipeline_layout == "Et*4|(t*4|)*14tL"  # version's (GB300_V1 for every precision) mbs 2
     assert any("earlier version" in a for a in r123.assumptions)
     assert r123.cfg.recompute_modules == ("mla_up_proj",)
-    r78 = by_id["78"]  # B300 DeepSeek-V3 MXFP8 PP8 (no VP) mbs 2: neither version read prints that layout
-    assert r78.explicit == frozenset() and r78.unmodelled == ()
-    assert any(a.startswith("recipe read") and "mbs 2 vs 1" in a for a in r78.assumptions)
+    r171 = by_id["171"]  # B300 DeepSeek-V3 MXFP8 PP16 (26.04): no version read prints that layout
+    assert r171.explicit == frozenset() and r171.unmodelled == ()
+    assert any(a.startswith("recipe read") for a in r171.assumptions)
+
+
+def test_later_config_versions_are_keyed_to_the_containers_that_print_their_layout(by_id):
+    """B300 DeepSeek-V3 V2 at PP8 (no VP) mbs 2 (rows 78 / 125: containers 26.06 / 26.04.01) and the
+    perf_matrix-era Qwen3 30B-A3B H100 PP2 VP24 mbs 2 (rows 299 / 327: containers 25.11 / 25.09)."""
+    for rid in ("78", "125"):
+        r = by_id[rid]
+        assert r.cfg.recompute == "selective" and r.cfg.recompute_modules == ("mla_up_proj",)
+        assert r.cfg.moe_dispatcher == "flex" and not r.cfg.moe_a2a_overlap
+        assert any(u.startswith("cuda_graph_impl transformer_engine") for u in r.unmodelled)
+        assert not any(a.startswith("recipe read") for a in r.assumptions)
+    ds = R.recipes_for(BMB, "deepseek_v3", "B300", False, "mxfp8", "NeMo container 26.04", 4096)
+    assert all(s.layout != {"tp": 1, "pp": 8, "vp": 1, "cp": 1, "ep": 8, "mbs": 2} for s in ds)  # not 26.04's
+    for rid in ("299", "327"):
+        r = by_id[rid]
+        assert r.cfg.recompute == "none" and r.cfg.moe_router_fusion and r.cfg.cross_entropy_impl == "te"
+        assert {"moe_router_fusion", "recompute"} <= r.explicit
+    assert R.recipe_settings(BMB, "qwen3_30b_a3b", "H100", False, "fp8", "NeMo container 26.02", 1024) is None
 
 
 def test_every_recipe_layout_is_consistent():
