@@ -480,6 +480,18 @@ def s27c() -> list[dict]:
             + _jobs("nemotron4-15b", "nem15", nem, layers=8, seq=4096, gbs=32, first=10) + _on(MIX_4L, mix, 29))
 
 
+def s27d() -> list[dict]:
+    """Session 27's third call: what FP8 primary weights cost. llama3-70b[4L] FP8 DP4 mbs2 with TE's
+    cross entropy measured 24,271 tok/s/GPU with them and 26,640 without (x4-te-s27c): the pair again
+    with the kernel profile (kernel_profile_steps 2: where the time goes), and llama3-8b[8L] FP8
+    mbs4 / mbs8 without them (their twins with them: te-l8b-stack-69 / -70)."""
+    te = dict(STACK, cross_entropy_impl="te", precision="fp8")
+    kp = {"kernel_profile_steps": 2}
+    l70 = [("fpg", dict(dp=4, mbs=2, **te, **kp)), ("fpg", dict(dp=4, mbs=2, **te, **FPG, **kp))]
+    l8 = [("fpg", dict(dp=4, mbs=4, **te)), ("fpg", dict(dp=4, mbs=8, **te))]
+    return _on(L70_4L, l70, 28) + _on(L8_8L, l8, 79)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -595,7 +607,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload,
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
-           "x4-te-s27c": s27c}
+           "x4-te-s27c": s27c, "x4-te-s27d": s27d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
