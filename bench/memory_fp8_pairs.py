@@ -38,8 +38,8 @@ def pairs(paths: list[str]) -> list[dict]:
     consts: dict = {}
     for r in load(paths).records:
         mem = json.loads(lines[r.source]).get("memory") or {}
-        if r.cfg.precision not in ("bf16", "fp8") or not mem.get("max_gib"):
-            continue
+        if r.cfg.precision not in ("bf16", "fp8") or not mem.get("max_gib") or r.cfg.fp8_param_gather:
+            continue  # FP8 primary weights (session 27): no BF16 weights, not the BF16 run's twin
         if r.stack not in consts:
             consts[r.stack] = resolve_calibration("default", r.stack).screening_constants
         c = consts[r.stack]

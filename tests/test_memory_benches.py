@@ -44,11 +44,12 @@ def test_memory_terms_predict_te_runs_with_the_te_runners_physics():
         said = raw[r["id"]]["config"].get("cross_entropy_impl")
         assert recs[r["id"]].cfg.cross_entropy_impl == (said or "native")
     with_logits = [r for r in rows if r["logits"] > 0]
-    assert {recs[r["id"]].cfg.cross_entropy_impl for r in with_logits} == {"native", "unfused"}
+    # session 27's stack runs ran TE's cross entropy (bf16 logits + its saved bf16 copy = 4 B)
+    assert {recs[r["id"]].cfg.cross_entropy_impl for r in with_logits} == {"native", "unfused", "te"}
     for r in with_logits:
         cfg, m = recs[r["id"]].cfg, recs[r["id"]].model
         logits = cfg.seq / cfg.cp * cfg.mbs * m.vocab_size / cfg.tp
-        per_logit = {"native": 2 + 2 * 4, "unfused": 2 + 4}[cfg.cross_entropy_impl]
+        per_logit = {"native": 2 + 2 * 4, "unfused": 2 + 4, "te": 2 + 2}[cfg.cross_entropy_impl]
         assert r["logits"] * 2**30 == pytest.approx(logits * per_logit)
     assert {r["moe"] for r in rows} == {True, False}
 

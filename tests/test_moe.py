@@ -191,9 +191,11 @@ def test_committed_moe_runs_within_the_bench_bounds():
 def test_recommend_explains_ep(model, cluster):
     from advisor.api import recommend
 
-    r = recommend(model, cluster, top=1, seq=4096, gbs=8192, precision="fp8")
-    best = r.recommendations[0]
-    assert best.config.ep > 1
+    # qwen3-235b-a22b's #1 is Megatron FSDP at EP 1 since session 27, 0.8% ahead of EP 4 with FSDP (a near
+    # tie: every GPU reads all 128 experts' weights, FSDP gathers them behind full recompute's compute)
+    r = recommend(model, cluster, top=5, seq=4096, gbs=8192, precision="fp8")
+    best = next(x for x in r.recommendations if x.config.ep > 1)
+    assert best.prediction.tokens_per_s_per_gpu >= 0.97 * r.recommendations[0].prediction.tokens_per_s_per_gpu
     assert f"EP={best.config.ep}:" in best.reason and "experts/GPU" in best.reason
     assert "of the step" in best.reason and "busiest rank" in best.reason
 
