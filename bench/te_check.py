@@ -151,8 +151,13 @@ def main(argv=None) -> int:
     # a pair is the same model (layers included) and layout in both precisions; where a shape was
     # measured on the same four GPUs in both precisions only those pairs count (two machines'
     # clocks differ by a few per cent: a cross-machine pair measures the machines as well)
+    # ... with the same allocator and cross entropy (session 27's stack runs: expandable segments,
+    # TE's cross entropy); an FP8 run with FP8 primary weights pairs with the BF16 run of its settings
+    # and says so ("fpg")
     key = lambda r: (r["group"], recs[r["id"]].model.num_layers,  # noqa: E731
-                     r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-"))
+                     r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-")
+                     + ("-es" if recs[r["id"]].cfg.expandable_segments else "")
+                     + ("" if recs[r["id"]].cfg.cross_entropy_impl == "native" else f"-ce-{recs[r['id']].cfg.cross_entropy_impl}"))
     pairs = defaultdict(lambda: {"fp8": [], "bf16": []})
     for r in first:
         pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"].append(r)
@@ -166,7 +171,8 @@ def main(argv=None) -> int:
             m = f["tps_meas"] / b["tps_meas"]
             p = f["tps_pred"] / b["tps_pred"]
             worst = max(worst, abs(p / m - 1))
-            print(f"  {g:<28} {n_layers:>2}L {lay.replace('-X-', '-'):<62} measured {m:.3f}  predicted {p:.3f}"
+            lay_f = lay.replace('-X-', '-') + ("-fpg" if recs[f["id"]].cfg.fp8_param_gather else "")
+            print(f"  {g:<28} {n_layers:>2}L {lay_f:<62} measured {m:.3f}  predicted {p:.3f}"
                   f"  ({(p / m - 1) * 100:+.1f}%)  {pair_detail(b, f, tel)}")
     print(f"  worst: {worst * 100:.1f}% (target: within 5% on every shape)")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # moe_check, beside this file
 
 from advisor.api import recommend  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
@@ -48,7 +49,7 @@ def match_key(cfg) -> tuple:
 
 def short(cfg) -> str:
     return (f"tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} cp{cfg.cp}" + (f" ep{cfg.ep} etp{cfg.etp}" if cfg.ep * cfg.etp > 1 else "")
-            + (f" vp{cfg.vp}" if cfg.vp > 1 else "") + f" mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute}"))
+            + (f" vp{cfg.vp}" if cfg.vp > 1 else "") + f" mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute}") + (" fsdp" if cfg.fsdp else ""))
 
 
 def failed_layouts(paths) -> dict:
