@@ -492,6 +492,15 @@ def s27d() -> list[dict]:
     return _on(L70_4L, l70, 28) + _on(L8_8L, l8, 79)
 
 
+def s27e() -> list[dict]:
+    """Session 27's fourth call: llama3-8b[8L] FP8 DP4 mbs4 with and without FP8 primary weights, both
+    kernel-profiled: does the 70B-wide model's +65 ms of TE cast_transpose_general per step (x4-te-s27d)
+    scale with the linear weights (1.75 B here against 3.42 B there), where the 8B twins measured
+    +0.8% / +2.2% faster with them?"""
+    te = dict(STACK, cross_entropy_impl="te", precision="fp8", kernel_profile_steps=2)
+    return _on(L8_8L, [("fpg", dict(dp=4, mbs=4, **te)), ("fpg", dict(dp=4, mbs=4, **te, **FPG))], 81)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -607,7 +616,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload,
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
-           "x4-te-s27c": s27c, "x4-te-s27d": s27d}
+           "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
