@@ -606,6 +606,11 @@ class DPTerms:
         return DPTerms(self.grad[sm], self.gather[sm], self.opt_base[sm], self.fsdp.take(sm) if self.fsdp else None)
 
 
+# QUANTS codes whose FP8 primary weights are Float8Tensors whose transposes TE builds on Hopper
+# (catalog.specs.QUANTS: "fp8" delayed scaling, "fp8-tensorwise" current scaling)
+FP8_TRANSPOSE_QUANTS = (1, 2)
+
+
 def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:
     r, k = S.row, S.k
     params = stage_param_arrays(L, memo, S)
@@ -630,7 +635,13 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
                     collective_time("all_reduce", dense * gb, d, dbw, dlat) + collective_time("all_reduce", experts * gb, edp, ebw, elat))
     gather = np.where(dist, collective_time("all_gather", dense * 2 - lin * fpg, d, dbw, dlat) + collective_time("all_gather", experts * (2 - fpg), edp, ebw, elat), 0.0)
     shard = np.where(dist, params[:, 0] / d + params[:, 1] / edp, params[:, 0] + params[:, 1])
-    opt_base = shard * c.optimizer_bytes_per_param / (cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency)
+    hbm = cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency
+    opt_base = shard * c.optimizer_bytes_per_param / hbm
+    if L.fpg is not None and cluster.gpu.generation == "hopper":
+        # FP8 primary weights: the transposes TE builds each step of every FP8 weight the stage holds
+        # (Constants.fp8_param_transpose_bytes; Float8Tensor formats: delayed and current scaling)
+        tr = L.fpg[r].astype(bool) & np.isin(L.fp8[r], FP8_TRANSPOSE_QUANTS)
+        opt_base = opt_base + np.where(tr, params[:, 2] * c.fp8_param_transpose_bytes / hbm, 0.0)
     return DPTerms(grad, gather, opt_base, fsdp)
 
 
