@@ -154,10 +154,11 @@ def main(argv=None) -> int:
     # ... with the same allocator and cross entropy (session 27's stack runs: expandable segments,
     # TE's cross entropy); an FP8 run with FP8 primary weights pairs with the BF16 run of its settings
     # and says so ("fpg")
-    key = lambda r: (r["group"], recs[r["id"]].model.num_layers,  # noqa: E731
-                     r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-")
-                     + ("-es" if recs[r["id"]].cfg.expandable_segments else "")
-                     + ("" if recs[r["id"]].cfg.cross_entropy_impl == "native" else f"-ce-{recs[r['id']].cfg.cross_entropy_impl}"))
+    def key(r):
+        cfg = recs[r["id"]].cfg
+        return (r["group"], recs[r["id"]].model.num_layers,
+                r["layout"].replace("-fp8-", "-X-").replace("-bf16-", "-X-") + ("-es" if cfg.expandable_segments else "")
+                + ("" if cfg.cross_entropy_impl == "native" else f"-ce-{cfg.cross_entropy_impl}"))
     pairs = defaultdict(lambda: {"fp8": [], "bf16": []})
     for r in first:
         pairs[key(r)]["fp8" if "-fp8-" in r["layout"] else "bf16"].append(r)

@@ -49,7 +49,8 @@ def match_key(cfg) -> tuple:
 
 def short(cfg) -> str:
     return (f"tp{cfg.tp} pp{cfg.pp} dp{cfg.dp} cp{cfg.cp}" + (f" ep{cfg.ep} etp{cfg.etp}" if cfg.ep * cfg.etp > 1 else "")
-            + (f" vp{cfg.vp}" if cfg.vp > 1 else "") + f" mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute}") + (" fsdp" if cfg.fsdp else ""))
+            + (f" vp{cfg.vp}" if cfg.vp > 1 else "") + f" mbs{cfg.mbs}" + ("" if cfg.recompute == "none" else f" {cfg.recompute}")
+            + (" fsdp" if cfg.fsdp else ""))
 
 
 def failed_layouts(paths) -> dict:

@@ -147,9 +147,10 @@ CROSS_ENTROPY_BF16_COPIES: dict[str, int] = {"unfused": 0, "native": 0, "te": 1}
 
 def logits_bytes_per_logit(model: ModelSpec, c: Constants = DEFAULT, impl: str = "unfused") -> float:
     """Bytes per logit the loss stage holds: the bf16 logits and the fp32 and bf16 tensors of the
-    cross entropy `impl` (CROSS_ENTROPY_FP32_COPIES, CROSS_ENTROPY_BF16_COPIES), plus the uncapped logits a final soft-capping
-    (tanh) keeps for its backward."""
-    return (c.bytes_activation * (1 + CROSS_ENTROPY_BF16_COPIES[impl]) + CROSS_ENTROPY_FP32_COPIES[impl] * c.bytes_logits_fp32
+    cross entropy `impl` (CROSS_ENTROPY_FP32_COPIES, CROSS_ENTROPY_BF16_COPIES), plus the uncapped
+    logits a final soft-capping (tanh) keeps for its backward."""
+    return (c.bytes_activation * (1 + CROSS_ENTROPY_BF16_COPIES[impl])
+            + CROSS_ENTROPY_FP32_COPIES[impl] * c.bytes_logits_fp32
             + (c.bytes_activation if model.final_logit_softcap else 0.0))
 
 

@@ -306,10 +306,10 @@ def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str,
                   fp8_amax_compute_algo="max")
     elif cfg.precision == "mxfp8":
         kw.update(fp8="e4m3", fp8_recipe="mxfp8")
-    if cfg.fp8_param_gather:  # FP8 primary weights: TE builds its linear weights under fp8_model_init
-        kw["fp8_param"] = True
     elif cfg.precision == "nvfp4":
         kw.update(fp4="e2m1", fp4_recipe="nvfp4")
+    if cfg.fp8_param_gather:  # FP8 primary weights: TE builds its linear weights under fp8_model_init
+        kw["fp8_param"] = True
     if model.is_moe:
         kw["moe_grouped_gemm"] = cfg.moe_grouped_gemm
         if cfg.precision != "bf16":  # FP8 grouped GEMMs want each expert's token count padded to 16
