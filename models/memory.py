@@ -142,6 +142,9 @@ CROSS_ENTROPY_FP32_COPIES: dict[str, int] = {"unfused": 1, "native": 2, "te": 0}
 # reserved (x4-te-s27c, TE's cross entropy; python bench/te_check.py --rows) against predicted
 # without / with the copy: llama3-8b[8L] mbs4 43.9 GiB vs 39.7 / 43.7, mbs8 69.4 vs 60.7 / 68.5;
 # nemotron4-15b[8L] (256K vocabulary) mbs2 60.2 vs 56.1 / 60.0; llama3-70b[4L] mbs2 55.1 vs 52.2 / 54.2.
+# The copy is recent: TE PR 3193 (FP32 gradients no longer written into the bf16 input) and PR 3273
+# (2026-07, the compact softmax statistics) made it; earlier TE wrote the gradient into the logits
+# in place (no copy), so published runs of older containers held 2 B per logit less than this.
 CROSS_ENTROPY_BF16_COPIES: dict[str, int] = {"unfused": 0, "native": 0, "te": 1}
 
 
