@@ -278,7 +278,7 @@ def recommend_page(res, command: str | None = None) -> Page:
                 "summed over its microbatches, plus the bubble, exposed data-parallel traffic, optimizer and "
                 "fixed overheads).")
     consts = _power_constants(cal)
-    usable = c.gpu.memory_gib - (cal.screening_constants if cal is not None else DEFAULT).memory_margin_gib
+    usable = (cal.screening_constants if cal is not None else DEFAULT).usable_memory_gib(c.gpu.memory_gib)
     page.h2("Memory and power per pipeline stage")
     page.figure(fig_stages(_stage_items(m, c, [(_label(r.rank, r.config), r.config, r.prediction)
                                                for r in res.recommendations], consts),
@@ -327,7 +327,7 @@ def predict_page(model: str, cluster: str, cfg, p, power_cap_w: float | None = N
         consts = _power_constants(resolve_calibration(used["file"]))
     page.h2("Memory and power per pipeline stage")
     page.figure(fig_stages(_stage_items(m, c, [(layout_text(cfg), cfg, p)], consts), c.gpu.memory_gib,
-                           c.gpu.memory_gib - consts.memory_margin_gib, c.power_cap_w), "stages",
+                           consts.usable_memory_gib(c.gpu.memory_gib), c.power_cap_w), "stages",
                 "Memory per GPU of each pipeline stage against the GPU's capacity; mean (bars) and peak (ticks) "
                 "power per GPU of each stage under the cap (the analytical per-stage model).")
     return page

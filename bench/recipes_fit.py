@@ -30,7 +30,7 @@ def row_bound(run: P.PublishedRun, constants) -> tuple[float, float]:
     cfg = apply_layout_defaults(run.cfg, "te", run.explicit)
     band = MB.band("te", run.model.is_moe)
     up = MB.band_upper_gib(run.model, cfg, band, constants, under_pressure=True)
-    usable = MB.usable_gib(run.cluster.gpu.memory_gib, MB.default_margin(constants.memory_margin_gib, run.cluster.gpu.memory_gib))
+    usable = constants.usable_memory_gib(run.cluster.gpu.memory_gib)
     return up, usable
 
 

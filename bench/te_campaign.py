@@ -433,6 +433,7 @@ def s26() -> list[dict]:
 # batch line's keys): torch's allocator with expandable segments, and FP8 primary weights where FP8
 STACK = dict(ES)
 FPG = {"fp8_param_gather": True}
+STACK_TE_CE = dict(STACK, cross_entropy_impl="te")  # ... with TE's cross entropy, the stack's default
 L70_4L = ("llama3-70b", "l70b", dict(layers=4, seq=4096, gbs=16))
 L8_16L = ("llama3-8b", "l8b", dict(layers=16, seq=4096, gbs=32))
 
@@ -466,7 +467,7 @@ def s27c() -> list[dict]:
     group's best measured layout with the same settings; llama3-70b[4L] FP8 mbs2 with TE's cross
     entropy with and without FP8 primary weights (with them it measured 24,020 tok/s/GPU against
     26,332 without them and with the runner's settings); then the groups s27b had no time for."""
-    te = dict(STACK, cross_entropy_impl="te")
+    te = STACK_TE_CE
     fp8 = dict(te, precision="fp8", **FPG)
     l8 = [("stack", dict(dp=4, mbs=8, **fp8)), ("stack", dict(dp=4, mbs=4, **fp8)),
           ("stack", dict(dp=4, mbs=8, **te)), ("stack", dict(dp=4, mbs=4, **te)),
@@ -485,7 +486,7 @@ def s27d() -> list[dict]:
     cross entropy measured 24,271 tok/s/GPU with them and 26,640 without (x4-te-s27c): the pair again
     with the kernel profile (kernel_profile_steps 2: where the time goes), and llama3-8b[8L] FP8
     mbs4 / mbs8 without them (their twins with them: te-l8b-stack-69 / -70)."""
-    te = dict(STACK, cross_entropy_impl="te", precision="fp8")
+    te = dict(STACK_TE_CE, precision="fp8")
     kp = {"kernel_profile_steps": 2}
     l70 = [("fpg", dict(dp=4, mbs=2, **te, **kp)), ("fpg", dict(dp=4, mbs=2, **te, **FPG, **kp))]
     l8 = [("fpg", dict(dp=4, mbs=4, **te)), ("fpg", dict(dp=4, mbs=8, **te))]
@@ -497,7 +498,7 @@ def s27e() -> list[dict]:
     kernel-profiled: does the 70B-wide model's +65 ms of TE cast_transpose_general per step (x4-te-s27d)
     scale with the linear weights (1.75 B here against 3.42 B there), where the 8B twins measured
     +0.8% / +2.2% faster with them?"""
-    te = dict(STACK, cross_entropy_impl="te", precision="fp8", kernel_profile_steps=2)
+    te = dict(STACK_TE_CE, precision="fp8", kernel_profile_steps=2)
     return _on(L8_8L, [("fpg", dict(dp=4, mbs=4, **te)), ("fpg", dict(dp=4, mbs=4, **te, **FPG))], 81)
 
 
@@ -513,7 +514,7 @@ def predict(names: list[str]) -> int:
 
     c = resolve_calibration("default", "te").screening_constants
     gib = load_gpu("h100").memory_gib
-    usable = MB.usable_gib(gib, MB.default_margin(c.memory_margin_gib, gib))
+    usable = c.usable_memory_gib(gib)
     print(f"H100 {gib:.0f} GiB, usable {usable:.1f} GiB (te profile, default margin)")
     print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6}  verdict")
     for name in names:

@@ -92,20 +92,22 @@ def settings_of(cfg) -> str | None:
     return None
 
 
-def measured_groups(paths, settings: str | None = None) -> dict:
-    """{(model name, GPUs, seq, gbs, precision): {match key: (tokens/s/GPU mean over repeats, cfg, model, cluster)}}
-    over the runs with `settings` (settings_of; None: every run)."""
-    ds = load([str(p) for p in paths])
-    acc = defaultdict(lambda: defaultdict(list))
+def measured_groups(paths) -> dict:
+    """{settings: {(model name, GPUs, seq, gbs, precision): {match key: (tokens/s/GPU mean over repeats,
+    cfg, model, cluster)}}}: settings None over every te run, "runner" / "stack" over the runs with
+    those settings (settings_of)."""
+    acc = {s: defaultdict(lambda: defaultdict(list)) for s in (None, "runner", "stack")}
     info = {}
-    for r in ds.records:
-        if r.stack != "te" or (settings is not None and settings_of(r.cfg) != settings):
+    for r in load([str(p) for p in paths]).records:
+        if r.stack != "te":
             continue
         g = (r.model.name, r.cluster.world_size, r.cfg.seq, r.cfg.gbs, r.cfg.precision)
         k = match_key(r.cfg)
-        acc[g][k].append(r.y["tokens_per_s_per_gpu"])
-        info[(g, k)] = (r.cfg, r.model, r.cluster)
-    return {g: {k: (sum(v) / len(v), *info[(g, k)]) for k, v in d.items()} for g, d in acc.items()}
+        for s in {None, settings_of(r.cfg)}:
+            acc[s][g][k].append(r.y["tokens_per_s_per_gpu"])
+            info[(s, g, k)] = (r.cfg, r.model, r.cluster)
+    return {s: {g: {k: (sum(v) / len(v), *info[(s, g, k)]) for k, v in d.items()} for g, d in a.items()}
+            for s, a in acc.items()}
 
 
 def check(group, meas: dict, calibration: str, top: int, runner_settings: bool, failed: dict | None = None) -> dict:
@@ -152,10 +154,10 @@ def main(argv=None) -> int:
     # init (moe_check.runner_router_skews; te_check predicts these runs with it too), not the trained
     # router's moe_router_skew the profile ships
     skews = runner_router_skews([Path(p) for p in a.paths], "te")
-    groups = measured_groups(a.paths)
     # each row compares like with like where a group has runs with its settings (sessions 27's x4-te-s27*
     # ran the stack's #1s and the groups' best with the stack's settings); else every run of the group
-    by_settings = {s: measured_groups(a.paths, s) for s in ("runner", "stack")}
+    by_settings = measured_groups(a.paths)
+    groups = by_settings[None]
     failed = failed_layouts(a.paths)
     print(f"recommend --stack te's #1 vs the best measured layout (target: >= {TARGET:.0%} of it)")
     if skews:

@@ -575,7 +575,7 @@ class Calibration:
         step = tokens / (tps * n)
         tflops = tps * training_flops_per_token(model, cfg.seq) / 1e12
         scale = mem / p.memory_gib_per_gpu if p.memory_gib_per_gpu else 1.0
-        cap = cluster.gpu.memory_gib - self.constants.memory_margin_gib
+        cap = self.constants.usable_memory_gib(cluster.gpu.memory_gib)
         feasible = mem <= cap
         reason = "" if feasible else (f"needs {mem:.1f} GiB (calibrated) > {cap:.1f} GiB usable per GPU")
         d = {f.name: getattr(p, f.name) for f in dataclasses.fields(Prediction)}

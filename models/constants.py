@@ -600,6 +600,10 @@ class Constants:
     deepep_nvlink_efficiency: float = 0.96
     deepep_rdma_efficiency: float = 1.0
 
+    def usable_memory_gib(self, gpu_memory_gib: float) -> float:
+        """What a layout's memory may reach by default: the GPU's memory less memory_margin_gib."""
+        return gpu_memory_gib - self.memory_margin_gib
+
     def replace(self, **changes) -> "Constants":
         return replace(self, **changes)
 

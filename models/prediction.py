@@ -71,7 +71,7 @@ def assemble(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Consta
     power estimate (which holds the step at the clocks the caps hold)."""
     worst = max(mem, key=lambda s: s.total_gib)
     capacity = cluster.gpu.memory_gib
-    usable = capacity - c.memory_margin_gib
+    usable = c.usable_memory_gib(capacity)
     feasible = worst.total_gib <= usable
     reason = "" if feasible else (
         f"needs {worst.total_gib:.1f} GiB on pipeline stage {worst.stage} > {usable:.1f} GiB usable "

@@ -170,7 +170,7 @@ class Calibrated:
             self.pw_of, src = power_at_step(res, step, caps)
         mem = est["memory_gib_per_gpu"][0]
         self.row = {"tokens_per_s_per_gpu": tps, "step_time_s": step, "memory_gib_per_gpu": mem,
-                    "feasible": mem <= cluster.gpu.memory_gib - cal.constants.memory_margin_gib,
+                    "feasible": mem <= cal.constants.usable_memory_gib(cluster.gpu.memory_gib),
                     "mean_power_w": src["mean_power_w"], "throttle_risk": src["throttle_risk"],
                     "sm_clock_mhz": src["sm_clock_mhz"], "clock_ratio": src["clock_ratio"],
                     "energy_j_per_token": src["mean_power_w"] * n * step / tokens}
