@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from campaign import GPT3_2_7B, MIXTRAL_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
+from campaign import DEEPSEEK_PROXY, GPT3_2_7B, MIXTRAL_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
 
 CONFIGS = HERE / "campaign_configs"
 RUN = {"warmup": 2, "steps": 5, "stack": "te"}
@@ -502,6 +502,27 @@ def s27e() -> list[dict]:
     return _on(L8_8L, [("fpg", dict(dp=4, mbs=4, **te)), ("fpg", dict(dp=4, mbs=4, **te, **FPG))], 81)
 
 
+DSV2_12L = (DEEPSEEK_PROXY, "dsv2", dict(layers=12, seq=4096, gbs=32))
+
+
+def s28() -> list[dict]:
+    """Session 28: (1) megatron-core's native fused cross entropy beside the unfused and TE twins
+    already measured (llama3-8b[8L] DP4 mbs4, BF16 and FP8; step_time.LOSS_BYTES_PER_LOGIT reads
+    36 B per logit for it off its kernels, unmeasured); (2) a third MoE architecture on the te
+    stack: the DeepSeek-V2-Lite proxy (multi-latent attention, 64 fine-grained experts top-6, 2
+    shared experts, first layer dense; measured before only with the local runner), with the
+    stack's settings: expert parallelism 1 / 2 / 4, the micro-batch, FP8, TP with expert TP 1."""
+    te = STACK_TE_CE
+    ce = [("ce", dict(dp=4, mbs=4, **STACK, cross_entropy_impl="native")),
+          ("ce", dict(dp=4, mbs=4, precision="fp8", **STACK, cross_entropy_impl="native", **FPG))]
+    ds = [("ep", dict(dp=4, ep=4, mbs=2, **te)), ("ep", dict(dp=4, ep=4, mbs=4, **te)),
+          ("ep", dict(dp=4, ep=2, mbs=2, **te)), ("ep", dict(dp=4, ep=1, mbs=2, **te)),
+          ("fp8", dict(dp=4, ep=4, mbs=2, precision="fp8", **te, **FPG)),
+          ("moetp", dict(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True, mbs=4, **te)),
+          ("ep", dict(dp=4, ep=4, mbs=1, **te))]
+    return _on(L8_8L, ce, 83) + _on(DSV2_12L, ds, 0)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -617,7 +638,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-snap": s26snap, "x4-te-s26b": s26b, "x4-te-s26-offload": s26_offload,
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
-           "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e}
+           "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
+           "x4-te-s28a": s28}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
