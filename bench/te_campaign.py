@@ -523,6 +523,21 @@ def s28() -> list[dict]:
     return _on(L8_8L, ce, 83) + _on(DSV2_12L, ds, 0)
 
 
+def s28b() -> list[dict]:
+    """Session 28's second call: recommend --stack te's unmeasured #1s (python bench/te_recommend_check.py):
+    llama3-70b[4L] FP8 TP4 SP mbs16 and the Mixtral proxy FP8 TP4 SP EP4 mbs16 with the stack's
+    settings, llama3-70b[4L] FP8 TP2 SP DP2 mbs4 with the runner's; then the DeepSeek-V2-Lite proxy
+    kernel-profiled at EP4 mbs1 / mbs4 (x4-te-s28a measured 12,913 / 37,955 tok/s/GPU: ~24 ms per layer
+    and micro-batch that no GPU work explains, the te profile 34-83% optimistic at mbs 1-2)."""
+    fp8 = dict(STACK_TE_CE, precision="fp8", **FPG)
+    kp = {"kernel_profile_steps": 2}
+    l70 = [("top", dict(tp=4, dp=1, mbs=16, sequence_parallel=True, **fp8)),
+           ("top", dict(tp=2, dp=2, mbs=4, sequence_parallel=True, precision="fp8"))]
+    mix = [("top", dict(tp=4, dp=1, ep=4, etp=1, mbs=16, sequence_parallel=True, **fp8))]
+    ds = [("kp", dict(dp=4, ep=4, mbs=1, **STACK_TE_CE, **kp)), ("kp", dict(dp=4, ep=4, mbs=4, **STACK_TE_CE, **kp))]
+    return _on(L70_4L, l70, 30) + _on(MIX_4L, mix, 31) + _on(DSV2_12L, ds, 7)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
@@ -639,7 +654,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
-           "x4-te-s28a": s28}
+           "x4-te-s28a": s28, "x4-te-s28b": s28b}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
