@@ -27,7 +27,8 @@ from pathlib import Path
 from advisor.catalog import ClusterSpec, ModelSpec, MoESpec, SpecError, TrainConfig, load_gpu, load_model
 from advisor.catalog.loaders import make_cluster
 from advisor.models.published_recipes import (  # noqa: F401 (re-exported)
-    RECIPES, RecipeSettings, layout_mismatch, precision_class, recipe_settings, recipes_for, split_pending)
+    RECIPES, SOURCE_DEFAULTS, RecipeSettings, layout_mismatch, precision_class, recipe_settings, recipes_for,
+    split_pending)
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "published"
@@ -338,6 +339,12 @@ def _row(r: dict, archs: dict[str, dict]) -> PublishedRun:
                      + ", ".join(f"{k}={v}" for k, v in sorted(fields.items())))
         notes.extend(f"recipe setting not modelled: {u}" for u in unmodelled)
         notes.extend(recipe.notes)
+    src_fields, src_why = SOURCE_DEFAULTS.get(r["source_group"], ({}, ""))
+    src_fields = {k: v for k, v in src_fields.items() if k not in explicit}
+    if src_fields:  # what the source's software ran by default (no recipe says otherwise)
+        cfg = cfg.replace(**src_fields)
+        explicit = explicit | frozenset(src_fields)
+        notes.append(f"software default of the source: {src_why}")
     split_given = cfg.account_for_embedding or cfg.account_for_loss or cfg.pipeline_layout
     if pp > 1 and model.num_layers % pp and not split_given:  # not said: the split Megatron's recipes use
         cfg, how = _uneven_split(model, cfg)

@@ -418,6 +418,28 @@ RECIPES: tuple[Recipe, ...] = tuple(_H100 + _llama3_70b() + _llama31_405b() + _d
                                     + _qwen3_30b_a3b() + _nemo_blackwell())
 
 
+# What each source's software ran where neither the row nor a recipe read for it says, from the
+# software's own defaults at the source's date: {source_group: (TrainConfig fields, why)}. A row's
+# recipe (RECIPES) wins over these.
+SOURCE_DEFAULTS: dict[str, tuple[dict, str]] = {
+    # NeMo 1.0 (the NeMo-Framework-Launcher configs of containers 24.03 / 24.07) and NeMo 2.0 (GPTConfig,
+    # containers 25.x) set cross_entropy_loss_fusion True with megatron-core's only fused implementation
+    # then, fused_vocab_parallel_cross_entropy ("native"; cross_entropy_fusion_impl "te" came in 2025,
+    # and NeMo 2.0 keeps megatron-core's default, "native")
+    "nemo_2407_perf_summary": ({"cross_entropy_impl": "native"}, "NeMo 24.07: cross_entropy_loss_fusion True, "
+                               "megatron-core's fused vocab-parallel cross entropy (no TE implementation then)"),
+    "nemo_long_sequence_cp": ({"cross_entropy_impl": "native"}, "NeMo 24.03: cross_entropy_loss_fusion True, "
+                              "megatron-core's fused vocab-parallel cross entropy (no TE implementation then)"),
+    "nemo_framework_docs_perf_summary": ({"cross_entropy_impl": "native"}, "NeMo 2.0 GPTConfig: "
+                                         "cross_entropy_loss_fusion True, cross_entropy_fusion_impl native"),
+    # Megatron-Core r0.8.0 (2024): the README names its flags (the DP / TP / PP overlaps), not
+    # --cross-entropy-loss-fusion: Megatron-LM's default, the unfused vocab-parallel cross entropy
+    "megatron_lm_readme_h100_weak_scaling": ({"cross_entropy_impl": "unfused"}, "Megatron-Core r0.8.0: "
+                                             "--cross-entropy-loss-fusion not among the README's flags (Megatron-LM's "
+                                             "default, unfused)"),
+}
+
+
 def recipes_for(source_group: str, model_key: str, gpu_type: str, fsdp: bool, precision: str = "",
                 container: str = "", gbs: int | None = None) -> list[RecipeSettings]:
     """Every RECIPES entry of a row, newest read version first (the loader takes the first whose

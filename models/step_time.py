@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.attention import attention_seconds, softmax_stretch  # noqa: F401  (their home was here)
 from advisor.models.collectives import (COLLECTIVES, Link, bus_factor, collective_time, group_link,  # noqa: F401
                                          group_links)  # (their home was here)
@@ -169,11 +169,34 @@ class StepTime:
         return d
 
 
-def loss_bytes_per_logit(model: ModelSpec, c: Constants) -> float:
-    """HBM bytes per logit of the loss's memory-bound kernels, forward (the backward is 2x): the
-    softmax / cross entropy's 6, plus a read and a write of the logits for a final soft-capping
-    (tanh, Gemma 2)."""
-    return 6.0 + (c.norm_passes * c.bytes_activation if model.final_logit_softcap else 0.0)
+# HBM bytes per logit (s x b x V / TP) of the loss's memory-bound kernels, forward and backward
+# together, per cross entropy implementation (TrainConfig.cross_entropy_impl), read off each
+# implementation's kernels (the tensors as models/memory.py's CROSS_ENTROPY_*_COPIES count them):
+# - "unfused": megatron-core tensor_parallel/cross_entropy.py, one eager op per line: the upcast
+#   (read 2 + write 4), max (4), subtract the max in place (8), exp in place (8), sum (4), divide in
+#   place (8) = 38 forward; the backward's in-place multiply by the loss gradient (8) and the
+#   upcast's backward cast to bf16 (4 + 2) = 14: 52.
+# - "native": megatron-core fusions/fused_cross_entropy.py: the same tensors as "unfused" (its
+#   jit-fused functions keep the fp32 upcast, a new exp_logits and the softmax), measured 3-4 B
+#   per logit (at the peak bandwidth) lighter than "unfused" on the same layouts (x4-te-s28a,
+#   llama3-8b[8L] DP4 mbs4: BF16 0.896 s per step against 0.900 unfused and 0.835 TE; FP8 0.724
+#   against 0.731 and 0.662-0.667): 48.
+# - "te": Transformer Engine's parallel_cross_entropy (Triton): the online-softmax statistics (read 2),
+#   then one kernel that reads the logits again and writes the gradient into its saved copy (2 + 2)
+#   = 6 forward; the backward scales that gradient by the loss gradient in place (2 + 2): 10.
+# Measured (x4-te-s27a/c/d, TE 2.20.2 on 4 x H100, same layout with "unfused" and "te", the step
+# time apart x HBM bandwidth / logits per GPU): 47.6-57.4 B per logit at the peak bandwidth over six
+# pairs (llama3-8b[8L] / [16L] BF16 and FP8, seq 4K / 8K, mbs 1-4; llama3-70b[4L] FP8), i.e.
+# 33-40 at the te profile's hbm_efficiency (0.70); read off the kernels: 52 - 10 = 42; "native"
+# against "te": 48.6 / 48.3 B per logit at the peak bandwidth (BF16 / FP8, x4-te-s28a).
+LOSS_BYTES_PER_LOGIT: dict[str, float] = {"unfused": 52.0, "native": 48.0, "te": 10.0}
+
+
+def loss_bytes_per_logit(model: ModelSpec, c: Constants, impl: str = "unfused") -> float:
+    """HBM bytes per logit of the loss's memory-bound kernels, forward and backward together
+    (LOSS_BYTES_PER_LOGIT[impl]), plus a read and a write of the logits, each way, for a final
+    soft-capping (tanh, Gemma 2)."""
+    return LOSS_BYTES_PER_LOGIT[impl] + (3 * c.norm_passes * c.bytes_activation if model.final_logit_softcap else 0.0)
 
 
 def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: ClusterSpec, c: Constants,
@@ -497,7 +520,9 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
         backward[rows_last] = backward[rows_last] + 2 * tt
         util0[rows_last] = util0[rows_last] + tt * u
         util1[rows_last] = util1[rows_last] + tt
-        mb[rows_last] = mb[rows_last] + 3 * Tl * model.vocab_size / tpl * loss_bytes_per_logit(model, c) / (hbm * c.hbm_efficiency)
+        per_logit = np.array([loss_bytes_per_logit(model, c, impl) for impl in CROSS_ENTROPY_IMPLS])
+        ce = per_logit[L.ce[r][rows_last]] if L.ce is not None else per_logit[0]
+        mb[rows_last] = mb[rows_last] + Tl * model.vocab_size / tpl * ce / (hbm * c.hbm_efficiency)
         out["tp_comm_s"][rows_last] += ar
     # PP send/recv
     pp, vp = L.pp[r], L.vp[r]

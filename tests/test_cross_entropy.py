@@ -82,3 +82,44 @@ def test_recommend_takes_the_stacks_cross_entropy():
     local = recommend("llama3-8b", "h100x8", top=3, stack="local")
     assert {r.config.cross_entropy_impl for r in te.recommendations} == {"te"}
     assert {r.config.cross_entropy_impl for r in local.recommendations} == {"unfused"}
+
+
+def _te_step_times(ids_by_impl: dict) -> dict:
+    import json
+    from pathlib import Path
+    recs = {}
+    path = Path(__file__).resolve().parent.parent / "data" / "measurements" / "h100x4-te.jsonl"
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        recs[r["id"]] = r
+    out = {}
+    for impl, rid in ids_by_impl.items():
+        c = recs[rid]["config"]
+        out[impl] = c["gbs"] * c["seq"] / recs[rid]["throughput"]["tokens_per_s"]
+    return out, recs
+
+
+def test_loss_time_by_implementation_against_the_measured_pairs():
+    """The loss's memory-bound kernels per implementation (step_time.LOSS_BYTES_PER_LOGIT): TE's
+    Triton cross entropy lightest, megatron-core's jit-fused "native" about as heavy as the unfused
+    one; the predicted step-time gaps of llama3-8b[8L] DP4 mbs4 BF16 on 4 x H100 (te profile) against
+    the measured ones (x4-te-s27c / x4-te-s28a, the same layout and allocator setting)."""
+    from advisor.catalog import load_cluster
+    from advisor.models.calibrate import resolve_calibration
+    from advisor.models.predict import predict
+    from advisor.models.step_time import LOSS_BYTES_PER_LOGIT, loss_bytes_per_logit
+
+    assert LOSS_BYTES_PER_LOGIT["te"] < LOSS_BYTES_PER_LOGIT["native"] <= LOSS_BYTES_PER_LOGIT["unfused"]
+    gemma_like = LLAMA.__class__.from_dict({**LLAMA.to_dict(), "final_logit_softcap": 30.0})
+    c = resolve_calibration("te").constants
+    assert loss_bytes_per_logit(gemma_like, c, "te") > loss_bytes_per_logit(LLAMA, c, "te")
+    measured, recs = _te_step_times({"unfused": "te-l8b-stack-62", "native": "te-l8b-ce-83", "te": "te-l8b-stack-72"})
+    cfgs = {impl: TrainConfig.from_dict(recs[rid]["config"]) for impl, rid in
+            (("unfused", "te-l8b-stack-62"), ("native", "te-l8b-ce-83"), ("te", "te-l8b-stack-72"))}
+    assert {k: v.cross_entropy_impl for k, v in cfgs.items()} == {"unfused": "unfused", "native": "native", "te": "te"}
+    model = load_model("llama3-8b").with_layers(8)
+    cluster = load_cluster("h100x4")
+    pred = {impl: predict(model, cluster, cfg, c).step_time_s for impl, cfg in cfgs.items()}
+    for impl in ("unfused", "native"):
+        gap_m, gap_p = measured[impl] - measured["te"], pred[impl] - pred["te"]
+        assert gap_m > 0.05 and gap_p == pytest.approx(gap_m, rel=0.35), (impl, gap_m, gap_p)

@@ -147,4 +147,10 @@ def test_recipe_settings_are_carried_over_the_stack_defaults(runs):
     assert not any("optim_grads_params" in u for u in r8.unmodelled)
     r340 = by_id["10"]  # NeMo 24.07: megatron-core's fused cross entropy, not TE's
     assert apply_layout_defaults(r340.cfg, "te", r340.explicit).cross_entropy_impl == "native"
-    assert by_id["1"].explicit == frozenset()  # rows without a recipe read keep the stack's defaults
+    # rows without a recipe read keep the stack's defaults but for what their source's software ran
+    # (published_recipes.SOURCE_DEFAULTS): NeMo 24.07's fused cross entropy, Megatron-Core r0.8.0's unfused one
+    assert by_id["1"].explicit == frozenset({"cross_entropy_impl"}) and by_id["1"].cfg.cross_entropy_impl == "native"
+    assert any(a.startswith("software default of the source: NeMo 24.07") for a in by_id["1"].assumptions)
+    assert by_id["596"].cfg.cross_entropy_impl == "unfused" and by_id["596"].explicit == frozenset({"cross_entropy_impl"})
+    bridge = [r for r in by_id.values() if r.source_group == "megatron_bridge_perf_summary" and r.cfg and not r.explicit]
+    assert bridge and all(apply_layout_defaults(r.cfg, "te", r.explicit).cross_entropy_impl == "te" for r in bridge)

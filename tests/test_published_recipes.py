@@ -136,6 +136,8 @@ def test_nemo_blackwell_rows_get_the_recommended_configs_line(by_id):
     assert r634.cfg.fsdp and r634.explicit == frozenset({"recompute", "cross_entropy_impl"})
     assert r634.cfg.cross_entropy_impl == "native" and r634.unmodelled == ()
     r635 = by_id["635"]  # GB200 405B FP8 as printed (TP4 PP8 CP2 VP8, no FSDP) is not the CSV's fp8 line (TP2 FSDP)
-    assert r635.explicit == frozenset() and not r635.cfg.fsdp
+    # no recipe read: only NeMo 2.0's cross entropy (published_recipes.SOURCE_DEFAULTS)
+    assert r635.explicit == frozenset({"cross_entropy_impl"}) and not r635.cfg.fsdp
+    assert r635.cfg.cross_entropy_impl == "native"
     nemo = R.recipe_settings("nemo_framework_docs_perf_summary", "llama3.1_405b", "GB200", True, "fp8")
     assert nemo.pending == {"cpu_offload_layers": 95} and nemo.layout["tp"] == 2
