@@ -229,8 +229,16 @@ def layer_activation_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Co
     # saves q, k, v and out in BF16 for its backward): under fp8 its FP8 copy comes on top (3
     # bytes); under bf16 the projection saves the same tensor (2). Measured on the te runner's
     # FP8 / BF16 pairs: bench/memory_fp8_pairs.py.
-    elems = 2 * sbh / sp
-    gemm_in = 2 * sbh / sp
+    # A MoE layer's pre-MLP norm is a module of its own (no LayerNormLinear behind it): its output
+    # is the input of the router's gating GEMM, which megatron-core runs outside TE's FP8
+    # (moe_utils.py RouterGatingLinearFunction.forward: ctx.save_for_backward(inp, weight, bias)),
+    # and of the permutation, which saves only indices; so it stays in BF16 under fp8 (2 bytes,
+    # not an FP8 GEMM input). Measured: the FP8 snapshot te-mix-snap-21 (Mixtral proxy, EP1 ETP2
+    # SP mbs8) holds 4 x 128 MiB BF16 rmsnorm outputs (1 per MoE layer, T x h) beside the QKV's
+    # FP8 ln_out (python bench/memory_snapshot.py); the model had them at 1 byte (-0.25 GiB).
+    norm_out_bf16 = sbh / sp if model.is_moe_layer(layer) else 0.0
+    elems = 2 * sbh / sp + norm_out_bf16
+    gemm_in = 2 * sbh / sp - norm_out_bf16
     # post-norms (Gemma 2/3, GLM-4) keep their inputs too (the attention / MLP outputs, sharded
     # with SP), and q / k norms the unnormalised q and k. Flash attention stores no score matrix,
     # so a window (local attention) leaves the stored activations as they are: q, k, v, output

@@ -16,8 +16,9 @@ megatron's input_layernorm / pre_mlp_layernorm are IdentityOp there):
   GLU copies; re-runs the MLP's GEMMs, its elementwise passes, its FP8 casts and its TP collective.
 - "layernorm" (output-discarding checkpoint of input_layernorm / pre_mlp_layernorm where they are
   modules of their own: a MoE layer's pre-MLP norm, an MLA layer's input norm): drops the norm's
-  BF16 output where its consumer keeps it as is (bf16); under an FP8 format the consumer's own FP8
-  copy stays, so nothing is dropped; re-runs the norm (c.norm_passes over its input).
+  BF16 output where its consumer keeps it as is (bf16, and a MoE layer's under any format: the
+  router's gating GEMM saves it in BF16); under an FP8 format the MLA input norm's consumers keep
+  their own FP8 copies, so nothing is dropped there; re-runs the norm (c.norm_passes over its input).
 - "moe_act" (output-discarding checkpoint of the experts' activation with the routing
   probabilities, TEGroupedMLP): keeps the FC1 output (the checkpoint's input) and drops the
   activation output and, under bf16, its probability-weighted copy that FC2 keeps (under FP8 FC2's
@@ -86,7 +87,10 @@ def module_saved_bytes(model: ModelSpec, layer: int, cfg: TrainConfig, c: Consta
         f = s * b * _dense_ffn(model, layer) / t
         return gemm * s * b * h / sp + e * (2 if gated else 1) * f + gemm * f + e * (c.glu_kept_copies * f if gated else 0.0)
     if module == "layernorm":
-        return 0.0 if quantized else _separate_norms(model, layer) * e * s * b * h / sp
+        # under an FP8 format the MLA input norm's consumers keep FP8 copies (nothing dropped), but a
+        # MoE layer's pre-MLP norm output is the router's BF16 saved input (memory.layer_activation_bytes)
+        norms = int(moe_layer) if quantized else _separate_norms(model, layer)
+        return norms * e * s * b * h / sp
     if module == "mla_up_proj":
         if model.mla is None:
             return 0.0
