@@ -40,6 +40,10 @@ TE_SETTINGS = {
     # project's runner runs it off), DDP's hook adds the bf16 weight gradient into the bf16 main
     # grad: read 2 + read 2 + write 2 bytes per parameter and microbatch
     "grad_accum_bytes_per_param": 6.0,
+    # no fragmentation share: the stack's reserved-but-unallocated memory is the caching allocator's
+    # physical term (models/allocator_memory.py; peak allocated MAPE of our TE runs with 0: dense 1.5%,
+    # MoE 2.3%, with the local profile's 0.08: 3.4 / 3.5%, commit 4d35dc0)
+    "fragmentation": 0.0,
     # what TE's fused layers keep for the backward (models/memory.py STACK_LAYER_KEEPS)
     **STACK_LAYER_KEEPS["te"],
     # MoE under TE: fused permutation, CUDA-graphed router, TE's activation memory (models/moe.py)
