@@ -79,7 +79,13 @@ def test_gb300_power_alone_cannot_reach_the_405b_pairs(groups, consts):
     for fmt in ("fp8", "mxfp8", "nvfp4"):
         v = groups[("llama3.1_405b", fmt, 256)]
         top = T.group_ratio(v, consts, "GB300", fn(None))
-        assert T.group_ratio(v, consts, "GB200", {}) <= top < T.measured_ratio(v)
+        assert T.group_ratio(v, consts, "GB200", {}) <= top
+        if fmt == "mxfp8":
+            # since session 28's refits (the loss per cross-entropy implementation) the MXFP8 pair is
+            # reached by GB300's clock alone: 1.221 predicted at its maximum clock vs 1.216 measured
+            assert top == pytest.approx(T.measured_ratio(v), rel=0.01)
+        else:  # FP8 1.210 vs 1.243, NVFP4 1.181 vs 1.239 measured
+            assert top < T.measured_ratio(v)
 
 
 def test_fit_blackwell_changes_only_the_named_gpus_rows(groups, consts):

@@ -59,8 +59,9 @@ def test_bias_table_on_the_committed_rows(rows):
     # python bench/fsdp_check.py: per GPU, FSDP rows' weighted mean error less the non-FSDP rows'
     t = FC.bias_table(rows, FC.errors(rows)[0])
     assert {g: v["n_fsdp"] for g, v in t.items() if v["n_fsdp"]} == {"H100": 2, "GB200": 8, "GB300": 5}
-    # (the te-blackwell profile refitted with the recipes' offloaded layers priced, session 26)
-    for g, excess in (("H100", -14.3), ("GB200", -2.6), ("GB300", 9.3)):
+    # (the te-blackwell profile refitted with the recipes' offloaded layers priced, session 26: H100
+    # -14.3, GB200 -2.6, GB300 9.3; session 28's refits with the loss per cross-entropy implementation)
+    for g, excess in (("H100", -11.1), ("GB200", -2.2), ("GB300", 9.4)):
         assert t[g]["excess_pct"] == pytest.approx(excess, abs=1.5), g
     # not one sign: H100's FSDP rows are under-predicted against its other rows, GB300's over
     assert t["H100"]["excess_pct"] < t["GB200"]["excess_pct"] < 0 < t["GB300"]["excess_pct"]
@@ -69,8 +70,9 @@ def test_bias_table_on_the_committed_rows(rows):
 def test_matched_groups_on_the_committed_rows(rows):
     # within one GPU and model: GB200's 70B FSDP rows under its other 70B rows, GB300's over theirs
     t = FC.matched_table(rows, FC.errors(rows)[0])
-    for g, excess in (("GB200 llama3_70b", -5.8), ("GB200 llama3.1_405b", 6.5), ("GB300 llama3_70b", 12.2),
-                      ("H100 llama3_8b", -9.9)):
+    # (session 28's refits: H100 llama3_8b -9.9 -> -7.8, the others within 0.6)
+    for g, excess in (("GB200 llama3_70b", -6.1), ("GB200 llama3.1_405b", 7.1), ("GB300 llama3_70b", 11.9),
+                      ("H100 llama3_8b", -7.8)):
         assert t[g]["excess_pct"] == pytest.approx(excess, abs=1.5), g
 
 

@@ -34,7 +34,8 @@ def test_probe_terms_group_the_phases_as_the_model_terms_per_layer_microbatch():
 
 def test_deepseek_dispatch_excess_is_rank_zero_accounting_and_the_error_tracks_host_idle():
     """What the recorded DeepSeek-V2-Lite runs say (shipped local profile): the EP 4 all-to-all
-    measures 1.2-1.8 ms more than the model's dispatch, but dispatch + experts (rank 0's all-to-all absorbs
+    measures 1.0-1.7 ms more than the model's dispatch (1.2-1.8 before session 28's local refit, whose
+    NVLink efficiency 0.95 -> 0.86 makes the model's all-to-all slower), but dispatch + experts (rank 0's all-to-all absorbs
     the busiest rank's expert time) is within 1.2 ms of the model in every such run; and the runs
     whose tokens/s the model overstates are the ones whose GPUs wait for the host (NVML util)."""
     import moe_check as MC
@@ -50,7 +51,7 @@ def test_deepseek_dispatch_excess_is_rank_zero_accounting_and_the_error_tracks_h
     res = S.compare([dict(r, probe=probes.get(r["rec"].id)) for r in rows], MC.local_base(), util)
     a2a = [x for x in res if x["cfg"].ep > 1 and x["cfg"].moe_dispatcher == "alltoall"]
     assert len(a2a) >= 7
-    assert all(x["m"]["dispatch"] > x["model"]["dispatch"] + 1.1e-3 for x in a2a if x["cfg"].ep == 4)
+    assert all(x["m"]["dispatch"] > x["model"]["dispatch"] + 0.9e-3 for x in a2a if x["cfg"].ep == 4)
     assert all(abs(x["m"]["dispatch"] + x["m"]["expert"] - x["model"]["dispatch"] - x["model"]["expert"]) < 1.2e-3
                for x in a2a)
     idle = [x for x in res if x["util"] < 0.9]
