@@ -84,19 +84,16 @@ def test_recommend_takes_the_stacks_cross_entropy():
     assert {r.config.cross_entropy_impl for r in local.recommendations} == {"unfused"}
 
 
-def _te_step_times(ids_by_impl: dict) -> dict:
+# the same layout (llama3-8b[8L] DP4 mbs4 BF16, expandable segments) with each cross entropy
+PAIR_IDS = {"unfused": "te-l8b-stack-62", "native": "te-l8b-ce-83", "te": "te-l8b-stack-72"}
+
+
+def _te_records(ids) -> dict:
     import json
     from pathlib import Path
-    recs = {}
     path = Path(__file__).resolve().parent.parent / "data" / "measurements" / "h100x4-te.jsonl"
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        recs[r["id"]] = r
-    out = {}
-    for impl, rid in ids_by_impl.items():
-        c = recs[rid]["config"]
-        out[impl] = c["gbs"] * c["seq"] / recs[rid]["throughput"]["tokens_per_s"]
-    return out, recs
+    recs = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {r["id"]: r for r in recs if r["id"] in set(ids)}
 
 
 def test_loss_time_by_implementation_against_the_measured_pairs():
@@ -113,9 +110,9 @@ def test_loss_time_by_implementation_against_the_measured_pairs():
     gemma_like = LLAMA.__class__.from_dict({**LLAMA.to_dict(), "final_logit_softcap": 30.0})
     c = resolve_calibration("te").constants
     assert loss_bytes_per_logit(gemma_like, c, "te") > loss_bytes_per_logit(LLAMA, c, "te")
-    measured, recs = _te_step_times({"unfused": "te-l8b-stack-62", "native": "te-l8b-ce-83", "te": "te-l8b-stack-72"})
-    cfgs = {impl: TrainConfig.from_dict(recs[rid]["config"]) for impl, rid in
-            (("unfused", "te-l8b-stack-62"), ("native", "te-l8b-ce-83"), ("te", "te-l8b-stack-72"))}
+    recs = _te_records(PAIR_IDS.values())
+    cfgs = {impl: TrainConfig.from_dict(recs[rid]["config"]) for impl, rid in PAIR_IDS.items()}
+    measured = {impl: x.gbs * x.seq / recs[PAIR_IDS[impl]]["throughput"]["tokens_per_s"] for impl, x in cfgs.items()}
     assert {k: v.cross_entropy_impl for k, v in cfgs.items()} == {"unfused": "unfused", "native": "native", "te": "te"}
     model = load_model("llama3-8b").with_layers(8)
     cluster = load_cluster("h100x4")
