@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, QUANTS, ModelSpec, TrainConfig
+from advisor.catalog.specs import QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements
@@ -513,8 +513,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     last = k == L.pp[r] - 1
     T = (L.seq / L.cp * L.mbs)[r]
     # bf16 logits + the cross entropy's fp32 tensors (one microbatch at a time)
-    per_logit = np.array([logits_bytes_per_logit(model, c, impl) for impl in CROSS_ENTROPY_IMPLS])
-    ce = per_logit[L.ce[r]] if L.ce is not None else per_logit[0]
+    ce = L.per_cross_entropy(lambda impl: logits_bytes_per_logit(model, c, impl))[r]
     logits = np.where(last, T * model.vocab_size / L.tp[r] * ce, 0.0)
     # FP8 primary weights (TrainConfig.fp8_param_gather; megatron-core fp8_param with the distributed
     # optimizer's fp8_param_gather, TE Float8Tensor parameters): the linear layers' weights exist
@@ -534,9 +533,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     tp_r, cp_r, mbs_r, seq_r = L.tp[r], L.cp[r], L.mbs[r], L.seq[r]
     # bytes per logit of the largest logits tensor each cross entropy allocates: its fp32 copy where
     # it makes one (megatron-core's upcast), else the bf16 logits (Transformer Engine's kernel)
-    ce_bytes = np.array([c.bytes_logits_fp32 if CROSS_ENTROPY_FP32_COPIES[impl] else c.bytes_activation
-                         for impl in CROSS_ENTROPY_IMPLS])
-    ce_b = ce_bytes[L.ce[r]] if L.ce is not None else ce_bytes[0]
+    ce_b = L.per_cross_entropy(lambda impl: c.bytes_logits_fp32 if CROSS_ENTROPY_FP32_COPIES[impl]
+                               else c.bytes_activation)[r]
     block = np.where(counts.sum(axis=1) > 0, dense_block_bytes(model, tp_r, cp_r, mbs_r, seq_r), 0.0)
     block = np.where(last, np.maximum(block, logits_block_bytes(model, tp_r, cp_r, mbs_r, seq_r, ce_b)), block)
     moe_layers = np.zeros(len(r))

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from advisor.catalog.specs import CROSS_ENTROPY_IMPLS, MOE_KNOBS, ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.attention import attention_seconds, softmax_stretch  # noqa: F401  (their home was here)
 from advisor.models.collectives import (COLLECTIVES, Link, bus_factor, collective_time, group_link,  # noqa: F401
                                          group_links)  # (their home was here)
@@ -520,8 +520,7 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
         backward[rows_last] = backward[rows_last] + 2 * tt
         util0[rows_last] = util0[rows_last] + tt * u
         util1[rows_last] = util1[rows_last] + tt
-        per_logit = np.array([loss_bytes_per_logit(model, c, impl) for impl in CROSS_ENTROPY_IMPLS])
-        ce = per_logit[L.ce[r][rows_last]] if L.ce is not None else per_logit[0]
+        ce = L.per_cross_entropy(lambda impl: loss_bytes_per_logit(model, c, impl))[r][rows_last]
         mb[rows_last] = mb[rows_last] + Tl * model.vocab_size / tpl * ce / (hbm * c.hbm_efficiency)
         out["tp_comm_s"][rows_last] += ar
     # PP send/recv
@@ -632,8 +631,8 @@ class DPTerms:
 
 
 # QUANTS codes whose FP8 primary weights are Float8Tensors whose transposes TE builds on Hopper
-# (catalog.specs.QUANTS: "fp8" delayed scaling, "fp8-tensorwise" current scaling)
-FP8_TRANSPOSE_QUANTS = (1, 2)
+# (delayed and current scaling)
+FP8_TRANSPOSE_QUANTS = tuple(QUANTS.index(q) for q in ("fp8", "fp8-tensorwise"))
 
 
 def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> DPTerms:

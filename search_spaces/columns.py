@@ -170,6 +170,12 @@ class Layouts:
     def __len__(self) -> int:
         return len(self.tp)
 
+    def per_cross_entropy(self, value) -> np.ndarray:
+        """Per layout, `value(impl)` of its loss's cross entropy (catalog.specs.CROSS_ENTROPY_IMPLS;
+        a column of "unfused" where the layouts carry none)."""
+        table = np.array([value(impl) for impl in CROSS_ENTROPY_IMPLS], float)
+        return table[self.ce] if self.ce is not None else np.full(len(self), table[0])
+
     @property
     def num_microbatches(self) -> np.ndarray:
         return np.maximum(1, self.gbs // (self.mbs * self.dp))
