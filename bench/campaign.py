@@ -145,6 +145,13 @@ DEEPSEEK_PROXY = {"name": "deepseek-v2-lite-proxy", "num_layers": 27, "hidden_si
                   "family": "deepseek",
                   "source": "deepseek-ai/DeepSeek-V2-Lite config.json (MLA, 2 shared experts, first layer dense)"
                             + _MOE_SRC.format(v=102400)}
+# a fourth MoE shape, measured first on the te stack (session 29): 64 fine-grained experts top-8,
+# no shared expert, full multi-head attention (16 heads, 16 key-value groups); OLMoE's QK-norm left
+# out, as the Qwen3 proxy's is
+OLMOE_PROXY = {"name": "olmoe-1b-7b-proxy", "num_layers": 16, "hidden_size": 2048, "ffn_hidden_size": 1024,
+               "num_attention_heads": 16, "num_query_groups": 16, "kv_channels": 128, "vocab_size": 32000,
+               "moe": {"num_experts": 64, "top_k": 8, "ffn_hidden_size": 1024}, "family": "olmoe",
+               "source": "allenai/OLMoE-1B-7B-0924 config.json (QK-norm left out)" + _MOE_SRC.format(v=50304)}
 MOE_RUN = {"seq": 4096, "dp": 1, "distributed_optimizer": False, "overlap_grad_reduce": False,
            "warmup": 2, "steps": 4}
 

@@ -162,7 +162,7 @@ def build(say=print) -> Calibration:
     # the shipped constants price no host floor (the published runs' hosts); our VM's fitted host
     # issue costs, and the MoE ones, stay in fit_info (profile_fit.vm_host / on_vm apply them to our runs)
     return Calibration(constants=F.without_host(c), targets=targets, surrogates={}, trained_on=trained_on, cv=cv,
-                       fit_info=F.with_moe_vm_host(info), profile="te", fitted_bounds=dict(F.TE_FIT),
+                       fit_info=F.with_vm_host(info), profile="te", fitted_bounds=dict(F.TE_FIT),
                        base_constants=base)
 
 

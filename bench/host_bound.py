@@ -103,7 +103,7 @@ def leave_one_run_out(cal) -> None:
 
     fitp = _fit_profiles()
     rows = fitp.te_run_rows()
-    kw = dict(names=F.HOST, bounds=F.TE_FIT, priors=F.TE_PRIOR, spread=F.MEASURED_SPREAD)
+    kw = dict(names=[n for n in F.HOST if n in F.TE_FIT], bounds=F.TE_FIT, priors=F.TE_PRIOR, spread=F.MEASURED_SPREAD)
     print("GPT-3 runs, host costs refitted without each (leave one run out):")
     errs = []
     for job in sorted({REPEAT.sub("", x.run.model_key + " " + x.cfg.key()) for x in rows

@@ -178,6 +178,46 @@ def check(rows: list[dict], costs: dict[str, tuple[float, float]], model: str = 
     return out
 
 
+def moe_launches(path: Path) -> list[str]:
+    """Kernel launches per layer-microbatch of the profiled TE MoE runs, by least squares over their
+    structure: a MoE layer's fixed count, per local expert (TE's GroupedLinear issues each expert's
+    GEMMs and their bookkeeping), per local expert under FP8 (each expert's quantization), FP8's
+    and TP's fixed counts, and a per-step count (optimizer, gradient reduction) spread over the
+    stage's N layer-microbatches; against the dense runs' launches per layer-microbatch. The MoE
+    host issue constants' ranges (models/moe.py MOE_TE_FIT) are these counts x a launch's host time."""
+    import numpy as np
+
+    from advisor.models.dataset import load as load_records
+
+    recs = {r.id: r for r in load_records([str(path)]).records}
+    X, y, names, dense = [], [], [], []
+    for r in read_jsonl(path):
+        x = host_row(r) if r.get("status") == "ok" else None
+        rec = recs.get(r["id"])
+        if x is None or rec is None:
+            continue
+        if not rec.model.is_moe:
+            dense.append(x["launches"] / x["n"])
+            continue
+        c, m = rec.cfg, rec.model
+        e_loc = m.moe.num_experts / c.ep
+        moe_share = sum(m.is_moe_layer(i) for i in range(m.num_layers)) / m.num_layers
+        fp8 = float(c.precision != "bf16")
+        X.append([moe_share, moe_share * e_loc, moe_share * e_loc * fp8, fp8, float(c.tp > 1), 1.0 / x["n"]])
+        y.append(x["launches"] / x["n"])
+        names.append(x["id"])
+    if len(y) <= 6:  # fewer runs than the fit's 6 counts + 1
+        return ["  (too few profiled MoE runs)"]
+    b, *_ = np.linalg.lstsq(np.array(X), np.array(y), rcond=None)
+    res = np.array(X) @ b - np.array(y)
+    d = float(np.median(dense)) if dense else float("nan")
+    return [f"  {len(y)} profiled MoE runs: launches per layer-microbatch = {b[0]:.0f} per MoE layer + {b[1]:.1f} "
+            f"per local expert + {b[2]:.1f} per local expert under FP8 + {b[3]:.0f} under FP8 + {b[4]:.0f} with TP "
+            f"+ {b[5]:.0f} per step / N (residuals {np.abs(res).max():.0f} at most)",
+            f"  a dense layer: median {d:.0f} launches per layer-microbatch over {len(dense)} profiled dense runs; "
+            f"a MoE layer's fixed launches beyond it: {b[0] - d:.0f}"]
+
+
 def _layout(c: dict) -> str:
     return (" ".join(f"{k}{c[k]}" for k in ("tp", "pp", "cp", "ep", "dp") if c.get(k, 1) > 1 or k == "dp")
             + f" mbs{c['mbs']}" + (" sp" if c.get("sequence_parallel") else "") + f" {c['precision']}")
@@ -213,6 +253,9 @@ def main(argv=None) -> int:
                   f"sd {(hi - lo) / 2 * 1e6:6.0f} us")
     print("\ncheck on GPT-3 2.7B (not used above), under the profiler:")
     print("\n".join(check(rows, costs)))
+    print("\nMoE layers' kernel launches (the structure of moe_layer_host_s / moe_grouped_expert_host_s / "
+          "moe_fp8_expert_host_s):")
+    print("\n".join(moe_launches(Path(a.runs))))
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python bench/moe_check.py [--quick] [--no-published] [--constants-out models/data/moe_local_fit.json]
     python bench/moe_check.py --write-te    # the TE stack's MoE constants into models/data/te_calibration.joblib
+    python bench/moe_check.py --host        # our VM's MoE host issue costs fitted on our TE MoE runs
 
 1. Our runner (`local` stack): every ok MoE record of data/measurements/ (1 x H100 proxies of
    four shapes, and the 4 x H200 Mixtral proxy). The MoE constants of `MOE_LOCAL_FIT` are fitted
@@ -38,6 +39,7 @@ from advisor.models.calibrate import DEFAULT_FILE, Calibration  # noqa: E402
 from advisor.models.constants import DEFAULT, Constants  # noqa: E402
 from advisor.models.dataset import load  # noqa: E402
 from advisor.models.predict import predict  # noqa: E402
+from advisor.models.profile_fit import without_host  # noqa: E402
 
 MEASUREMENTS = ROOT / "data" / "measurements"
 TOKENS_MAPE_MAX, MEMORY_MAPE_MAX, PUBLISHED_MAPE_GOAL = 10.0, 8.0, 25.0
@@ -334,14 +336,73 @@ def recipe_split(model, cluster, cfg):
     return cfg
 
 
+def te_on_vm() -> Constants:
+    """The shipped te profile's constants with the TE stack's MoE settings and our VM's host issue
+    costs, dense (profile_fit.vm_host) and MoE (moe.MOE_TE_VM_HOST): how our TE runs are predicted."""
+    from advisor.models.profile_fit import HOST, vm_host
+    from advisor.models.profiles import STACKS
+
+    cal = Calibration.load(STACKS["te"].file)
+    dense = {n: v for n, v in vm_host(cal).items() if n in HOST}
+    return MOE.te_moe_constants(cal.screening_constants).replace(**dense, **MOE.MOE_TE_VM_HOST)
+
+
+def host_check(quick: bool) -> None:
+    """Our VM's MoE host issue costs (moe.MOE_VM_HOST_FIT) fitted on our TE MoE runs (first record of
+    each job; the published rows carry no host cost), on all of them and leaving each proxy shape
+    out: the values moe.MOE_TE_VM_HOST ships and how they carry to a shape the fit has not seen."""
+    from scipy.optimize import least_squares
+
+    te = te_on_vm()
+    own = [r for r in moe_rows("te") if "-call" not in r["rec"].id]
+    names = list(MOE.MOE_VM_HOST_FIT)
+    lo = np.array([MOE.MOE_VM_HOST_FIT[n][0] for n in names])
+    hi = np.array([MOE.MOE_VM_HOST_FIT[n][1] for n in names])
+
+    def consts(u):
+        return te.replace(**{n: float(v) for n, v in zip(names, lo + (hi - lo) * u)})
+
+    def err(rows, c):
+        return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c),
+                                          check_legal=False).tokens_per_s_per_gpu / x["rec"].y["tokens_per_s_per_gpu"])
+                         for x in rows])
+
+    def fit_on(rows):  # bounded soft-L1 least squares from two starts, the better optimum
+        best = None
+        for u0 in (np.full(len(names), 0.3), np.full(len(names), 0.7)):
+            r = least_squares(lambda u: err(rows, consts(u)), u0, bounds=(0.0, 1.0), loss="soft_l1", f_scale=0.1,
+                              diff_step=1e-2, max_nfev=15 if quick else 40)
+            best = r if best is None or r.cost < best.cost else best
+        return consts(best.x)
+
+    def mape(e):
+        return 100 * float(np.mean(np.abs(np.exp(e) - 1)))
+
+    def values(c):
+        return ", ".join(f"{n}={getattr(c, n) * 1e3:.3g} ms" for n in names)
+
+    print(f"\n== our VM's MoE host issue costs, fitted on our {len(own)} TE MoE runs (ranges: "
+          + ", ".join(f"{n} {a * 1e3:g}-{b * 1e3:g} ms" for n, (a, b) in MOE.MOE_VM_HOST_FIT.items()) + ")")
+    print(f"   shipped (moe.MOE_TE_VM_HOST): {values(te)}: MAPE {mape(err(own, te)):.1f}%")
+    c_all = fit_on(own)
+    print(f"   fitted on all: {values(c_all)}: MAPE {mape(err(own, c_all)):.1f}%")
+    for shape in sorted({shape_of(x["rec"].model) for x in own}):
+        held = [x for x in own if shape_of(x["rec"].model) == shape]
+        c = fit_on([x for x in own if shape_of(x["rec"].model) != shape])
+        e = err(held, c)
+        print(f"   {shape} left out ({len(held)} runs): MAPE {mape(e):.1f}%, median bias "
+              f"{100 * (math.exp(float(np.median(e))) - 1):+.1f}%, worst {100 * (math.exp(e[np.argmax(np.abs(e))]) - 1):+.1f}% "
+              f"({values(c)})")
+
+
 def published_check(quick: bool) -> None:
     from advisor.models import published as P
     from advisor.models.profiles import STACKS, apply_layout_defaults
 
     runs = [r for r in P.load() if r.moe and r.usable and r.gpu_type == "H100"]
-    # the published rows with no MoE host issue cost (their hosts), our TE runs with our VM's
-    # (moe.MOE_HOST: MOE_TE_VM_HOST, the grouped / FP8 per-expert costs fitted on our runs only)
-    te = MOE.te_moe_constants(Calibration.load(STACKS["te"].file).screening_constants).replace(**MOE.MOE_TE_VM_HOST)
+    # the published rows with no host issue cost (their hosts), our TE runs with our VM's
+    # (profile_fit.vm_host's dense ones, moe.MOE_TE_VM_HOST: fitted on our runs only, --host)
+    te = te_on_vm()
     rows = []
     for r in runs:
         cfg = apply_layout_defaults(r.cfg, "te", r.explicit, moe=True)  # the recipe's own settings win
@@ -364,7 +425,7 @@ def published_check(quick: bool) -> None:
         if hit is None or hit[0] is not c:
             if len(published_c) > 64:
                 published_c.clear()
-            hit = published_c[id(c)] = (c, MOE.without_moe_host(c))
+            hit = published_c[id(c)] = (c, without_host(MOE.without_moe_host(c)))
         return predict(row["run"].model, row["run"].cluster, row["cfg"], hit[1], check_legal=False)
 
     # a layout republished by several container versions counts once in the fit (as the te
@@ -448,6 +509,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer fit iterations")
     ap.add_argument("--no-published", action="store_true")
+    ap.add_argument("--host", action="store_true", help="only fit our VM's MoE host issue costs on our TE MoE runs")
     ap.add_argument("--constants-out", type=Path, help="write the all-shape local fit as JSON")
     ap.add_argument("--write-te", action="store_true",
                     help="write the TE stack's MoE constants (moe.te_moe_constants) into the shipped te profile "
@@ -456,15 +518,19 @@ def main(argv=None) -> int:
     if a.write_te:
         from advisor.models.profiles import STACKS
 
-        from advisor.models.profile_fit import with_moe_vm_host
+        from advisor.models.profile_fit import with_vm_host
 
         cal = Calibration.load(STACKS["te"].file)
         cal.constants = MOE.te_moe_constants(cal.constants)  # no MoE host cost: the published hosts
-        cal.fit_info = with_moe_vm_host(cal.fit_info or {})  # ... our VM's apart (profile_fit.on_vm)
+        cal.fit_info = with_vm_host(cal.fit_info or {})  # ... our VM's apart (profile_fit.on_vm)
         cal.save(STACKS["te"].file)
         print(f"wrote {STACKS['te'].file}")
         return 0
     t0 = time.time()
+    if a.host:
+        host_check(a.quick)
+        print(f"\n({time.time() - t0:.0f} s)")
+        return 0
     ok, c = local_check(a.quick)
     if a.constants_out:
         a.constants_out.write_text(json.dumps({

@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from campaign import DEEPSEEK_PROXY, GPT3_2_7B, MIXTRAL_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
+from campaign import DEEPSEEK_PROXY, GPT3_2_7B, MIXTRAL_PROXY, OLMOE_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
 
 CONFIGS = HERE / "campaign_configs"
 RUN = {"warmup": 2, "steps": 5, "stack": "te"}
@@ -549,21 +549,55 @@ def s28c() -> list[dict]:
     return _on(GPT3, gpt, 24)
 
 
+OLMOE_8L = (OLMOE_PROXY, "olm", dict(layers=8, seq=4096, gbs=32))
+
+
+def s29() -> list[dict]:
+    """Session 29: (1) a fourth MoE architecture on the te stack, in no fit and predicted before it
+    ran (bench/campaign_configs/x4-te-s29.predicted.txt): the OLMoE-1B-7B proxy (64 experts top-8,
+    no shared expert, multi-head attention) at EP 1 / 2 / 4, micro-batch 1-8, FP8, TP2 SP with EP2;
+    (2) the MoE host issue model (models/moe.py MOE_TE_VM_HOST: a MoE layer's fixed host time, now in
+    the stage's host issue time) where host and GPU time are near each other: the DeepSeek-V2-Lite
+    proxy EP4 mbs2 kernel-profiled, BF16 and FP8 (measured 30.1 ms per layer-microbatch, predicted
+    24.4); the Qwen3 proxy 6L EP4 mbs1 BF16 / FP8 on the same GPUs (the FP8 / BF16 ratio host-bound).
+    Every job warms up 8 steps and measures 6 (2 and 5 before): an untrained router's skew falls
+    over the first steps, and with it the step (te-qw3-top-15: 1.07, 0.85, 0.74, 0.72, 0.74, 0.68 s
+    over its 6 measured steps)."""
+    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    kp = {"kernel_profile_steps": 2}
+    f8 = dict(precision="fp8", **FPG)
+    olm = [("ep", dict(dp=4, ep=4, mbs=1, **te)), ("kp", dict(dp=4, ep=4, mbs=2, **te, **kp)),
+           ("ep", dict(dp=4, ep=4, mbs=4, **te)), ("ep", dict(dp=4, ep=4, mbs=8, **te)),
+           ("ep", dict(dp=4, ep=2, mbs=2, **te)), ("ep", dict(dp=4, ep=1, mbs=2, **te)),
+           ("kp", dict(dp=4, ep=4, mbs=2, **te, **f8, **kp)),
+           ("moetp", dict(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True, mbs=4, **te))]
+    ds = [("kp", dict(dp=4, ep=4, mbs=2, **te, **kp)), ("kp", dict(dp=4, ep=4, mbs=2, **te, **f8, **kp))]
+    qw = [("fp8", dict(dp=4, ep=4, mbs=1, warmup=8, steps=6)),
+          ("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8", warmup=8, steps=6))]
+    return _on(OLMOE_8L, olm, 0) + _on(DSV2_12L, ds, 9) + _on(qw3(6), qw, 20)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
-    models.memory's fullest stage), the te band's upper bound and the usable memory of an H100."""
-    from advisor.catalog import load_gpu
+    models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
+    its tokens/s/GPU and step time as the te profile predicts our runs (profile_fit.on_vm: our VM's
+    host issue costs; the router skew the profile ships, none measured for a new shape)."""
+    from advisor.catalog import load_cluster, load_gpu
     from advisor.models import memory_band as MB
     from advisor.models.calibrate import resolve_calibration
     from advisor.models.memory import peak_memory_gib
     from advisor.models.memory_band import band_upper_gib
+    from advisor.models.predict import predict as predict_one
+    from advisor.models.profile_fit import on_vm
     from advisor.runners import measure as M
 
     c = resolve_calibration("default", "te").screening_constants
+    vm = on_vm(resolve_calibration("te")).constants
+    cluster = load_cluster("h100x4")
     gib = load_gpu("h100").memory_gib
     usable = c.usable_memory_gib(gib)
     print(f"H100 {gib:.0f} GiB, usable {usable:.1f} GiB (te profile, default margin)")
-    print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6}  verdict")
+    print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6}  verdict  {'tok/s/GPU':>9} {'step s':>7}")
     for name in names:
         for line in (CONFIGS / f"{name}.jsonl").read_text().splitlines():
             e = M.entry_from_line(json.loads(line), 4)
@@ -574,7 +608,9 @@ def predict(names: list[str]) -> int:
             up = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c)  # each stage with its own terms
             lay = (f"L{e.model.num_layers} s{k.seq} TP{k.tp} PP{k.pp}v{k.vp} EP{k.ep} DP{k.dp} "
                    f"mbs{k.mbs} rc={k.recompute}")
-            print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f}  {'fits' if up <= usable else 'OVER'}")
+            p = predict_one(e.model, cluster, k, vm, check_legal=False)
+            print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f}  {'fits' if up <= usable else 'OVER':7}  "
+                  f"{p.tokens_per_s_per_gpu:9.0f} {p.step_time_s:7.3f}")
     return 0
 
 
@@ -665,7 +701,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
-           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c}
+           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

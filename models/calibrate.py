@@ -681,8 +681,12 @@ class Calibration:
         sur = {t: PortableGP(s) if isinstance(s, dict) else s for t, s in sur.items()}
         # files written before profiles had names: the shipped default is the local stack's
         profile = d.get("profile") or ("local" if p.resolve() == DEFAULT_FILE.resolve() else "custom")
+        # the fitted constants' bounds and starting values, so that a loaded calibration saves as it was
+        fitted = {k: v for k, v in (d.get("fitted_constants") or {}).items() if k in known}
         return cls(constants=c, targets=d["targets"], surrogates=sur, trained_on=d.get("trained_on", {}),
-                   cv=d.get("cv", {}), fit_info=d.get("fit_info", {}), source=str(p), profile=profile)
+                   cv=d.get("cv", {}), fit_info=d.get("fit_info", {}), source=str(p), profile=profile,
+                   fitted_bounds={k: tuple(v["bounds"]) for k, v in fitted.items()} or None,
+                   base_constants=DEFAULT.replace(**{k: v["default"] for k, v in fitted.items()}) if fitted else None)
 
 
 def interval_coverage(cal: "Calibration", records: Sequence[Record]) -> dict[str, dict]:

@@ -548,6 +548,13 @@ class Constants:
     # its cuBLASLt GEMM: ~10 host objects and calls per expert (0 where no GroupedLinear issues
     # the experts one by one; the te profile's value: models/moe.py MOE_TE_SETTINGS).
     moe_fp8_expert_host_s: float = 0.0
+    # The host's issue time of a MoE layer's fixed launches beyond a dense layer's (host_layer_s),
+    # per layer-microbatch, forward + backward: the router (gating GEMM, top-k, softmax, aux loss),
+    # the token counts and their sync, the permutation and its index bookkeeping, the dispatcher's
+    # collectives, the combine, the shared experts. Enters the stage's host issue time with each
+    # local expert's (moe_grouped_expert_host_s): models/moe.py MoELayerTime.host. A VM host cost
+    # (moe.MOE_HOST): 0 here and in the shipped te profile, our VM's in moe.MOE_TE_VM_HOST.
+    moe_layer_host_s: float = 0.0
     # The token dispatcher's collectives per layer-microbatch each cost, beyond their bytes, one small
     # NCCL call's time from an idle GPU: megatron-core synchronises on the token counts before the
     # dispatch (its cuda_sync_point, the splits copied to the host), so the queue is empty and each

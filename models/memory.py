@@ -36,7 +36,7 @@ class StageMemory:
     grads_gib: float
     optimizer_gib: float
     activations_gib: float
-    logits_gib: float
+    logits_gib: float  # the loss stage's: logits, the cross entropy's tensors, the final norm's saved tensors
     overhead_gib: float  # runtime buffers inside torch's allocator (Constants.runtime_overhead_gib)
     step_transient_gib: float = 0.0  # optimizer-step transient beyond the activations and logits (peak = the larger phase)
     # memory outside torch's allocator (CUDA context, NCCL communicators: models/outside_memory.py);
@@ -512,9 +512,13 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         acts = np.where(full & every & np.isfinite(work), acts + np.where(np.isfinite(work), work, 0.0), acts)
     last = k == L.pp[r] - 1
     T = (L.seq / L.cp * L.mbs)[r]
-    # bf16 logits + the cross entropy's fp32 tensors (one microbatch at a time)
+    # bf16 logits + the cross entropy's fp32 tensors (one microbatch at a time), and the final norm's
+    # two saved tensors of that microbatch: its input (the last layer's output, which no layer keeps)
+    # and its output, the output layer's saved input (s / CP x b x h BF16 each, / TP with sequence
+    # parallelism: the output layer re-gathers its input in the backward)
     ce = L.per_cross_entropy(lambda impl: logits_bytes_per_logit(model, c, impl))[r]
-    logits = np.where(last, T * model.vocab_size / L.tp[r] * ce, 0.0)
+    final_norm = 2 * T * model.hidden_size / np.where(L.sp[r], L.tp[r], 1) * c.bytes_activation
+    logits = np.where(last, T * model.vocab_size / L.tp[r] * ce + final_norm, 0.0)
     # FP8 primary weights (TrainConfig.fp8_param_gather; megatron-core fp8_param with the distributed
     # optimizer's fp8_param_gather, TE Float8Tensor parameters): the linear layers' weights exist
     # only as TE's FP8 data + transpose (the copy above), no BF16 weight; the fp32 master copy stays

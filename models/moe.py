@@ -84,6 +84,10 @@ class MoELayerTime:
     permute_mem: float = 0.0
     expert_gemm: float = 0.0
     expert_mem: float = 0.0
+    # the host's issue time of the MoE block (router, permutation, dispatch, experts, combine),
+    # forward + backward: joins the stage's host issue time (step_time.layer_host_s's, beside the
+    # layer's attention part), which the GPU waits for where its own work is shorter
+    host: float = 0.0
 
 
 def moe_tokens(model: ModelSpec, cfg: TrainConfig) -> float:
@@ -423,6 +427,10 @@ def _moe_layer_time(model: ModelSpec, cfg: TrainConfig, cluster: ClusterSpec, c:
     out.gemm += x_gemm - x_stream
     out.memory_bound += x_mem + x_stream
     out.expert_gemm, out.expert_mem = x_gemm - x_stream, x_mem + x_stream
+    # the block's host issue time: its fixed launches (moe_layer_host_s) and, for a GroupedLinear
+    # that issues expert by expert, each local expert's (0 for one grouped kernel; SequentialMLP's
+    # host loop is priced in the phase itself)
+    out.host = c.moe_layer_host_s + (E_loc * grouped_expert_host_s(cfg, c) if cfg.moe_grouped_gemm else 0.0)
     out.overhead += out.expert - x_gemm - x_mem  # launch-bound time beyond the GPU work
     if not cfg.moe_grouped_gemm:  # ... and its 2 weight tensors per expert in the optimizer's and
         # gradient handling's per-tensor loops, once per step (spread over the microbatches)
@@ -615,14 +623,18 @@ MOE_UNFUSED: tuple[str, ...] = ("moe_router_passes", "moe_router_overhead_s", "m
 # (docs/calibration.md). The te profile ships them at 0 (the published runs' hosts) and keeps our
 # VM's values apart (MOE_TE_VM_HOST, in the profile's fit_info["moe_vm_host"]), which
 # profile_fit.on_vm applies to our own runs.
-MOE_HOST: tuple[str, ...] = ("moe_grouped_expert_host_s", "moe_fp8_expert_host_s", "moe_dispatch_call_s")
-# our VM's: the grouped / FP8 per-expert host costs fitted within MOE_TE_FIT's ranges on our TE MoE
-# runs (`python bench/moe_check.py --quick`, section 3: 0.469 / 0.0782 ms, session 28; 0.406 / 0.0925
-# before the DeepSeek-V2-Lite proxy's runs), the dispatcher's
-# per-call cost measured (models/constants.py moe_dispatch_call_s)
+MOE_HOST: tuple[str, ...] = ("moe_layer_host_s", "moe_grouped_expert_host_s", "moe_fp8_expert_host_s",
+                             "moe_dispatch_call_s")
+# our VM's: the MoE layer's fixed and the grouped / FP8 per-expert host costs fitted within
+# MOE_VM_HOST_FIT's ranges on our 54 TE MoE runs (`python bench/moe_check.py --host`, session 29:
+# MAPE 11.7% in sample, 16.3% with session 28's per-expert costs priced in the experts phase alone;
+# each proxy shape left out of the fit: DeepSeek-V2-Lite 19.4%, Mixtral 12.4%, Qwen3 14.4%, were
+# 40.2 / 13.9 / 24.2%), the dispatcher's per-call cost measured (models/constants.py
+# moe_dispatch_call_s)
 MOE_TE_VM_HOST: dict[str, float] = {
-    "moe_grouped_expert_host_s": 0.469e-3,
-    "moe_fp8_expert_host_s": 0.0782e-3,
+    "moe_layer_host_s": 18.5e-3,
+    "moe_grouped_expert_host_s": 0.241e-3,
+    "moe_fp8_expert_host_s": 0.136e-3,
     "moe_dispatch_call_s": DEFAULT.moe_dispatch_call_s,
 }
 
@@ -652,14 +664,30 @@ MOE_TE_FIT: dict[str, tuple[float, float]] = {
     # launches' worth (the split offsets, workspace setup and the GEMM groups' first launches, forward
     # and backward: 2-20 launches at ~5 us); the host's issue time is moe_grouped_expert_host_s
     "moe_expert_overhead_s": (5e-6, 1e-4),
-    # TE GroupedLinear's host issue time per local expert per layer-microbatch: 6 cuBLASLt calls at
-    # 5-60 us each, 2 weight-gradient allocations, 2 AccumulateGrad nodes and megatron DDP hooks
-    # (each a Python call; with the main-grad add kernel where gradient_accumulation_fusion is off)
-    "moe_grouped_expert_host_s": (5e-5, 8e-4),
-    # ... and FP8's share: ~10 quantized-tensor objects and weight-workspace calls per expert at
-    # 2-40 us each (moe_fp8_expert_host_s, models/constants.py)
-    "moe_fp8_expert_host_s": (1e-5, 4e-4),
     # the FFN width at which an expert's cuBLAS GEMMs reach half their rate (expert_width_fraction):
     # between the dense model's gemm_half_dim (96) and a few thousand
     "moe_gemm_half_ffn": (50.0, 3000.0),
+}
+# Our VM's MoE host issue costs (MOE_HOST but the dispatcher's per-call cost, measured), fitted on our
+# TE MoE runs alone (`python bench/moe_check.py --host`: the published rows carry no host cost)
+# within these ranges: MOE_TE_VM_HOST
+MOE_VM_HOST_FIT: dict[str, tuple[float, float]] = {
+    # the MoE layer's fixed host issue time beyond a dense layer's, per layer-microbatch (forward +
+    # backward). Counted on our TE MoE runs' kernel profiles (`python bench/host_issue.py`, last
+    # section): a MoE layer issues ~101 more kernel launches than a dense one (176 against a median
+    # 74) and ~710 more CPU-side profiler events (1,278 against 569); at our VM's ~78 us per launch
+    # (host_layer_s / a dense layer's launches) or 11.6 us per event: ~8 ms of issue. Each MoE layer's
+    # forward also synchronises (the token counts copied to the host before the dispatch) and its
+    # all-to-alls wait for the EP group's slowest host, so the layer's issue cannot run ahead of the
+    # GPU nor of the other ranks: up to as much again. 2-20 ms
+    "moe_layer_host_s": (2e-3, 20e-3),
+    # TE GroupedLinear's host issue time per local expert per layer-microbatch: 6 cuBLASLt calls at
+    # 5-60 us each, 2 weight-gradient allocations, 2 AccumulateGrad nodes and megatron DDP hooks
+    # (each a Python call; with the main-grad add kernel where gradient_accumulation_fusion is off);
+    # counted: 9.3 launches and ~99 CPU events per local expert (bench/host_issue.py)
+    "moe_grouped_expert_host_s": (5e-5, 8e-4),
+    # ... and FP8's share: ~10 quantized-tensor objects and weight-workspace calls per expert at
+    # 2-40 us each (moe_fp8_expert_host_s, models/constants.py); counted: 3.5 more launches per
+    # local expert under FP8
+    "moe_fp8_expert_host_s": (1e-5, 4e-4),
 }

@@ -267,6 +267,7 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
         st.memory_bound_s += mt.memory_bound / 3
         st.ep_comm_s += mt.comm / 2
         st.overhead_s += mt.overhead
+        st.host_s += mt.host
         st.moe_router_s += mt.router
         st.moe_permute_s += mt.permute
         st.moe_dispatch_s += mt.dispatch

@@ -59,14 +59,21 @@ def test_stacks_and_records():
 
 def test_loss_stage_bytes_per_logit_by_implementation():
     """bf16 logits (2 B) + 4 B per fp32 tensor + 2 B per bf16 copy: unfused 6, native 10, te 4 (TE 2.20's
-    cross entropy saves a copy of its input); only the loss stage."""
+    cross entropy saves a copy of its input), and the final norm's input and output (2 x s x b x h
+    BF16); only the loss stage."""
     logits = CFG.seq * CFG.mbs * LLAMA.vocab_size
+    final_norm = 2 * CFG.seq * CFG.mbs * LLAMA.hidden_size * 2 / CFG.tp
     got = {impl: stage_memory(LLAMA, CFG.replace(cross_entropy_impl=impl))[0].logits_gib for impl in CROSS_ENTROPY_IMPLS}
     f = 1.0 + 0.08  # the default fragmentation multiplies the logits
     assert CROSS_ENTROPY_BF16_COPIES == {"unfused": 0, "native": 0, "te": 1}
     for impl, copies in CROSS_ENTROPY_FP32_COPIES.items():
-        assert got[impl] == pytest.approx(logits * (2 + 4 * copies + 2 * CROSS_ENTROPY_BF16_COPIES[impl]) * f / 2**30)
+        per_logit = 2 + 4 * copies + 2 * CROSS_ENTROPY_BF16_COPIES[impl]
+        assert got[impl] == pytest.approx((logits * per_logit + final_norm) * f / 2**30)
     assert got["te"] < got["unfused"] < got["native"]
+    # sequence parallelism shards the final norm's tensors over TP (not the logits' vocabulary split)
+    tp2 = CFG.replace(tp=2, dp=2)
+    no_sp, sp = (stage_memory(LLAMA, tp2.replace(sequence_parallel=v))[0].logits_gib for v in (False, True))
+    assert no_sp - sp == pytest.approx(final_norm / 2 * f / 2**30)
     pp = CFG.replace(pp=2, dp=2)
     for impl in CROSS_ENTROPY_IMPLS:
         st = stage_memory(LLAMA, pp.replace(cross_entropy_impl=impl))

@@ -3,6 +3,7 @@ the file format, intervals, what-if overrides, the CLI and the surrogate sampler
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 import subprocess
 import sys
@@ -544,3 +545,16 @@ def test_fit_accuracy_bench_prints_held_out_coverage_per_target(capsys):
     assert "h200x4-campaign.jsonl " not in out.split("coverage on held-out")[1]  # fitted on: not held out
     for t in D.TARGETS:
         assert t in out
+
+
+def test_a_loaded_profile_saves_its_fitted_constants_as_they_were(tmp_path):
+    """Calibration.load keeps each fitted constant's bounds and starting value (the file's
+    fitted_constants), so that load -> save (bench/moe_check.py --write-te) writes them back, not
+    the local fit's bounds."""
+    from advisor.models.profiles import STACKS
+
+    src = STACKS["te"].file
+    before = json.loads(Path(src).with_suffix(".json").read_text())["fitted_constants"]
+    out = tmp_path / "te.joblib"
+    C.Calibration.load(src).save(out)
+    assert json.loads(out.with_suffix(".json").read_text())["fitted_constants"] == before

@@ -50,7 +50,9 @@ def test_memory_terms_predict_te_runs_with_the_te_runners_physics():
         cfg, m = recs[r["id"]].cfg, recs[r["id"]].model
         logits = cfg.seq / cfg.cp * cfg.mbs * m.vocab_size / cfg.tp
         per_logit = {"native": 2 + 2 * 4, "unfused": 2 + 4, "te": 2 + 2}[cfg.cross_entropy_impl]
-        assert r["logits"] * 2**30 == pytest.approx(logits * per_logit)
+        # ... and the final norm's input and output (2 x s x b x h BF16, / TP with sequence parallelism)
+        final_norm = 2 * cfg.seq / cfg.cp * cfg.mbs * m.hidden_size * 2 / (cfg.tp if cfg.sequence_parallel else 1)
+        assert r["logits"] * 2**30 == pytest.approx(logits * per_logit + final_norm)
     assert {r["moe"] for r in rows} == {True, False}
 
 

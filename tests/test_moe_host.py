@@ -71,3 +71,32 @@ def test_fused_permute_adds_the_chunk_sort_only_where_it_runs():
     lo, hi = moe.MOE_TE_FIT["moe_permute_fused_passes"]
     assert 4.0 <= lo < hi <= 8.0 and lo <= TE.moe_permute_fused_passes <= hi
     assert moe.MOE_TE_FIT["moe_expert_overhead_s"][1] <= 1e-4
+
+
+def test_moe_layer_host_issue_joins_the_stage_host_time():
+    """A MoE layer's host issue (moe_layer_host_s, each local expert's grouped-GEMM host time and
+    FP8's share of it) is MoELayerTime.host, which step_time adds to the stage's host issue time:
+    where the host is the slower side, each added second per layer-microbatch is a second of step
+    per layer-microbatch. The shipped te profile prices none of it (the published runs' hosts)."""
+    from advisor.catalog import load_cluster
+    from advisor.catalog.specs import TrainConfig
+    from advisor.models.predict import predict
+
+    shipped = resolve_calibration("te", "te")
+    ours = on_vm(shipped).constants
+    e_loc = QWEN.moe.num_experts / 4
+    bf = layer(QWEN, cfg(ep=4), c=ours)
+    assert bf.host == pytest.approx(ours.moe_layer_host_s + e_loc * ours.moe_grouped_expert_host_s, rel=1e-12)
+    f8 = layer(QWEN, cfg(ep=4, precision="fp8"), c=ours)
+    assert f8.host - bf.host == pytest.approx(e_loc * ours.moe_fp8_expert_host_s, rel=1e-9)
+    assert layer(QWEN, cfg(ep=4), c=shipped.constants).host == 0.0
+    # one grouped kernel over all experts (moe_grouped_expert_host_s 0): the layer's fixed part only
+    assert layer(QWEN, cfg(ep=4), c=ours.replace(moe_grouped_expert_host_s=0.0)).host == ours.moe_layer_host_s
+    model = QWEN.with_layers(4)
+    run = TrainConfig(dp=4, ep=4, mbs=1, gbs=32, seq=4096)
+    n = 4 * run.num_microbatches  # layer-microbatches of the stage (every Qwen3 layer is MoE)
+
+    def step(extra):
+        c = ours.replace(moe_layer_host_s=ours.moe_layer_host_s + extra)
+        return predict(model, load_cluster("h100x4"), run, c, check_legal=False).step_time_s
+    assert step(0.02) - step(0.01) == pytest.approx(n * 0.01, rel=1e-6)
