@@ -577,6 +577,22 @@ def s29() -> list[dict]:
     return _on(OLMOE_8L, olm, 0) + _on(DSV2_12L, ds, 9) + _on(qw3(6), qw, 20)
 
 
+def s29b() -> list[dict]:
+    """Session 29's second call, on another machine, every job's hello now timing its host
+    (kernel_probe.host_speed: CPU model, host microseconds per eager op): repeats of x4-te-s29's
+    host-bound layouts (the OLMoE proxy EP4 mbs1 and EP1 mbs2, the Qwen3 proxy 6L EP4 mbs1 and its
+    FP8 twin: x4-te-s29 did not reach te-qw3-fp8-21) and the DeepSeek-V2-Lite proxy EP4 mbs1, and GPT-3 2.7B
+    TP2 SP DP2 mbs4 (dense, host-bound: 15,910 / 17,531 tok/s/GPU on two earlier machines). Does the
+    host's issue time per op explain one machine's host-bound steps against another's?"""
+    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    w8 = dict(warmup=8, steps=6)
+    olm = [("rep", dict(dp=4, ep=4, mbs=1, **te)), ("rep", dict(dp=4, ep=1, mbs=2, **te))]
+    qw = [("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8", **w8)), ("fp8", dict(dp=4, ep=4, mbs=1, **w8))]
+    ds = [("rep", dict(dp=4, ep=4, mbs=1, **te))]
+    gpt = [("host", dict(tp=2, dp=2, mbs=4, sequence_parallel=True))]
+    return _on(OLMOE_8L, olm, 8) + _on(qw3(6), qw, 22) + _on(DSV2_12L, ds, 11) + _on(GPT3, gpt, 26)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -701,7 +717,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
-           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29}
+           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

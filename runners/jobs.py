@@ -17,9 +17,12 @@ from advisor.runners.records import SCHEMA, finite
 # How the worker runs what megatron-core leaves open (records before these existed: K/V repeated
 # for GQA, batched p2p for the interleaved schedule); see megatron_worker.py.
 RUNNER_ENV = ("attention", "interleaved_p2p", "grouped_mm")
+# ... and the host the workers ran on (kernel_probe.host_speed: its CPU model and its issue time
+# per eager op, rank 0's): host-bound runs go at their host's pace, which differs between machines
+HOST_ENV = ("cpu_model", "host_op_us")
 # What the launcher keeps of the workers' hello events for the records' `env`.
 HELLO_ENV = ("gpu_name", "cuda", "torch", "megatron_core", "transformer_engine", "python",
-             "hostname") + RUNNER_ENV
+             "hostname") + RUNNER_ENV + HOST_ENV
 RUN_KEYS = ("steps", "warmup", "min_seconds", "max_steps", "save_trace", "id", "tag", "stack", "fp8_recipe",
             "kernel_profile_steps", "pressure_headroom_gib", "memory_snapshot_steps")
 GPU_PEAK_FALLBACK_TFLOPS = {"h100": 989.0, "h200": 989.0}  # only if the catalog lacks the GPU
@@ -229,7 +232,7 @@ def assemble_record(entry: Entry, status: str, error: str | None, ranks: Mapping
                 **{k: env.get(k, hello0.get(k)) for k in ("cuda", "torch", "megatron_core", "python", "hostname")},
                 **({"transformer_engine": env.get("transformer_engine", hello0.get("transformer_engine"))}
                    if entry.stack == "te" else {}),
-                **{k: env.get(k, hello0.get(k)) for k in RUNNER_ENV if env.get(k, hello0.get(k))}},
+                **{k: env.get(k, hello0.get(k)) for k in RUNNER_ENV + HOST_ENV if env.get(k, hello0.get(k))}},
         "steps": None, "throughput": None, "memory": None, "telemetry": None, "rank_map": [],
         "runner": "megatron", "simulated": False,  # the command runner's finish_record says "command"
     }

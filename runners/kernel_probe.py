@@ -286,3 +286,54 @@ def profile_summary(step: Callable[[], None], n: int, sync: Callable[[], None], 
     if measured_cpu is not None and len(measured_cpu) == 3:
         out["host_cpu"]["measured"] = thread_cpu_delta(measured_cpu[0], measured_cpu[1], measured_cpu[2], main_tid)
     return out
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The host CPU's model name (the first "model name" line of /proc/cpuinfo), None where unknown:
+    a host-bound run's speed is its host's, and lent machines differ."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip() or None
+    except OSError:
+        return None
+    return None
+
+
+def host_op_us(op: Callable[[], None], sync: Callable[[], None], n: int = 2000, rounds: int = 3,
+               clock: Callable[[], float] | None = None) -> float:
+    """Host microseconds per call of `op` (an eager op on a tiny CUDA tensor, whose kernel is shorter
+    than its issue, so the loop runs at the host's issue rate), the median of `rounds` loops of `n`
+    calls each closed by `sync`: the machine's issue speed, which host-bound runs are paced by."""
+    import statistics
+    import time
+
+    clock = clock or time.perf_counter
+    sync()
+    out = []
+    for _ in range(rounds):
+        t = clock()
+        for _ in range(n):
+            op()
+        sync()
+        out.append((clock() - t) / n * 1e6)
+    return round(statistics.median(out), 3)
+
+
+def host_speed() -> dict[str, Any]:
+    """{"cpu_model", "host_op_us"} of this process's host and current CUDA device (torch imported
+    here: the GPU worker's hello); what could not be measured is left out."""
+    out: dict[str, Any] = {}
+    model = cpu_model()
+    if model:
+        out["cpu_model"] = model
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            x = torch.zeros(1, device="cuda")
+            out["host_op_us"] = host_op_us(lambda: x.add_(1.0), torch.cuda.synchronize)
+    except Exception:  # noqa: BLE001 - a probe: the record goes on without it
+        pass
+    return out

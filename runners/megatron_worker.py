@@ -44,7 +44,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module, MegatronModule
-from kernel_probe import profile_summary, thread_cpu_snapshot  # beside this file
+from kernel_probe import host_speed, profile_summary, thread_cpu_snapshot  # beside this file
 from mem_probe import (point as mem_point, pressure_plan, pressure_result,  # beside this file
                        summarize as summarize_memory)
 from mem_snapshot import summarize as snapshot_summary  # beside this file
@@ -619,7 +619,7 @@ def main(argv=None):
         GROUPED_MM = probe_grouped_mm()
         moe["grouped_mm"] = GROUPED_MM
     ev("hello", rank=rank, local_rank=local_rank, world=world, **device_identity(local_rank),
-       **versions(), attention=attention_impl(jobs), interleaved_p2p=INTERLEAVED_P2P, **moe)
+       **versions(), attention=attention_impl(jobs), interleaved_p2p=INTERLEAVED_P2P, **moe, **host_speed())
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     for job in jobs:
         if job["index"] < a.start:

@@ -278,3 +278,38 @@ def test_mixtral_ep4_fp8_is_host_paced():
     assert gpu(bf) - gpu(f8) > 90 and abs(host(bf) - host(f8)) < 10
     rest = [kp.beyond_host_and_gpu_ms(r, r["kernel_profile"]) for r in (bf, f8)]
     assert abs(rest[0] - rest[1]) < 10, rest
+
+
+def test_host_speed_reads_the_cpu_model_and_times_the_hosts_issue(tmp_path):
+    """The worker's hello carries its host's CPU model and issue time per eager op
+    (kernel_probe.host_speed): host-bound runs go at their host's pace, and lent machines differ."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\n"
+                    "processor\t: 1\nmodel name\t: AMD EPYC 9654 96-Core Processor\n")
+    assert K.cpu_model(str(info)) == "AMD EPYC 9654 96-Core Processor"
+    assert K.cpu_model(str(tmp_path / "none")) is None
+    info.write_text("processor\t: 0\n")
+    assert K.cpu_model(str(info)) is None
+    # a fake clock: each op costs 12 us of host time, each sync 1 ms; 3 rounds of 100 ops
+    now = [0.0]
+    calls = []
+
+    def op():
+        now[0] += 12e-6
+        calls.append(1)
+
+    def sync():
+        now[0] += 1e-3
+
+    us = K.host_op_us(op, sync, n=100, rounds=3, clock=lambda: now[0])
+    assert len(calls) == 300 and us == pytest.approx(12.0 + 1e3 / 100)
+
+
+def test_records_keep_the_hosts_speed_from_rank_0s_hello():
+    e = M.make_entry(TINY, 2, mbs=1, gbs=2)
+    ranks = {r: {"hello": {"uuid": f"GPU-{r}", "gpu_name": "NVIDIA H100 80GB HBM3",
+                           "cpu_model": "Intel Xeon Platinum 8480+", "host_op_us": 9.5 + r}} for r in range(2)}
+    rec = M.assemble_record(e, "crash", "boom", ranks, None)
+    assert rec["env"]["cpu_model"] == "Intel Xeon Platinum 8480+" and rec["env"]["host_op_us"] == 9.5
+    bare = M.assemble_record(e, "crash", "boom", {0: {"hello": {"gpu_name": "NVIDIA H100 80GB HBM3"}}}, None)
+    assert "cpu_model" not in bare["env"] and "host_op_us" not in bare["env"]
