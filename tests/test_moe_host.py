@@ -100,3 +100,22 @@ def test_moe_layer_host_issue_joins_the_stage_host_time():
         c = ours.replace(moe_layer_host_s=ours.moe_layer_host_s + extra)
         return predict(model, load_cluster("h100x4"), run, c, check_legal=False).step_time_s
     assert step(0.02) - step(0.01) == pytest.approx(n * 0.01, rel=1e-6)
+
+
+def test_moe_kernels_bench_compares_every_profiled_moe_run(capsys):
+    """bench/moe_kernels.py: each kernel-profiled TE MoE run's non-NCCL kernel time against the
+    model's compute, with and without the expert-width penalty (which only ever adds time)."""
+    from support import load_bench
+
+    bench = load_bench("moe_kernels")
+    rs = bench.rows()
+    recs = [json.loads(x) for x in (ROOT / "data/measurements/h100x4-te.jsonl").read_text().splitlines() if x.strip()]
+    profiled = {r["id"] for r in recs if r.get("status") == "ok" and r["model"].get("moe")
+                and "categories" in (r.get("kernel_profile") or {})}
+    assert len(rs) >= 14 and {r["id"] for r in rs} == profiled
+    for r in rs:
+        assert r["kernels_ms"] > 0
+        assert r["no width penalty"]["compute_ms"] <= r["shipped"]["compute_ms"] + 1e-9
+    assert bench.main([]) == 0
+    out = capsys.readouterr().out
+    assert "no width penalty: model compute vs profiled kernels" in out

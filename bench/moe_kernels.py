@@ -1,0 +1,90 @@
+"""The MoE model's GPU work against the kernel profiles (issue #24): for every kernel-profiled TE MoE
+run of data/measurements/h100x4-te.jsonl, the GPU time of its non-NCCL kernels per step (GEMMs,
+attention, the memory-bound kernels; under the profiler) against the model's compute (gemm_s +
+attention_s + memory_bound_s of the te profile on our VM, the run's own router skew), with the
+shipped constants and with the expert-width penalty off (moe_gemm_half_ffn = 0), and the step's
+tokens/s error both ways.
+
+    python bench/moe_kernels.py [RUNS.jsonl]
+
+The width penalty (models/moe.py expert_width_fraction) prices narrow experts' GEMMs slower and books
+the difference as memory-bound time; if it were GPU time, the profiles' kernel time would hold it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from moe_check import run_router_skews  # noqa: E402  (beside this file)
+
+from advisor.models import profile_fit as F  # noqa: E402
+from advisor.models.calibrate import resolve_calibration  # noqa: E402
+from advisor.models.dataset import load  # noqa: E402
+from advisor.models.predict import predict  # noqa: E402
+
+RUNS = ROOT / "data/measurements/h100x4-te.jsonl"
+VARIANTS = {"shipped": {}, "no width penalty": {"moe_gemm_half_ffn": 0.0}}
+
+
+def rows(path: Path = RUNS) -> list[dict]:
+    """Per kernel-profiled MoE run: its id, profiled non-NCCL kernel ms per step, and per variant the
+    model's compute ms per step and its tokens/s / measured - 1."""
+    raw = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                raw[r["id"]] = r
+    vm = F.on_vm(resolve_calibration("te")).constants
+    skews = run_router_skews([path], "te")
+    out = []
+    for rec in load([str(path)]).records:
+        kp = (raw.get(rec.id) or {}).get("kernel_profile") or {}
+        if not rec.model.is_moe or "categories" not in kp:
+            continue
+        kernels = sum(v["ms"] for k, v in kp["categories"].items() if not k.startswith("nccl"))
+        row = {"id": rec.id, "shape": rec.model.name.split("[")[0], "precision": rec.cfg.precision,
+               "kernels_ms": kernels}
+        for name, kw in VARIANTS.items():
+            c = vm.replace(**kw)
+            if rec.id in skews and rec.cfg.moe_router == "aux_loss":
+                c = c.replace(moe_router_skew=skews[rec.id])
+            p = predict(rec.model, rec.cluster, rec.cfg, c, check_legal=False)
+            b = p.breakdown
+            row[name] = {"compute_ms": 1e3 * (b["gemm_s"] + b["attention_s"] + b["memory_bound_s"]),
+                         "error": p.tokens_per_s_per_gpu / rec.y["tokens_per_s_per_gpu"] - 1}
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path = Path(argv[0]) if argv else RUNS
+    if not path.is_file():
+        print(f"error: no such file: {path}", file=sys.stderr)
+        return 2
+    rs = rows(path)
+    if not rs:
+        print(f"error: no kernel-profiled MoE run in {path}", file=sys.stderr)
+        return 2
+    names = list(VARIANTS)
+    print(f"{'run':16} {'shape':24} {'prec':5} {'kernels ms':>10} " + " ".join(
+        f"{n + ' compute':>24} {'tok/s err':>9}" for n in names))
+    for r in rs:
+        print(f"{r['id']:16} {r['shape']:24} {r['precision']:5} {r['kernels_ms']:10.0f} " + " ".join(
+            f"{r[n]['compute_ms']:16.0f} ({r[n]['compute_ms'] / r['kernels_ms'] - 1:+4.0%}) {r[n]['error']:+9.1%}"
+            for n in names))
+    for n in names:
+        c = [abs(r[n]["compute_ms"] / r["kernels_ms"] - 1) for r in rs]
+        e = [abs(r[n]["error"]) for r in rs]
+        print(f"{n}: model compute vs profiled kernels mean |error| {100 * sum(c) / len(c):.1f}%, "
+              f"tokens/s MAPE {100 * sum(e) / len(e):.1f}% over {len(rs)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
