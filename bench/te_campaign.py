@@ -593,6 +593,17 @@ def s29b() -> list[dict]:
     return _on(OLMOE_8L, olm, 8) + _on(qw3(6), qw, 22) + _on(DSV2_12L, ds, 11) + _on(GPT3, gpt, 26)
 
 
+def s29c() -> list[dict]:
+    """Session 29's third call: recommend --stack te's unmeasured #1s (python bench/te_recommend_check.py,
+    after x4-te-s29): the OLMoE proxy and the Qwen3 proxy 6L at EP 1 mbs8 (all experts on every
+    GPU: no all-to-all; predicted 1 / 0.734 and 1 / 0.790 of the measured best, EP4 mbs8), and the
+    Qwen3 proxy 6L FP8 EP2 mbs8 (predicted 1 / 0.460 of the measured best, EP4 mbs2)."""
+    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    olm = [("top", dict(dp=4, ep=1, mbs=8, **te))]
+    qw = [("top", dict(dp=4, ep=1, mbs=8, **te)), ("top", dict(dp=4, ep=2, mbs=8, precision="fp8", **te, **FPG))]
+    return _on(OLMOE_8L, olm, 10) + _on(qw3(6), qw, 24)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -717,7 +728,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
-           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b}
+           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
