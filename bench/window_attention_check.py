@@ -39,11 +39,11 @@ def gpu_name(device: str) -> str:
 
 # Host time one isolated fused-attention forward + backward exposes (event recorded, the GPU idle
 # until Transformer Engine's DotProductAttention has run its Python and launched its kernels):
-# fitted on the measured file by bench/fit_window_attention.py (0.624 ms at the te profile's
-# attention_efficiency 0.524, leave-one-shape-out 0.580-0.654 ms; 0.471 at 0.492; 0.590 at 0.516;
-# 0.410 before). Plausible 0.1-0.7 ms. The same calls back to back (bench/kernel_rates.py's
-# bursts) hide it.
-ISOLATED_CALL_S = 624e-6
+# fitted on the measured file by bench/fit_window_attention.py (0.638 ms at the te profile's
+# attention_efficiency 0.527, leave-one-shape-out 0.593-0.667 ms; 0.624 at 0.524; 0.471 at 0.492;
+# 0.590 at 0.516; 0.410 before). Plausible 0.1-0.7 ms. The same calls back to back
+# (bench/kernel_rates.py's bursts) hide it.
+ISOLATED_CALL_S = 638e-6
 
 
 def predict_case(row: dict, gpu, c) -> tuple[float, float]:

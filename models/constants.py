@@ -214,16 +214,16 @@ class Constants:
     # memory-bound passes (dO.O preprocess, dQ accumulator clear + convert, GQA dK / dV reduction:
     # ~20-30 x head_dim bytes per row and head, ~3 tile-times of a 128-row block on H100). Plausible
     # 1-8. Fitted on TE's measured window / full attention at the te profile's attention_efficiency
-    # (bench/fit_window_attention.py: 4.79 at 0.524, session 28's te refit; 5.14 at 0.492, the te refit
+    # (bench/fit_window_attention.py: 4.75 at 0.527, session 29's te refit; 4.79 at 0.524; 5.14 at 0.492, the te refit
     # with the host issue floor; 4.87 at 0.516; 5.26 at the 0.480 before the session-22 te refit).
-    attention_edge_tiles: float = 4.79
+    attention_edge_tiles: float = 4.75
     # Fused attention's efficiency at head dim 256 relative to 128 (FA3's 256 kernels: 128 x 80 / 64 x 80
     # tiles with one consumer warpgroup in the backward vs 64 x 128 with two). Plausible 0.6-1.0;
     # fitted on the one head-dim-256 shape measured (Gemma 2 9B, 16q / 8kv), forward + backward, with
     # the softmax's SFU time (step_time.softmax_stretch: 0.889 at head dim 256 on H100) priced
-    # apart: bench/fit_window_attention.py (0.700 at the te profile's attention_efficiency 0.524;
+    # apart: bench/fit_window_attention.py (0.698 at the te profile's attention_efficiency 0.527; 0.700 at 0.524;
     # 0.725 at 0.492; 0.706 at 0.516; 0.826 before the SFU term, which it now excludes).
-    attention_hdim256_efficiency: float = 0.700
+    attention_hdim256_efficiency: float = 0.698
     # The softmax's exponentials run on the special function units (SFU, MUFU.EX2), not the tensor
     # cores: one per attention score forward, and one again backward (P recomputed), against
     # 2·(d_qk + d_v) tensor FLOPs per score forward and attention_backward_factor times that
