@@ -509,7 +509,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         # (measured: x4-te-s26-recompute, llama3-8b[16L] PP2 block 4 of 8: 30.8 / 31.9 GiB per stage,
         # 31.5 / 32.7 with the working set on top)
         every = (whole >= counts).all(axis=1)
-        working = np.where(full & every & np.isfinite(work), np.where(np.isfinite(work), work, 0.0), 0.0)
+        working = np.where(full & every & np.isfinite(work), work, 0.0)
     else:
         working = np.zeros(len(r))
     last = k == L.pp[r] - 1
