@@ -604,6 +604,17 @@ def s29c() -> list[dict]:
     return _on(OLMOE_8L, olm, 10) + _on(qw3(6), qw, 24)
 
 
+def s29d() -> list[dict]:
+    """Session 29's last call: x4-te-s29b's host-bound set again on a third machine (its host timed
+    in every record's env.host_op_us), toward host speed as an input of the VM host costs."""
+    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    olm = [("rep", dict(dp=4, ep=4, mbs=1, **te))]
+    qw = [("fp8", dict(dp=4, ep=4, mbs=1, warmup=8, steps=6))]
+    ds = [("rep", dict(dp=4, ep=4, mbs=1, **te))]
+    gpt = [("host", dict(tp=2, dp=2, mbs=4, sequence_parallel=True))]
+    return _on(OLMOE_8L, olm, 11) + _on(qw3(6), qw, 26) + _on(DSV2_12L, ds, 12) + _on(GPT3, gpt, 27)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -728,7 +739,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
-           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c}
+           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
