@@ -337,14 +337,24 @@ def recipe_split(model, cluster, cfg):
 
 
 def te_on_vm() -> Constants:
-    """The shipped te profile's constants with the TE stack's MoE settings and our VM's host issue
-    costs, dense (profile_fit.vm_host) and MoE (moe.MOE_TE_VM_HOST): how our TE runs are predicted."""
-    from advisor.models.profile_fit import HOST, vm_host
+    """The shipped te profile's constants with the TE stack's MoE settings (moe.te_moe_constants) and
+    our VM's host issue costs, dense and MoE, as the profile records them (profile_fit.on_vm): how
+    our TE runs are predicted."""
+    import dataclasses
+
+    from advisor.models.profile_fit import on_vm
     from advisor.models.profiles import STACKS
 
     cal = Calibration.load(STACKS["te"].file)
-    dense = {n: v for n, v in vm_host(cal).items() if n in HOST}
-    return MOE.te_moe_constants(cal.screening_constants).replace(**dense, **MOE.MOE_TE_VM_HOST)
+    return on_vm(dataclasses.replace(cal, constants=MOE.te_moe_constants(cal.screening_constants))).constants
+
+
+def own_log_errors(rows: list[dict], c: Constants) -> np.ndarray:
+    """log(predicted / measured tokens/s) of our own runs (moe_rows entries), each with its own router
+    skew (run_constants)."""
+    return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c),
+                                      check_legal=False).tokens_per_s_per_gpu / x["rec"].y["tokens_per_s_per_gpu"])
+                     for x in rows])
 
 
 def host_check(quick: bool) -> None:
@@ -362,15 +372,10 @@ def host_check(quick: bool) -> None:
     def consts(u):
         return te.replace(**{n: float(v) for n, v in zip(names, lo + (hi - lo) * u)})
 
-    def err(rows, c):
-        return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c),
-                                          check_legal=False).tokens_per_s_per_gpu / x["rec"].y["tokens_per_s_per_gpu"])
-                         for x in rows])
-
     def fit_on(rows):  # bounded soft-L1 least squares from two starts, the better optimum
         best = None
         for u0 in (np.full(len(names), 0.3), np.full(len(names), 0.7)):
-            r = least_squares(lambda u: err(rows, consts(u)), u0, bounds=(0.0, 1.0), loss="soft_l1", f_scale=0.1,
+            r = least_squares(lambda u: own_log_errors(rows, consts(u)), u0, bounds=(0.0, 1.0), loss="soft_l1", f_scale=0.1,
                               diff_step=1e-2, max_nfev=15 if quick else 40)
             best = r if best is None or r.cost < best.cost else best
         return consts(best.x)
@@ -383,13 +388,13 @@ def host_check(quick: bool) -> None:
 
     print(f"\n== our VM's MoE host issue costs, fitted on our {len(own)} TE MoE runs (ranges: "
           + ", ".join(f"{n} {a * 1e3:g}-{b * 1e3:g} ms" for n, (a, b) in MOE.MOE_VM_HOST_FIT.items()) + ")")
-    print(f"   shipped (moe.MOE_TE_VM_HOST): {values(te)}: MAPE {mape(err(own, te)):.1f}%")
+    print(f"   shipped (moe.MOE_TE_VM_HOST): {values(te)}: MAPE {mape(own_log_errors(own, te)):.1f}%")
     c_all = fit_on(own)
-    print(f"   fitted on all: {values(c_all)}: MAPE {mape(err(own, c_all)):.1f}%")
+    print(f"   fitted on all: {values(c_all)}: MAPE {mape(own_log_errors(own, c_all)):.1f}%")
     for shape in sorted({shape_of(x["rec"].model) for x in own}):
         held = [x for x in own if shape_of(x["rec"].model) == shape]
         c = fit_on([x for x in own if shape_of(x["rec"].model) != shape])
-        e = err(held, c)
+        e = own_log_errors(held, c)
         print(f"   {shape} left out ({len(held)} runs): MAPE {mape(e):.1f}%, median bias "
               f"{100 * (math.exp(float(np.median(e))) - 1):+.1f}%, worst {100 * (math.exp(e[np.argmax(np.abs(e))]) - 1):+.1f}% "
               f"({values(c)})")
@@ -442,12 +447,13 @@ def published_check(quick: bool) -> None:
     own = [r for r in moe_rows("te") if "-call" not in r["rec"].id]
 
     def own_err(c):
-        return np.array([math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c), check_legal=False)
-                                  .tokens_per_s_per_gpu / x["rec"].y["tokens_per_s_per_gpu"]) for x in own])
+        return own_log_errors(own, c)
+
+    def pub_err(rs, c):  # each published row's weighted log error
+        return [x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu) for x in rs]
 
     def res_fn(rs, c):
-        pub = [x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu) for x in rs]
-        return np.concatenate([pub, own_err(c)])
+        return np.concatenate([pub_err(rs, c), own_err(c)])
 
     print(f"\n== 3. published H100 MoE runs (te profile + MOE_TE_SETTINGS): {len(rows)} rows")
     models = sorted({x["run"].model_key for x in rows})
@@ -486,13 +492,9 @@ def published_check(quick: bool) -> None:
         keep = [x for x in own if shape_of(x["rec"].model) != shape]
 
         def res_shape(rs, c, keep=keep):
-            pub = [x["w"] * math.log(pred(x, c).tokens_per_s_per_gpu / x["run"].tokens_per_s_per_gpu) for x in rs]
-            return np.concatenate([pub, [math.log(predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg,
-                                                          run_constants(x, c), check_legal=False).tokens_per_s_per_gpu
-                                                  / x["rec"].y["tokens_per_s_per_gpu"]) for x in keep]])
+            return np.concatenate([pub_err(rs, c), own_log_errors(keep, c)])
         c_s = fit(rows, te, MOE.MOE_TE_FIT, 10 if quick else 25, res_fn=res_shape)
-        errs = [predict(x["rec"].model, x["rec"].cluster, x["rec"].cfg, run_constants(x, c_s), check_legal=False).tokens_per_s_per_gpu
-                / x["rec"].y["tokens_per_s_per_gpu"] - 1 for x in held]
+        errs = [float(v) for v in np.exp(own_log_errors(held, c_s)) - 1]
         print(f"   our TE runs, {shape} left out of the fit ({len(held)} runs): MAPE "
               f"{100 * statistics.mean(abs(v) for v in errs):.1f}%, bias {100 * statistics.mean(errs):+.1f}%, "
               f"worst {100 * max(errs, key=abs):+.1f}%")

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from moe_check import run_router_skews  # noqa: E402  (beside this file)
+from moe_check import run_constants, run_router_skews  # noqa: E402  (beside this file)
 
 from advisor.models import profile_fit as F  # noqa: E402
 from advisor.models.calibrate import resolve_calibration  # noqa: E402
@@ -50,9 +50,7 @@ def rows(path: Path = RUNS) -> list[dict]:
         row = {"id": rec.id, "shape": rec.model.name.split("[")[0], "precision": rec.cfg.precision,
                "kernels_ms": kernels}
         for name, kw in VARIANTS.items():
-            c = vm.replace(**kw)
-            if rec.id in skews and rec.cfg.moe_router == "aux_loss":
-                c = c.replace(moe_router_skew=skews[rec.id])
+            c = run_constants({"rec": rec, "skew": skews.get(rec.id)}, vm.replace(**kw))
             p = predict(rec.model, rec.cluster, rec.cfg, c, check_legal=False)
             b = p.breakdown
             row[name] = {"compute_ms": 1e3 * (b["gemm_s"] + b["attention_s"] + b["memory_bound_s"]),

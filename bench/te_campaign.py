@@ -550,6 +550,9 @@ def s28c() -> list[dict]:
 
 
 OLMOE_8L = (OLMOE_PROXY, "olm", dict(layers=8, seq=4096, gbs=32))
+# session 29's MoE jobs warm up 8 steps and measure 6 (RUN: 2 and 5): an untrained router's skew
+# falls over the first steps, and with it the step
+STEADY = dict(warmup=8, steps=6)
 
 
 def s29() -> list[dict]:
@@ -563,7 +566,7 @@ def s29() -> list[dict]:
     Every job warms up 8 steps and measures 6 (2 and 5 before): an untrained router's skew falls
     over the first steps, and with it the step (te-qw3-top-15: 1.07, 0.85, 0.74, 0.72, 0.74, 0.68 s
     over its 6 measured steps)."""
-    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    te = dict(STACK_TE_CE, **STEADY)
     kp = {"kernel_profile_steps": 2}
     f8 = dict(precision="fp8", **FPG)
     olm = [("ep", dict(dp=4, ep=4, mbs=1, **te)), ("kp", dict(dp=4, ep=4, mbs=2, **te, **kp)),
@@ -572,8 +575,7 @@ def s29() -> list[dict]:
            ("kp", dict(dp=4, ep=4, mbs=2, **te, **f8, **kp)),
            ("moetp", dict(tp=2, dp=2, ep=2, etp=1, sequence_parallel=True, mbs=4, **te))]
     ds = [("kp", dict(dp=4, ep=4, mbs=2, **te, **kp)), ("kp", dict(dp=4, ep=4, mbs=2, **te, **f8, **kp))]
-    qw = [("fp8", dict(dp=4, ep=4, mbs=1, warmup=8, steps=6)),
-          ("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8", warmup=8, steps=6))]
+    qw = [("fp8", dict(dp=4, ep=4, mbs=1, **STEADY)), ("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8", **STEADY))]
     return _on(OLMOE_8L, olm, 0) + _on(DSV2_12L, ds, 9) + _on(qw3(6), qw, 20)
 
 
@@ -584,10 +586,9 @@ def s29b() -> list[dict]:
     FP8 twin: x4-te-s29 did not reach te-qw3-fp8-21) and the DeepSeek-V2-Lite proxy EP4 mbs1, and GPT-3 2.7B
     TP2 SP DP2 mbs4 (dense, host-bound: 15,910 / 17,531 tok/s/GPU on two earlier machines). Does the
     host's issue time per op explain one machine's host-bound steps against another's?"""
-    te = dict(STACK_TE_CE, warmup=8, steps=6)
-    w8 = dict(warmup=8, steps=6)
+    te = dict(STACK_TE_CE, **STEADY)
     olm = [("rep", dict(dp=4, ep=4, mbs=1, **te)), ("rep", dict(dp=4, ep=1, mbs=2, **te))]
-    qw = [("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8", **w8)), ("fp8", dict(dp=4, ep=4, mbs=1, **w8))]
+    qw = [("fp8", dict(dp=4, ep=4, mbs=1, precision="fp8", **STEADY)), ("fp8", dict(dp=4, ep=4, mbs=1, **STEADY))]
     ds = [("rep", dict(dp=4, ep=4, mbs=1, **te))]
     gpt = [("host", dict(tp=2, dp=2, mbs=4, sequence_parallel=True))]
     return _on(OLMOE_8L, olm, 8) + _on(qw3(6), qw, 22) + _on(DSV2_12L, ds, 11) + _on(GPT3, gpt, 26)
@@ -598,7 +599,7 @@ def s29c() -> list[dict]:
     after x4-te-s29): the OLMoE proxy and the Qwen3 proxy 6L at EP 1 mbs8 (all experts on every
     GPU: no all-to-all; predicted 1 / 0.734 and 1 / 0.790 of the measured best, EP4 mbs8), and the
     Qwen3 proxy 6L FP8 EP2 mbs8 (predicted 1 / 0.460 of the measured best, EP4 mbs2)."""
-    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    te = dict(STACK_TE_CE, **STEADY)
     olm = [("top", dict(dp=4, ep=1, mbs=8, **te))]
     qw = [("top", dict(dp=4, ep=1, mbs=8, **te)), ("top", dict(dp=4, ep=2, mbs=8, precision="fp8", **te, **FPG))]
     return _on(OLMOE_8L, olm, 10) + _on(qw3(6), qw, 24)
@@ -607,9 +608,9 @@ def s29c() -> list[dict]:
 def s29d() -> list[dict]:
     """Session 29's last call: x4-te-s29b's host-bound set again on a third machine (its host timed
     in every record's env.host_op_us), toward host speed as an input of the VM host costs."""
-    te = dict(STACK_TE_CE, warmup=8, steps=6)
+    te = dict(STACK_TE_CE, **STEADY)
     olm = [("rep", dict(dp=4, ep=4, mbs=1, **te))]
-    qw = [("fp8", dict(dp=4, ep=4, mbs=1, warmup=8, steps=6))]
+    qw = [("fp8", dict(dp=4, ep=4, mbs=1, **STEADY))]
     ds = [("rep", dict(dp=4, ep=4, mbs=1, **te))]
     gpt = [("host", dict(tp=2, dp=2, mbs=4, sequence_parallel=True))]
     return _on(OLMOE_8L, olm, 11) + _on(qw3(6), qw, 26) + _on(DSV2_12L, ds, 12) + _on(GPT3, gpt, 27)
