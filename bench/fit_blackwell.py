@@ -81,6 +81,15 @@ CLOCK_SHARE_PRIOR = (0.415, 0.3)
 VF_SLOPE_PRIOR = (0.331, 0.2)
 
 
+# What the Blackwell GPUs do differently from the H100 where it is not fitted: settings of the
+# profile, each with its source (models/constants.py).
+# fp8_tensor_scaled_copies: Blackwell's FP8 GEMMs take either operand layout, so TE's per-tensor FP8
+# quantizers (delayed and current scaling) make no transpose copy (TE pytorch/csrc/quantizer.cpp:
+# create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported(), true from SM 10.0):
+# one quantized copy per weight, GEMM input and output gradient, where Hopper keeps two.
+BLACKWELL_SETTINGS: dict[str, float] = {"fp8_tensor_scaled_copies": 1.0}
+
+
 def priors(h100) -> dict[str, tuple[float, float]]:
     """The H100 fit's values as centres (the TE stack's physics carries over), the H100 prior's
     spreads; the NVFP4 GEMM fraction from the measured B200 FP4 GEMM (FP4_GEMM_PRIOR)."""
@@ -117,7 +126,7 @@ def build(say=print, max_nfev: int = 40, names: tuple[str, ...] = NAMES,
     """`gpu_changes` (an experiment, never the shipped profile): {GPU name: changes to its rows'
     GPU catalog entry, as blackwell_terms.with_gpu takes them}, e.g. GB200's power budget."""
     h100 = resolve_calibration("te")
-    base, pri = h100.constants, priors(h100.constants)
+    base, pri = h100.constants.replace(**BLACKWELL_SETTINGS), priors(h100.constants)
     rows, left = F.fit_rows(P.load(), "te", in_fit)
     if gpu_changes:
         change_gpus(rows, gpu_changes)

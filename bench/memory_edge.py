@@ -444,7 +444,8 @@ def recipes(margin: float | None) -> list[dict]:
 
 
 def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
-    """One published recipe of the te fit set (its row id), with the te stack's layout defaults:
+    """One usable published row (its row id: any GPU, dense or MoE), with its recipe's settings over
+    the te stack's layout defaults and the te profile of its GPU's generation:
     (the recipe: id, model, layout, micro-batches, band, usable GiB; one dict per pipeline stage:
     layers, in-flight micro-batches per virtual chunk (Megatron's warm-up, layout.in_flight_chunks),
     and the memory terms in GiB: bf16 weights, the linear layers' quantized copies, gradients,
@@ -456,17 +457,14 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     from advisor.models.quant import weight_copy_bytes
     from advisor.search_spaces.layout import in_flight_chunks, stage_layers
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from fit_profiles import in_fit
-
-    runs = [r for r in P.load() if r.usable and in_fit(r)]
+    runs = [r for r in P.load() if r.usable]
     hit = [r for r in runs if str(r.row_id) == str(row_id)]
     if not hit:
-        print(f"error: no published recipe {row_id!r} in the te fit set (ids: "
-              f"{', '.join(str(r.row_id) for r in runs)})", file=sys.stderr)
+        print(f"error: no usable published row {row_id!r} in data/published/published_fit.csv "
+              f"(`python bench/recipes_fit.py --all` lists them)", file=sys.stderr)
         raise SystemExit(2)
     r = hit[0]
-    c = resolve_calibration("default", "te").screening_constants
+    c = resolve_calibration("default", "te", gpu=r.cluster.gpu).screening_constants
     cfg = apply_layout_defaults(r.cfg, "te", r.explicit)
     b = MB.band("te", r.model.is_moe)
     copy = weight_copy_bytes(cfg.quant_code, c)
@@ -685,7 +683,7 @@ def main() -> None:
     ap.add_argument("--outside", action="store_true",
                     help="solve and check the memory outside torch's allocator (models/outside_memory.py) and exit")
     ap.add_argument("--recipe", default=None, metavar="ROW",
-                    help="print one published recipe's memory terms per pipeline stage (its row id) and exit")
+                    help="print one usable published row's memory terms per pipeline stage (its row id) and exit")
     ap.add_argument("--allocator", action="store_true",
                     help="fit and check torch's reserved-but-unallocated memory (models/allocator_memory.py) and exit")
     a = ap.parse_args()

@@ -39,13 +39,14 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true", help="every usable row, not only those predicted not to fit")
     ap.add_argument("--why", action="store_true", help="why the rows not fitting got no recipe settings")
     a = ap.parse_args(argv)
-    c = resolve_calibration("default", "te").screening_constants
     bad, tot = Counter(), Counter()
     over = []
     print(f"{'row':>4} {'GPU':6} {'model':16} {'layout':52} {'prec':6} {'upper':>6} {'usable':>6}  recipe settings | not modelled")
     for r in P.load():
         if not r.usable:
             continue
+        # the te profile of the row's GPU generation (Blackwell's: one FP8 copy per tensor, ...)
+        c = resolve_calibration("default", "te", gpu=r.cluster.gpu).screening_constants
         up, usable = row_bound(r, c)
         k = (r.gpu_type, "MoE" if r.moe else "dense")
         tot[k] += 1

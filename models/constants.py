@@ -36,6 +36,15 @@ class Constants:
     # fp8 training keeps an fp8 copy (and its transpose, for Hopper's TN-only FP8 GEMMs) of each
     # linear-layer weight (Transformer Engine): 1 + 1 bytes per weight.
     bytes_fp8_weight_copy: float = 2.0
+    # Quantized copies TE makes of a per-tensor-scaled FP8 operand (delayed and current scaling:
+    # weights, GEMM inputs, output gradients): its data and the transpose the wgrad / dgrad GEMMs read
+    # where the GPU's FP8 GEMMs are TN-only (Hopper): 2. Blackwell's FP8 GEMMs take either layout and
+    # TE makes no transpose (transformer_engine/pytorch/csrc/quantizer.cpp, Float8 quantizers:
+    # create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported()): 1, the te-blackwell
+    # profile's setting (bench/fit_blackwell.py BLACKWELL_SETTINGS). Scales bytes_fp8_weight_copy and
+    # the casts' writes (fp8_cast_*_bytes) per copy (models/quant.py). The block-scaled formats
+    # (MXFP8, NVFP4, FP8 blockwise) quantize along each axis apart: 2 copies on every GPU.
+    fp8_tensor_scaled_copies: float = 2.0
     # Bytes per activation element (bf16).
     bytes_activation: float = 2.0
     # Bytes per saved input of an FP8 GEMM under fp8 (Transformer Engine keeps the FP8 copy it

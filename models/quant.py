@@ -52,8 +52,10 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
         return None
     b = element_bytes(name)
     amax = c.bytes_activation if QUANT_FORMATS[name][3] else 0.0
-    fwd = c.fp8_cast_fwd_bytes * b + amax
-    bwd = (c.fp8_cast_bwd_bytes - c.fp8_cast_fwd_bytes) + c.fp8_cast_fwd_bytes * b + amax
+    # the casts' writes (fp8_cast_fwd_bytes: the two 1-byte copies) per copy the format makes
+    write = c.fp8_cast_fwd_bytes * b * copies(name, c) / 2.0
+    fwd = write + amax
+    bwd = (c.fp8_cast_bwd_bytes - c.fp8_cast_fwd_bytes) + write + amax
     if name == "nvfp4":  # TE's measured quantize pipelines (Hadamard transform, stochastic rounding)
         # at the peak bandwidth: the step divides cast bytes by hbm x hbm_efficiency
         fwd = c.nvfp4_quantize_input_bytes * c.hbm_efficiency
@@ -62,7 +64,14 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
         peak, eff, half = nvfp4_gemm_tflops(gpu, c), c.gemm_efficiency_max_fp4, c.gemm_half_dim_fp4
     else:
         peak, eff, half = gpu.fp8_tflops, c.gemm_efficiency_max_fp8, c.gemm_half_dim_fp8
-    return Quant(name, peak * 1e12, eff, half, b, fwd, bwd, c.bytes_fp8_weight_copy * b, c.bytes_fp8_activation * b)
+    return Quant(name, peak * 1e12, eff, half, b, fwd, bwd, weight_copy_bytes(code, c), c.bytes_fp8_activation * b)
+
+
+def copies(name: str, c: Constants) -> float:
+    """Quantized copies TE keeps of an operand in format `name`: per-tensor FP8 (no block scales)
+    Constants.fp8_tensor_scaled_copies (data + transpose on Hopper, data alone on Blackwell); the
+    block formats one per axis (2)."""
+    return c.fp8_tensor_scaled_copies if not QUANT_FORMATS[name][1] else 2.0
 
 
 def nvfp4_gemm_tflops(gpu: GPUSpec, c: Constants) -> float:
@@ -80,7 +89,7 @@ def nvfp4_gemm_tflops(gpu: GPUSpec, c: Constants) -> float:
 def weight_copy_bytes(code: int, c: Constants) -> float:
     """Bytes per linear-layer weight of its quantized copies (0 under bf16)."""
     name = QUANTS[int(code)]
-    return 0.0 if name == "bf16" else c.bytes_fp8_weight_copy * element_bytes(name)
+    return 0.0 if name == "bf16" else c.bytes_fp8_weight_copy * element_bytes(name) * copies(name, c) / 2.0
 
 
 def saved_input_bytes(code: int, c: Constants) -> float:

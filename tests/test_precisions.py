@@ -52,6 +52,32 @@ def test_scale_bytes_per_element():
     assert quant(g, 0, DEFAULT) is None
 
 
+def test_blackwell_keeps_one_copy_of_a_per_tensor_fp8_operand():
+    """TE makes the transpose of a per-tensor FP8 operand only where the FP8 GEMMs are TN-only
+    (Hopper); on Blackwell (fp8_tensor_scaled_copies 1, the te-blackwell profile's setting) one
+    copy, while the block formats quantize along each axis apart everywhere."""
+    from advisor.models.calibrate import resolve_calibration
+    from advisor.models.quant import weight_copy_bytes
+
+    bw = resolve_calibration("default", "te", gpu=load_gpu("gb200")).screening_constants
+    hop = resolve_calibration("default", "te", gpu=load_gpu("h100")).screening_constants
+    assert bw.fp8_tensor_scaled_copies == 1.0 and hop.fp8_tensor_scaled_copies == 2.0
+    fp8, cs, mx = (QUANTS.index(q) for q in ("fp8", "fp8-tensorwise", "mxfp8"))
+    assert weight_copy_bytes(fp8, hop) == 2.0 and weight_copy_bytes(cs, hop) == 2.0
+    assert weight_copy_bytes(fp8, bw) == 1.0 and weight_copy_bytes(cs, bw) == 1.0
+    assert weight_copy_bytes(mx, bw) == weight_copy_bytes(mx, hop) == pytest.approx(2 * (1 + 1 / 32))
+    g = load_gpu("gb200")
+    one, two = DEFAULT.replace(fp8_tensor_scaled_copies=1.0), DEFAULT
+    for code in (fp8, cs):  # the casts write one 1-byte copy instead of two
+        assert quant(g, code, two).cast_fwd_bytes - quant(g, code, one).cast_fwd_bytes == pytest.approx(1.0)
+        assert quant(g, code, two).cast_bwd_bytes - quant(g, code, one).cast_bwd_bytes == pytest.approx(1.0)
+    assert quant(g, mx, one) == quant(g, mx, two)
+    # memory: the quantized weight copies halve, nothing else moves
+    a, b = (stage_memory(M, cfg(precision="fp8"), c)[0] for c in (one, two))
+    assert b.weights_gib - a.weights_gib == pytest.approx(a.params * 1.0 / 2**30, rel=0.1)
+    assert (a.grads_gib, a.optimizer_gib, a.activations_gib) == (b.grads_gib, b.optimizer_gib, b.activations_gib)
+
+
 def test_speed_order_and_memory():
     tps = {p: predict(M, C, cfg(precision=p), DEFAULT).tokens_per_s_per_gpu for p in ("bf16", "fp8", "mxfp8", "nvfp4")}
     assert tps["bf16"] < tps["mxfp8"] <= tps["fp8"] < tps["nvfp4"]
