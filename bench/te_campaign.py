@@ -616,6 +616,25 @@ def s29d() -> list[dict]:
     return _on(OLMOE_8L, olm, 11) + _on(qw3(6), qw, 26) + _on(DSV2_12L, ds, 12) + _on(GPT3, gpt, 27)
 
 
+def s30() -> list[dict]:
+    """Session 30: why all experts on one GPU runs slow on our VM. `recommend --stack te` ranks EP 1
+    mbs 8 first for the OLMoE proxy and the Qwen3 proxy 6L, which measured 62% / 63% of EP 4 mbs 8
+    (te-olm-top-10 41,785 against te-olm-ep-03 67,448; te-qw3-top-24 35,322 against te-qw3-top-00
+    55,929 tok/s/GPU): the four layouts kernel-profiled (kernel_profile_steps 2: GPU busy time, each
+    host thread's issue time and launches; bench/host_issue.py, bench/kernel_profile.py). TE's
+    GroupedLinear keeps one weight per expert and linear, so EP 1 hands the optimizer and DDP 2 x 64
+    / 2 x 128 expert tensors per layer where EP 4 hands 2 x 16 / 2 x 32. Then the run that sets the te
+    MoE memory band's upper ratio (te-eqw3-rc-00: the Qwen3 proxy 12L EP4 mbs8 full recompute, 41.6
+    GiB allocated against 37.1 predicted, x1.122) again with its own settings: is it the layout or
+    that run's router?"""
+    te = dict(STACK_TE_CE, **STEADY)
+    kp = {"kernel_profile_steps": 2}
+    qw = [("kp", dict(dp=4, ep=1, mbs=8, **te, **kp)), ("kp", dict(dp=4, ep=4, mbs=8, **te, **kp))]
+    olm = [("kp", dict(dp=4, ep=1, mbs=8, **te, **kp)), ("kp", dict(dp=4, ep=4, mbs=8, **te, **kp))]
+    rc = [("rc", dict(dp=4, ep=4, mbs=8, recompute="full", cross_entropy_impl="unfused"))]
+    return _on(qw3(6), qw, 27) + _on(OLMOE_8L, olm, 12) + _on(qw3(12), rc, 29)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -740,7 +759,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s26-recompute": s26, "x4-te-s26c": s26c,
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
-           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d}
+           "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d,
+           "x4-te-s30": s30}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
