@@ -635,6 +635,20 @@ def s30() -> list[dict]:
     return _on(qw3(6), qw, 27) + _on(OLMOE_8L, olm, 12) + _on(qw3(12), rc, 29)
 
 
+def s30b() -> list[dict]:
+    """Session 30's second call: is the host time all experts on one GPU add per micro-batch or per
+    step? x4-te-s30's EP 1 mbs 8 profiles (one micro-batch a step) put ~0.9 ms of host issue per
+    local expert and layer beyond EP 4's, nearly all in the backward's thread: per micro-batch
+    (TE GroupedLinear's per-expert GEMM launches, the main-grad adds) or per step (megatron-core DDP's
+    per-parameter bucket registration on the last micro-batch, the optimizer's per-tensor loops)?
+    The same pairs at mbs 2 (four micro-batches a step), kernel-profiled: per micro-batch makes the
+    EP 1 - EP 4 host difference per step four times mbs 8's, per step leaves it as it was."""
+    te = dict(STACK_TE_CE, **STEADY)
+    kp = {"kernel_profile_steps": 2}
+    pair = [("kp", dict(dp=4, ep=1, mbs=2, **te, **kp)), ("kp", dict(dp=4, ep=4, mbs=2, **te, **kp))]
+    return _on(OLMOE_8L, pair, 14) + _on(qw3(6), pair, 30)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -760,7 +774,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
            "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d,
-           "x4-te-s30": s30}
+           "x4-te-s30": s30, "x4-te-s30b": s30b}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
