@@ -649,6 +649,18 @@ def s30b() -> list[dict]:
     return _on(OLMOE_8L, pair, 14) + _on(qw3(6), pair, 30)
 
 
+def s30c() -> list[dict]:
+    """Session 30's third call: GPT-3 2.7B TP2 SP DP2, BF16 against FP8 on the same four GPUs. Its
+    only FP8 / BF16 pairs so far ran on different machines (te-gpt3-kp-12 / -kp-25 and te-gpt3-sp-03 /
+    -host-26 against -kp-25: 1.02 / 1.08 measured, 0.889 predicted), and the layout is host-bound, so a
+    machine's host speed is in those ratios. mbs 4 and mbs 8, each in both precisions, back to back."""
+    ce = dict(cross_entropy_impl="unfused", **STEADY)
+    sp = dict(tp=2, dp=2, sequence_parallel=True, **ce)
+    rows = [("pair", dict(mbs=4, **sp)), ("pair", dict(mbs=4, precision="fp8", **sp)),
+            ("pair", dict(mbs=8, **sp)), ("pair", dict(mbs=8, precision="fp8", **sp))]
+    return _on(GPT3, rows, 28)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -774,7 +786,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
            "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d,
-           "x4-te-s30": s30, "x4-te-s30b": s30b}
+           "x4-te-s30": s30, "x4-te-s30b": s30b, "x4-te-s30c": s30c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
