@@ -661,6 +661,16 @@ def s30c() -> list[dict]:
     return _on(GPT3, rows, 28)
 
 
+def s30d() -> list[dict]:
+    """Session 30's last call: te-qw3-rc-29 (the Qwen3 proxy 12L EP4 mbs8 full recompute, unfused
+    cross entropy, expandable segments off: 41.7 GiB allocated, 37.1 predicted, the te MoE band's
+    largest ratio) with one more step under torch's allocator history (memory_snapshot_steps,
+    bench/memory_snapshot.py): it holds 39.8 GiB at the step's start against 29.4 GiB of weights,
+    gradients and optimizer states and the previous step's 7.1 GiB of fp32 main grads. What are the
+    other 3.1 GiB?"""
+    return _on(qw3(12), [("snap", dict(dp=4, ep=4, mbs=8, recompute="full", cross_entropy_impl="unfused", **SNAP))], 32)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -786,7 +796,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
            "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d,
-           "x4-te-s30": s30, "x4-te-s30b": s30b, "x4-te-s30c": s30c}
+           "x4-te-s30": s30, "x4-te-s30b": s30b, "x4-te-s30c": s30c, "x4-te-s30d": s30d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
