@@ -591,6 +591,13 @@ class Constants:
     moe_act_hidden_per_token: float = 1.5
     moe_act_ffn_per_token: float = 5.15
     moe_act_router_fp32: float = 2.87
+    # ... and, per routed token, the hidden-sized token buffers a MoE layer holds beside what it
+    # saves while it runs (the permutation's output, the all-to-alls' outputs, the experts' output
+    # before the combine, the unsort's output; and their gradients in its backward): freed before
+    # the next layer, so they add to the peak only where one layer's working set sits on top of
+    # the rest, the recompute working set of full recompute (models.memory). Measured with the te
+    # stack (MOE_TE_SETTINGS, models/moe.py): 0 here, where unmeasured.
+    moe_transient_hidden_per_token: float = 0.0
     # --moe-router-fusion: TE's fused score / top-k / aux-loss kernels read the fp32 T x E logits
     # once forward and once backward (transformer_engine.pytorch.router, fused_topk_with_score_function
     # and fused_compute_score_for_moe_aux_loss), instead of moe_router_passes unfused passes.

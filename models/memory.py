@@ -16,7 +16,7 @@ import numpy as np
 from advisor.catalog.specs import QUANTS, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
-from advisor.models.moe import moe_activation_elements
+from advisor.models.moe import moe_activation_elements, routed_tokens
 from advisor.models.allocator_memory import dense_block_bytes, logits_block_bytes, moe_buffer_bytes, reserved_free_gib
 from advisor.models.outside_memory import outside_allocator_arrays
 from advisor.models.quant import saved_input_bytes, weight_copy_bytes
@@ -331,17 +331,30 @@ def peak_memory_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np
 
 
 def activation_table(memo: Memo, key) -> np.ndarray:
-    """[K, 3]: one layer's activation bytes per kind with full recompute and without
-    (layer_activation_bytes; selective recompute stores what no recompute does), and its dropless
-    MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer), for a layer
+    """[K, 4]: one layer's activation bytes per kind with full recompute and without
+    (layer_activation_bytes; selective recompute stores what no recompute does), its dropless
+    MoE token buffers (allocator_memory.moe_buffer_bytes; 0 for a dense layer) and the MoE
+    layer's transient token buffers while it runs (moe_transient_bytes), for a layer
     shape (tp, cp, mbs, seq, ep, etp, sp, quant code, (grouped GEMM, router, capacity factor, padding))."""
     def make():
         cfg = layer_shape_config(key)
         moe = moe_buffer_bytes(memo.model, cfg, memo.c)
+        work = moe_transient_bytes(memo.model, cfg, memo.c)
         return np.array([[layer_activation_bytes(memo.model, i, cfg, memo.c, "full"),
                           layer_activation_bytes(memo.model, i, cfg, memo.c, "none"),
-                          moe if memo.model.is_moe_layer(i) else 0.0] for i in memo.kinds])
+                          moe if memo.model.is_moe_layer(i) else 0.0,
+                          work if memo.model.is_moe_layer(i) else 0.0] for i in memo.kinds])
     return memo.get("activations", key, make)
+
+
+def moe_transient_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants) -> float:
+    """Bytes of the hidden-sized token buffers one MoE layer holds on the busiest GPU while it runs,
+    beside what it saves (Constants.moe_transient_hidden_per_token per routed token, the routed
+    tokens at the busiest rank's load and gathered over expert TP); 0 for a dense model."""
+    if not model.is_moe or not c.moe_transient_hidden_per_token:
+        return 0.0
+    return (c.moe_transient_hidden_per_token * routed_tokens(model, cfg, c) * model.hidden_size * cfg.etp
+            * c.bytes_activation)
 
 
 def activation_keys(L: Layouts, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
@@ -501,8 +514,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
         acts = acts + (kept if L.dpo is None else np.where(L.dpo[r], 0.0, kept))
     if full.any():  # the recompute working set: the largest layer of the stage without recompute
         work = np.full(len(r), -np.inf)
-        for j in range(K):
-            work = np.where(whole[:, j] > 0, np.maximum(work, per_key[:, j, 1][key]), work)
+        for j in range(K):  # ... with a MoE layer's transient token buffers while it re-runs
+            work = np.where(whole[:, j] > 0, np.maximum(work, per_key[:, j, 1][key] + per_key[:, j, 3][key]), work)
         # block recompute of some of the layers (recompute_layers): a microbatch's backward frees its
         # kept layers (the chunk's last ones) before it re-runs a recomputed one, so the working set
         # does not raise the stage's peak (its backward's start); only where every layer is recomputed

@@ -577,6 +577,14 @@ MOE_TE_SETTINGS: dict[str, float] = {
     "moe_act_hidden_per_token": 1.0,
     "moe_act_ffn_per_token": 2.0,
     "moe_act_router_fp32": 2.0,
+    # the hidden-sized token buffers a TEGroupedMLP layer with the all-to-all dispatcher holds beside
+    # what it saves while it runs: measured at the recompute peak of the Qwen3 proxy 12L EP4 mbs8 full
+    # recompute (x4-te-s30d, te-qw3-snap-32, `python bench/memory_snapshot.py`): the permutation's
+    # output (1.00 GiB), the all-to-all's (1.12 in 2 blocks), the experts' fc2 output (1.12) and a
+    # second sort_chunks_by_idxs output (1.12) live beside the saved fc1 input, fc1 output and
+    # SwiGLU output: 4.36 GiB = 4.1 routed tokens x h x 2 B (1.07 GB each at the busiest rank's
+    # load); the twin runs without the snapshot held 41.6 / 41.7 GiB against 37.1 predicted without them
+    "moe_transient_hidden_per_token": 4.0,
     # the caching allocator's stranded MoE token buffers (allocator_memory.reserved_free_gib), fitted on
     # the te MoE stages: 1.641 by least squares (29 stages, 2 architectures; `python
     # bench/moe_allocator.py --pipeline`, p 0.5), where the local stack's is 0.971 (Constants)

@@ -132,7 +132,7 @@ def test_te_profile_predicts_our_te_moe_runs():
     # the runs the MoE constants were fitted with: sessions 24's to 28's (x4-te-s24* ... -s28*: the
     # DeepSeek-V2-Lite proxy among them) came after the fit (te_check prints every run)
     later = {json.loads(x)["id"] for g in ("x4-te-s24*.jsonl", "x4-te-s25*.jsonl", "x4-te-s26*.jsonl", "x4-te-s27*.jsonl",
-                                           "x4-te-s28*.jsonl", "x4-te-s29*.jsonl")
+                                           "x4-te-s28*.jsonl", "x4-te-s29*.jsonl", "x4-te-s30*.jsonl")
              for p in (ROOT / "bench/campaign_configs").glob(g) for x in p.read_text().splitlines() if x.strip()}
     moe_ids = {r.id for r in ds.records if r.model.is_moe and REPEAT.sub("", r.id) not in later}
     first = {}
