@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The Transformer Engine campaign (issue #22) on a lent 4-GPU machine, following
-# ../shared/gpu/te/TE.md (TE 2.20.2 travels in five parts of .te/, written by
-# `bash ../shared/gpu/te/pack-te.sh .`; megatron-core from `bash ../shared/gpu/pack-wheels.sh .`).
-#   calls 1-4 (carry .te/partN):  bash bench/te_device.sh part N
-#   call 5 (carry .te/part4 .te/whl .te/te.sha256 .te/install-te.sh .whl/megatron_core-*.whl):
+# ../shared/gpu/te/TE.md (TE 2.20.2 travels in parts of .te/, written by
+# `bash ../shared/gpu/te/pack-te.sh .` and re-split into seven by `bash bench/te_resplit.sh`: a call
+# carries 64 MiB with the ~16 MiB tree; megatron-core from `bash ../shared/gpu/pack-wheels.sh .`).
+#   calls 1-6 (carry .te/partN):  bash bench/te_device.sh part N      (N = 0..5)
+#   call 7 (carry .te/part6 .te/whl .te/te.sha256 .te/install-te.sh .whl/megatron_core-*.whl):
 #                                 bash bench/te_device.sh run SECONDS [BATCH ...]
 #   later calls on the same warm machine: the same `run` (TE is installed once).
 #   bash bench/te_device.sh tests     # the GPU runner tests, TE included

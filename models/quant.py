@@ -5,7 +5,9 @@ MLP / experts run quantized; core attention, the embedding, the output layer and
 BF16 (TE's autocast covers TE modules only). Per quantized GEMM TE writes two copies of its input
 (the row-wise one for the forward / dgrad GEMM, the column-wise one for wgrad: a transpose for
 per-tensor FP8, a second quantization along the other axis for the block formats), and in the
-backward the same for the output gradient; each copy carries its scales. The costs scale the fitted
+backward the same for the output gradient; each copy carries its scales. Blackwell's FP8 GEMMs take
+either layout, so there TE makes no transpose of a per-tensor FP8 operand: one copy
+(`Constants.fp8_tensor_scaled_copies`, the te-blackwell profile's 1; `copies`). The costs scale the fitted
 FP8 ones (`Constants.fp8_cast_*`, `bytes_fp8_*`: 1-byte elements, no scales) by the format's bytes
 per element (`constants.QUANT_FORMATS`), plus one read of the BF16 tensor where the scale needs
 the tensor's own amax (current scaling). NVFP4's casts are priced from TE's measured quantize
