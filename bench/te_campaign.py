@@ -671,6 +671,19 @@ def s30d() -> list[dict]:
     return _on(qw3(12), [("snap", dict(dp=4, ep=4, mbs=8, recompute="full", cross_entropy_impl="unfused", **SNAP))], 32)
 
 
+def s30e() -> list[dict]:
+    """Session 30's fifth call: is the te MoE band's spread the untrained router's? The Qwen3 proxy
+    12L EP4 layouts whose peaks the model under-predicts (te-qw3-alloc-14, mbs4: 55.1 GiB allocated
+    against 52.2; te-qw3-rc-29, mbs8 full recompute: 41.5 against 38.4) again with megatron-core's
+    forced load balancing (moe_router "forced": every expert gets its share, as NVIDIA's MoE
+    benchmarks route): at the snapshot steps those layouts held what the model predicts (22.2 GiB
+    live against 22.6; x4-te-s30d), and the runs' peaks came from the first steps, when the untrained
+    router is most skewed."""
+    rows = [("forced", dict(dp=4, ep=4, mbs=4, moe_router="forced", cross_entropy_impl="unfused", **ES)),
+            ("forced", dict(dp=4, ep=4, mbs=8, recompute="full", moe_router="forced", cross_entropy_impl="unfused"))]
+    return _on(qw3(12), rows, 33)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
     models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
@@ -796,7 +809,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s27a": lambda: s27()[:10], "x4-te-s27b": lambda: s27()[10:],
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
            "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d,
-           "x4-te-s30": s30, "x4-te-s30b": s30b, "x4-te-s30c": s30c, "x4-te-s30d": s30d}
+           "x4-te-s30": s30, "x4-te-s30b": s30b, "x4-te-s30c": s30c, "x4-te-s30d": s30d,
+           "x4-te-s30e": s30e}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
