@@ -583,7 +583,9 @@ MOE_TE_SETTINGS: dict[str, float] = {
     # output (1.00 GiB), the all-to-all's (1.12 in 2 blocks), the experts' fc2 output (1.12) and a
     # second sort_chunks_by_idxs output (1.12) live beside the saved fc1 input, fc1 output and
     # SwiGLU output: 4.36 GiB = 4.1 routed tokens x h x 2 B (1.07 GB each at the busiest rank's
-    # load); the twin runs without the snapshot held 41.6 / 41.7 GiB against 37.1 predicted without them
+    # load); the twin runs without the snapshot peaked at 41.5 / 41.7 GiB, predicted 37.1 without them
+    # and 38.4 with them; with forced load balancing 39.6 against 38.2 (x4-te-s30e: the rest of the
+    # aux-loss runs' excess is their untrained router's first steps)
     "moe_transient_hidden_per_token": 4.0,
     # the caching allocator's stranded MoE token buffers (allocator_memory.reserved_free_gib), fitted on
     # the te MoE stages: 1.641 by least squares (29 stages, 2 architectures; `python
