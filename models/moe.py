@@ -188,15 +188,17 @@ def nodes_hit(k: int, nodes: int) -> float:
 
 def ep_group_per_node(cluster: ClusterSpec, stride: int, size: int) -> int:
     """Ranks of an EP group (size ranks, `stride` apart: ETP is inner to EP in megatron-core's
-    rank order) that share a node."""
-    gpn = cluster.gpus_per_node
+    rank order) that share an NVLink domain: an HGX node, or the job's GPUs in one NVL72 rack
+    (ClusterSpec.domain_gpus: its 4-GPU trays talk over the rack's NVLink switches, as TP / CP / DP
+    groups do in collectives.group_links)."""
+    gpn = cluster.domain_gpus
     return max(1, min(size, gpn // stride)) if stride < gpn else 1
 
 
 def all_to_all_time(nbytes: float, n: int, stride: int, cluster: ClusterSpec, c: Constants) -> float:
-    """One NCCL all-to-all over n ranks, each sending nbytes in all (nbytes / n to each peer). In a
-    node: (n-1)/n of it over NVLink. Across nodes each rank's off-node share, (n-g)/n for g ranks
-    of the group per node, leaves through its own NIC (inter_node_bw_gbs per GPU) while the
+    """One NCCL all-to-all over n ranks, each sending nbytes in all (nbytes / n to each peer). In an
+    NVLink domain (ep_group_per_node): (n-1)/n of it over NVLink. Across domains each rank's
+    off-domain share, (n-g)/n for g ranks of the group per domain, leaves through its own NIC (inter_node_bw_gbs per GPU) while the
     in-node share rides NVLink at the same time: an all-to-all is not a ring, and the k NICs of a
     node that a ring collective drives together (step_time.group_link) do not add up for one rank.
     Latency: one message per peer, issued together (latency x sqrt(n-1), as the other collectives)."""
