@@ -46,6 +46,14 @@ def tp_collectives(c: dict) -> int:
     return (10 if c.get("sequence_parallel") else 4) if c["tp"] > 1 else 0
 
 
+def threads(kp: dict) -> tuple[dict, dict]:
+    """(main thread, autograd thread) of a kernel profile's two busiest host threads: the main
+    thread runs the forward and the optimizer step and synchronises; torch's autograd thread runs
+    the backward and never does."""
+    main = max(kp["host"][:2], key=lambda h: h["sync_ms"])
+    return main, next(h for h in kp["host"][:2] if h is not main)
+
+
 def host_row(r: dict) -> dict | None:
     """One profiled record's host quantities (None without a usable profile)."""
     kp = r.get("kernel_profile") or {}
@@ -54,8 +62,7 @@ def host_row(r: dict) -> dict | None:
     c = r["config"]
     m = c["gbs"] // (c["dp"] * c["mbs"])
     n = r["layers"] // c["pp"] * m
-    main = max(kp["host"][:2], key=lambda h: h["sync_ms"])  # the thread that synchronises
-    bwd = next(h for h in kp["host"][:2] if h is not main)  # the autograd thread
+    main, bwd = threads(kp)
     prof = 1000 * kp["overhead"]["profiled_step_s"]
     ann = kp["categories"].get("nccl other", {}).get("count", 0)  # the profiler's NCCL annotations
     device = kp["kernels"] - ann

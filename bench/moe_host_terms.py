@@ -25,6 +25,9 @@ from scipy.optimize import nnls
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from host_issue import threads  # noqa: E402  (beside this file)
+
 from advisor.runners.records import read_jsonl  # noqa: E402
 
 DEFAULT = ROOT / "data/measurements/h100x4-te.jsonl"
@@ -43,8 +46,7 @@ def rows(path: Path) -> list[dict]:
         moe = (r.get("model") or {}).get("moe")
         if r.get("status") != "ok" or not moe or len(kp.get("host", [])) < 2 or c.get("tp", 1) > 1 or c.get("pp", 1) > 1:
             continue
-        a, b = kp["host"][:2]
-        main, bwd = (a, b) if a["sync_ms"] >= b["sync_ms"] else (b, a)  # the autograd thread never syncs
+        main, bwd = threads(kp)
         out.append({"id": r["id"], "model": r["model_name"], "ep": c["ep"], "mbs": c["mbs"],
                     "m": c["gbs"] // (c["dp"] * c["mbs"]), "L": r["layers"],
                     "Lm": r["layers"] - (moe.get("first_dense_layers") or 0), "E": moe["num_experts"] // c["ep"],

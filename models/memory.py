@@ -358,7 +358,7 @@ def moe_transient_bytes(model: ModelSpec, cfg: TrainConfig, c: Constants) -> flo
 
 
 def activation_keys(L: Layouts, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
-    """(activation_table of every distinct layer shape of L, [keys, K, 3]; each stage's index into
+    """(activation_table of every distinct layer shape of L, [keys, K, 4]; each stage's index into
     it; the layer shapes, activation_table's keys)."""
     routers = [(e[1], e[2], e[3], e[4]) for e in L.extras]  # grouped GEMM, router, capacity factor, padding
     first, inv = unique_rows([L.tp, L.cp, L.mbs, L.seq, L.ep, L.etp, L.sp, L.fp8, extra_codes(L, routers)])

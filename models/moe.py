@@ -198,9 +198,10 @@ def ep_group_per_node(cluster: ClusterSpec, stride: int, size: int) -> int:
 def all_to_all_time(nbytes: float, n: int, stride: int, cluster: ClusterSpec, c: Constants) -> float:
     """One NCCL all-to-all over n ranks, each sending nbytes in all (nbytes / n to each peer). In an
     NVLink domain (ep_group_per_node): (n-1)/n of it over NVLink. Across domains each rank's
-    off-domain share, (n-g)/n for g ranks of the group per domain, leaves through its own NIC (inter_node_bw_gbs per GPU) while the
-    in-node share rides NVLink at the same time: an all-to-all is not a ring, and the k NICs of a
-    node that a ring collective drives together (step_time.group_link) do not add up for one rank.
+    off-domain share, (n-g)/n for g ranks of the group per domain, leaves through its own NIC
+    (inter_node_bw_gbs per GPU) while the in-domain share rides NVLink at the same time: an
+    all-to-all is not a ring, and the k NICs that a ring collective drives together
+    (collectives.group_links) do not add up for one rank.
     Latency: one message per peer, issued together (latency x sqrt(n-1), as the other collectives)."""
     if n <= 1 or nbytes <= 0:
         return 0.0

@@ -3,7 +3,6 @@
 stack by an allocator snapshot at the recompute's peak (x4-te-s30d, te-qw3-snap-32)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,13 @@ from advisor.models.calibrate import resolve_calibration
 from advisor.models.dataset import legacy_config
 from advisor.models.memory import moe_transient_bytes, stage_memory
 from advisor.models.moe import MOE_TE_SETTINGS, routed_tokens
+from advisor.runners.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def record(rid: str) -> dict:
-    for line in (ROOT / "data/measurements/h100x4-te.jsonl").read_text(encoding="utf-8").splitlines():
-        r = json.loads(line)
-        if r["id"] == rid:
-            return r
-    raise AssertionError(rid)
+    return next(r for r in read_jsonl(ROOT / "data/measurements/h100x4-te.jsonl") if r.get("id") == rid)
 
 
 def layout(rid: str):
