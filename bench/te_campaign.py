@@ -35,12 +35,12 @@ CONFIGS = HERE / "campaign_configs"
 RUN = {"warmup": 2, "steps": 5, "stack": "te"}
 
 
-def _jobs(model, tag, rows, first=0, **common):
-    """Batch lines te-<tag>-<feature>-<n>, n counting from `first` (later batches go on numbering
-    where the earlier ones stopped: te_device.sh skips ids already measured)."""
+def _jobs(model, tag, rows, first=0, prefix="te", **common):
+    """Batch lines <prefix>-<tag>-<feature>-<n>, n counting from `first` (later batches go on
+    numbering where the earlier ones stopped: te_device.sh skips ids already measured)."""
     out = []
     for n, (feature, kw) in enumerate(rows, first):
-        out.append({"model": model, **common, **RUN, **kw, "id": f"te-{tag}-{feature}-{n:02d}"})
+        out.append({"model": model, **common, **RUN, **kw, "id": f"{prefix}-{tag}-{feature}-{n:02d}"})
     return out
 
 
@@ -283,10 +283,10 @@ def qw3(layers: int) -> tuple:
     return (QWEN3_PROXY, "qw3", dict(layers=layers, seq=4096, gbs=32))
 
 
-def _on(model: tuple, rows: list, first: int) -> list[dict]:
+def _on(model: tuple, rows: list, first: int, prefix: str = "te") -> list[dict]:
     """_jobs of `rows` on one of the models above, numbered from `first`."""
     name, tag, kw = model
-    return _jobs(name, tag, rows, first=first, **kw)
+    return _jobs(name, tag, rows, first=first, prefix=prefix, **kw)
 
 
 def _press(layout: dict, headroom: float, *settings: dict) -> tuple[str, dict]:
@@ -684,9 +684,58 @@ def s30e() -> list[dict]:
     return _on(qw3(12), rows, 33)
 
 
+# Batches named x2-h200-* run on two H200s (the device tool's nvidia-h200-x2; ids h2te-*, records
+# data/measurements/h200x2-te.jsonl); the others on four H100s.
+def where(batch: str) -> tuple[str, int]:
+    """(cluster, GPUs) a batch runs on."""
+    return ("h200x2", 2) if batch.startswith("x2-h200") else ("h100x4", 4)
+
+
+def s32() -> list[dict]:
+    """Session 32, issues #22 / #27: the te stack on a GPU it was never fitted or checked on, two
+    H200s (141 GB HBM3e at 4.8 TB/s against the H100's 80 GB at 3.35; the same 989 dense BF16
+    TFLOP/s; the same 700 W cap), every layout predicted before it ran (bench/campaign_configs/
+    x2-h200-te-*.predicted.txt): llama3-8b 8L and GPT-3 2.7B (DP, TP2 SP, CP2, PP2, FP8),
+    llama3-70b 4L (TP2 SP, DP2), the Qwen3 / OLMoE / Mixtral proxies (EP 1 / 2, FP8, TP2 SP with EP),
+    `recommend --stack te`'s #1 on h200x2 for each model (llama3-8b DP2 mbs16 at 126.9 GiB of 136.4
+    usable: the memory edge of a 141 GB GPU), and the power model's claim that these layouts hold
+    the H200 at its 700 W cap (llama3-8b DP2 mbs16: 836 W at full clock, 100% throttled)."""
+    h2 = "h2te"
+    st = dict(STACK_TE_CE)
+    f8 = dict(precision="fp8", **FPG)
+    l8 = [("dp", dict(dp=2, mbs=2, **st)), ("dp", dict(dp=2, mbs=4, **st)), ("dp", dict(dp=2, mbs=8, **st)),
+          ("top", dict(dp=2, mbs=16, **st)),
+          ("sp", dict(tp=2, dp=1, mbs=4, sequence_parallel=True, **st)),
+          ("cp", dict(cp=2, dp=1, mbs=4, **st)), ("pp", dict(pp=2, dp=1, mbs=2, **st)),
+          ("fp8", dict(dp=2, mbs=4, **f8, **st)), ("fp8", dict(dp=2, mbs=8, **f8, **st)),
+          ("fp8", dict(tp=2, dp=1, mbs=4, sequence_parallel=True, **f8, **st)),
+          ("top", dict(dp=2, mbs=16, **f8, **st)), ("rc", dict(dp=2, mbs=16, recompute="selective", **st))]
+    gpt = [("dp", dict(dp=2, mbs=8, **st)), ("dp", dict(dp=2, mbs=16, **st)),
+           ("sp", dict(tp=2, dp=1, mbs=8, sequence_parallel=True, **st)), ("fp8", dict(dp=2, mbs=8, **f8, **st)),
+           ("top", dict(dp=2, mbs=16, **f8, **st))]
+    l70 = [("sp", dict(tp=2, dp=1, mbs=1, sequence_parallel=True, **st)),
+           ("sp", dict(tp=2, dp=1, mbs=2, sequence_parallel=True, **st)),
+           ("dp", dict(dp=2, mbs=1, **st)), ("top", dict(dp=2, mbs=8, **st)),
+           ("fp8", dict(tp=2, dp=1, mbs=2, sequence_parallel=True, **f8, **st)),
+           ("top", dict(tp=2, dp=1, mbs=16, sequence_parallel=True, **f8, **st))]
+    te = dict(st, **STEADY)
+    qw = [("ep", dict(dp=2, ep=2, mbs=1, **te)), ("ep", dict(dp=2, ep=2, mbs=4, **te)),
+          ("ep", dict(dp=2, ep=1, mbs=4, **te)), ("fp8", dict(dp=2, ep=2, mbs=4, **f8, **te)),
+          ("moetp", dict(tp=2, dp=1, ep=2, etp=1, mbs=4, sequence_parallel=True, **te)),
+          ("top", dict(dp=2, ep=1, mbs=16, **te)), ("top", dict(dp=2, ep=2, mbs=16, **te)),
+          ("top", dict(dp=2, ep=1, mbs=16, **f8, **te))]
+    olm = [("ep", dict(dp=2, ep=2, mbs=4, **te)), ("ep", dict(dp=2, ep=1, mbs=8, **te)),
+           ("top", dict(dp=2, ep=1, mbs=16, **te)), ("top", dict(dp=2, ep=2, mbs=16, **te))]
+    mix = [("ep", dict(dp=2, ep=2, mbs=1, **te)), ("ep", dict(dp=2, ep=2, mbs=2, **te)),
+           ("top", dict(dp=2, ep=1, mbs=8, **te))]
+    return (_on(L8_8L, l8, 0, h2) + _on(GPT3, gpt, 0, h2) + _on(("llama3-70b", "l70b", dict(layers=4, seq=4096, gbs=16)), l70, 0, h2)
+            + _on(qw3(6), qw, 0, h2) + _on(OLMOE_8L, olm, 0, h2) + _on(MIX_4L, mix, 0, h2))
+
+
 def predict(names: list[str]) -> int:
-    """Each job's predicted peak GiB per GPU with the te profile (recommend's memory screen:
-    models.memory's fullest stage), the te band's upper bound and the usable memory of an H100; and
+    """Each job's predicted peak GiB per GPU with the te profile (models.memory's fullest stage), the
+    te band's upper bound, as pressed (recommend's screen, its verdict) and the usable memory of the
+    batch's GPU (`where`); and
     its tokens/s/GPU and step time as the te profile predicts our runs (profile_fit.on_vm: our VM's
     host issue costs; the router skew the profile ships, none measured for a new shape)."""
     from advisor.catalog import load_cluster, load_gpu
@@ -698,25 +747,27 @@ def predict(names: list[str]) -> int:
     from advisor.models.profile_fit import on_vm
     from advisor.runners import measure as M
 
-    c = resolve_calibration("default", "te").screening_constants
     vm = on_vm(resolve_calibration("te")).constants
-    cluster = load_cluster("h100x4")
-    gib = load_gpu("h100").memory_gib
-    usable = c.usable_memory_gib(gib)
-    print(f"H100 {gib:.0f} GiB, usable {usable:.1f} GiB (te profile, default margin)")
-    print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6}  verdict  {'tok/s/GPU':>9} {'step s':>7}")
     for name in names:
+        cluster = load_cluster(where(name)[0])
+        c = resolve_calibration("default", "te", gpu=cluster.gpu).screening_constants
+        gib = cluster.gpu.memory_gib
+        usable = c.usable_memory_gib(gib)
+        print(f"== {name}: {cluster.name}, {gib:.0f} GiB, usable {usable:.1f} GiB (te profile, default margin)")
+        print(f"{'id':18} {'layout':44} {'pred':>6} {'upper':>6} {'press':>6}  verdict  {'tok/s/GPU':>9} {'step s':>7}")
         for line in (CONFIGS / f"{name}.jsonl").read_text().splitlines():
-            e = M.entry_from_line(json.loads(line), 4)
+            e = M.entry_from_line(json.loads(line), where(name)[1])
             if e.refused:
                 print(f"{e.id:18} REFUSED {e.refused}")
                 continue
             k, g = e.config, peak_memory_gib(e.model, e.config, c)
             up = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c)  # each stage with its own terms
+            # recommend's screen: with expandable segments, less the cache the allocator gives back when pressed
+            upp = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c, under_pressure=True)
             lay = (f"L{e.model.num_layers} s{k.seq} TP{k.tp} PP{k.pp}v{k.vp} EP{k.ep} DP{k.dp} "
                    f"mbs{k.mbs} rc={k.recompute}")
             p = predict_one(e.model, cluster, k, vm, check_legal=False)
-            print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f}  {'fits' if up <= usable else 'OVER':7}  "
+            print(f"{e.id:18} {lay:44} {g:6.1f} {up:6.1f} {upp:6.1f}  {'fits' if upp <= usable else 'OVER':7}  "
                   f"{p.tokens_per_s_per_gpu:9.0f} {p.step_time_s:7.3f}")
     return 0
 
@@ -730,7 +781,8 @@ PROFILE_FIXED_S = 20.0
 # Steps a job runs besides warmup + steps: the memory probe's step (megatron_worker.probe_memory)
 # and, for MoE models, the MoE sub-step timing's (megatron_args.MOE_PROFILE_STEPS).
 MEMORY_PROBE_STEPS, MOE_PROBE_STEPS = 1, 2
-PRIOR = sorted((HERE.parent / "data/measurements").glob("h100x4-te*.jsonl"))
+PRIOR = sorted((HERE.parent / "data/measurements").glob("h100x4-te*.jsonl")) + sorted(
+    (HERE.parent / "data/measurements").glob("h200x2-te*.jsonl"))
 
 
 def _layout_key(c: dict) -> tuple:
@@ -770,7 +822,7 @@ def estimate(names: list[str], budget: float) -> int:
         print(f"== {name}")
         for line in (CONFIGS / f"{name}.jsonl").read_text().splitlines():
             j = json.loads(line)
-            e = M.entry_from_line(j, 4)
+            e = M.entry_from_line(j, where(name)[1])
             c = e.config.to_dict()
             group = [r for r in ok if (r["model_name"], r.get("layers"), r["config"]["seq"], r["config"]["gbs"])
                      == (e.model_name, e.model.num_layers, c["seq"], c["gbs"])]
@@ -810,7 +862,11 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x4-te-s27c": s27c, "x4-te-s27d": s27d, "x4-te-s27e": s27e,
            "x4-te-s28a": s28, "x4-te-s28b": s28b, "x4-te-s28c": s28c, "x4-te-s29": s29, "x4-te-s29b": s29b, "x4-te-s29c": s29c, "x4-te-s29d": s29d,
            "x4-te-s30": s30, "x4-te-s30b": s30b, "x4-te-s30c": s30c, "x4-te-s30d": s30d,
-           "x4-te-s30e": s30e}
+           "x4-te-s30e": s30e,
+           # three calls on nvidia-h200-x2: llama3-8b and GPT-3, then llama3-70b and Qwen3, then OLMoE and Mixtral
+           "x2-h200-te-a": lambda: [j for j in s32() if j["id"].startswith(("h2te-l8b", "h2te-gpt3"))],
+           "x2-h200-te-b": lambda: [j for j in s32() if j["id"].startswith(("h2te-l70b", "h2te-qw3"))],
+           "x2-h200-te-c": lambda: [j for j in s32() if j["id"].startswith(("h2te-olm", "h2te-mix"))]}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

@@ -16,7 +16,8 @@
 #   bash bench/te_device.sh nvml      # the telemetry contract against the real NVML (#23)
 #   bash bench/te_device.sh tune SECONDS TRIALS   # a real `tune --runner megatron --stack te` study
 #                                     # (carry .whl/optuna, sqlalchemy, alembic, mako, colorlog, markupsafe)
-# Records land in $OUT/<batch>.jsonl: commit them as data/measurements/h100x4-te*.jsonl.
+# Records land in $OUT/<batch>.jsonl: commit them as data/measurements/h100x4-te*.jsonl (batches x4-*,
+# kind nvidia-h100-x4) or h200x2-te.jsonl (batches x2-h200-*, kind nvidia-h200-x2).
 set -uo pipefail
 step=${1:?usage: bash bench/te_device.sh part N | run SECONDS [BATCH ...] | tests | nccl | window | tune SECONDS TRIALS}
 OUT=${OUT:-/tmp/advisor-out}
@@ -44,10 +45,12 @@ run)
   budget=${2:-500}; shift 2
   # jobs already measured (data/measurements/h100x4-te*.jsonl) are skipped; the canary batch runs
   # only with CANARY=1 (its features were verified by the committed records)
-  for f in data/measurements/h100x4-te*.jsonl; do cp "$f" "$OUT/prior-$(basename "$f")"; done
+  for f in data/measurements/h100x4-te*.jsonl data/measurements/h200x2-te*.jsonl; do
+    [ -f "$f" ] && cp "$f" "$OUT/prior-$(basename "$f")"
+  done
   python3 bench/te_campaign.py run --budget "$budget" --out "$OUT" $([ -n "${CANARY:-}" ] || echo --no-canary) ${1:+--batches "$@"}
   rm -rf "$OUT"/*.runs "$OUT"/prior-*.jsonl
-  python3 bench/te_campaign.py table "$OUT"/x4-te*.jsonl
+  python3 bench/te_campaign.py table "$OUT"/x[24]-*.jsonl
   ;;
 tests)
   pytest_deps || exit 2
