@@ -35,6 +35,7 @@ from advisor.search_spaces.space import SpaceOptions  # noqa: E402
 from moe_check import runner_router_skews, shape_of  # noqa: E402  (beside this file)
 
 RUNS = [ROOT / "data/measurements/h100x4-te.jsonl", ROOT / "data/measurements/tune-llama3-8b-h100x4-te.jsonl",
+        ROOT / "data/measurements/h200x2-te.jsonl",
         ROOT / "data/measurements/h100x4-te-edge.jsonl"]
 REPEAT = re.compile(r"-call\d+$")
 TARGET = 0.97
