@@ -732,6 +732,30 @@ def s32() -> list[dict]:
             + _on(qw3(6), qw, 0, h2) + _on(OLMOE_8L, olm, 0, h2) + _on(MIX_4L, mix, 0, h2))
 
 
+def s32d() -> list[dict]:
+    """Session 32's fourth call, issue #27: the memory edge of a 141 GB GPU, predicted before it ran
+    (x2-h200-te-d.predicted.txt). Five layouts recommend's screen passes just under the H200's
+    usable 136.4 GiB (band upper 119-132 GiB: llama3-8b 15L DP2 mbs8, llama3-70b 5L DP2 mbs8, the
+    Qwen3 proxy EP 1 / 2 mbs24, Mixtral EP2 mbs12): none may run out of memory. Five it rejects
+    though their point prediction is 117-135 GiB (llama3-8b 16L mbs8, llama3-70b 6L mbs8, Mixtral
+    EP2 mbs16, Qwen3 EP2 mbs32, OLMoE EP2 mbs24): how much of the band's width a large GPU needs.
+    Two warmup steps and three measured: the peak, not the speed, is the point (an untrained
+    router's first steps are its most skewed)."""
+    h2, short = "h2te", dict(warmup=2, steps=3)
+    st = dict(STACK_TE_CE, **short)
+    fit = (_jobs("llama3-8b", "l8b", [("edge", dict(dp=2, mbs=8, **st))], 12, h2, layers=15, seq=4096, gbs=32)
+           + _jobs("llama3-70b", "l70b", [("edge", dict(dp=2, mbs=8, **st))], 6, h2, layers=5, seq=4096, gbs=32)
+           + _jobs(QWEN3_PROXY, "qw3", [("edge", dict(dp=2, ep=1, mbs=24, **st)), ("edge", dict(dp=2, ep=2, mbs=24, **st))],
+                   8, h2, layers=6, seq=4096, gbs=48)
+           + _jobs(MIXTRAL_PROXY, "mix", [("edge", dict(dp=2, ep=2, mbs=12, **st))], 3, h2, layers=4, seq=4096, gbs=24))
+    over = (_jobs("llama3-8b", "l8b", [("edge", dict(dp=2, mbs=8, **st))], 13, h2, layers=16, seq=4096, gbs=32)
+            + _jobs("llama3-70b", "l70b", [("edge", dict(dp=2, mbs=8, **st))], 7, h2, layers=6, seq=4096, gbs=32)
+            + _jobs(MIXTRAL_PROXY, "mix", [("edge", dict(dp=2, ep=2, mbs=16, **st))], 4, h2, layers=4, seq=4096, gbs=32)
+            + _jobs(QWEN3_PROXY, "qw3", [("edge", dict(dp=2, ep=2, mbs=32, **st))], 10, h2, layers=6, seq=4096, gbs=64)
+            + _jobs(OLMOE_PROXY, "olm", [("edge", dict(dp=2, ep=2, mbs=24, **st))], 4, h2, layers=8, seq=4096, gbs=48))
+    return fit + over
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (models.memory's fullest stage), the
     te band's upper bound, as pressed (recommend's screen, its verdict) and the usable memory of the
@@ -866,7 +890,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            # three calls on nvidia-h200-x2: llama3-8b and GPT-3, then llama3-70b and Qwen3, then OLMoE and Mixtral
            "x2-h200-te-a": lambda: [j for j in s32() if j["id"].startswith(("h2te-l8b", "h2te-gpt3"))],
            "x2-h200-te-b": lambda: [j for j in s32() if j["id"].startswith(("h2te-l70b", "h2te-qw3"))],
-           "x2-h200-te-c": lambda: [j for j in s32() if j["id"].startswith(("h2te-olm", "h2te-mix"))]}
+           "x2-h200-te-c": lambda: [j for j in s32() if j["id"].startswith(("h2te-olm", "h2te-mix"))],
+           "x2-h200-te-d": s32d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
