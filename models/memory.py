@@ -497,6 +497,9 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     shard = np.where(L.dist_opt[r], dense / d + experts / edp, total)
     opt = c.bytes_optimizer * shard
     transient = c.bytes_optimizer_transient * shard
+    if L.fpg is not None:  # FP8 primary weights: the shard's linear weights re-quantized in the step
+        linear_shard = params[:, 2] * np.divide(shard, total, out=np.zeros(len(r)), where=total > 0)
+        transient = transient + np.where(L.fpg[r], c.bytes_fpg_step_transient * linear_shard, 0.0)
     if not L.partial_recompute:
         acts = np.zeros(len(r))
         for j in range(K):  # a layer's bytes per kind with the stage's recompute mode

@@ -126,8 +126,9 @@ def test_te_band_is_fitted_on_te_runs_and_the_outside_term_matches_the_oom_messa
                 b.hi * 49.56 + b.add_hi_gib + 0.44 + ehi + 8.0)
             assert b.interval(50.0, 8.0, 0.44, True, False, 2.0)[1] == pytest.approx(
                 b.hi * 49.56 + b.add_hi_gib + max(b.rf_hi_scale * 2.0 + b.rf_hi_gib, 2.0) + 8.0)
-            # session 27's stack runs (expandable segments on, DP only): up to 1.35 GiB over R
-            assert ehi < 1.5 and ehi < b.rf_hi_scale * 2.0 + b.rf_hi_gib
+            # session 27's stack runs (expandable segments on, DP only): up to 1.35 GiB over R; session
+            # 32's H200 runs at micro-batch 16 (8-16 GiB blocks): up to 3.41
+            assert ehi < 3.5 and ehi < b.rf_hi_scale * 2.0 + b.rf_hi_gib
             # a periodic schedule is bounded by the narrower of its own lines and the pooled ones
             R = np.linspace(0.5, 20.0, 40)
             assert np.all(b.reserved_free_interval(R, False, True)[1] <= b.reserved_free_interval(R, False, False)[1])
@@ -330,7 +331,8 @@ def test_reserved_envelope_forms():
 
 def test_expandable_segments_spread_follows_the_schedule():
     """With expandable segments on, a periodic layout strands little (R + the periodic runs' range,
-    under 1.5 GiB over R: 0.2 until session 27's DP runs at 41-69 GiB), a pipeline-interleaved or CP layout up to the expandable-off line
+    under 3.5 GiB over R: 0.2 until session 27's DP runs at 41-69 GiB, 1.35 with them, 3.4 with session 32's H200 runs at
+    micro-batch 16), a pipeline-interleaved or CP layout up to the expandable-off line
     at its own R_off: every run with them on lies inside its interval, and the pooled form (every
     layout R + the largest residual, 6.2 GiB for GPT-3 PP2 VP16's) fails the periodic bound."""
     mod, rs = memory_edge_rows()
@@ -342,7 +344,7 @@ def test_expandable_segments_spread_follows_the_schedule():
         assert lo - 1e-9 <= r["measured"] - r["measured_alloc"] <= hi + 1e-9, r["id"]
         pooled = r["rf"] + b.rf_hi_expandable_gib
         if r["periodic"]:
-            assert hi - r["rf"] < 1.5 and pooled - r["rf"] > 5.0, r["id"]  # the pooled form: several x wider
+            assert hi - r["rf"] < 3.5 and pooled - r["rf"] > 5.0, r["id"]  # the pooled form: wider still
         else:  # never under what a periodic layout gets, and the expandable-off line at R_off
             assert hi >= r["rf"] + b.rf_expandable_periodic[1]
             assert hi == pytest.approx(max(b.reserved_free_interval(r["rf_off"], False, False)[1], r["rf"]))
