@@ -36,10 +36,12 @@ class Constants:
     # ... and with FP8 primary weights (TrainConfig.fp8_param_gather) the optimizer step's peak rises
     # above the step start's by 2 B per linear-layer parameter of the rank's optimizer shard (its
     # updated weights re-quantized to TE's FP8 data + transpose while the old ones are held), 0 without
-    # them. Measured (memory_phases: optimizer_peak_gib - static_gib) on every te FP8 run: +0.8 GiB
+    # them. Measured (memory_phases: optimizer_peak_gib - static_gib) on te FP8 runs with them: +0.8 GiB
     # llama3-8b 8L DP4, +1.7 DP2 and TP2 DP1, llama3-70b 4L +1.7 DP4 / TP4 DP1, +3.4 TP2 DP1, GPT-3
     # 2.7B DP2 +2.4, the Qwen3 proxy 6L EP2 DP2 +3.4-3.5 (1.97-2.13 B per shard linear parameter;
-    # data/measurements/h100x4-te.jsonl, h200x2-te.jsonl); +0.0 on all 31 runs without them.
+    # data/measurements/h100x4-te.jsonl, h200x2-te.jsonl); +0.0 on all 31 runs without them. (The
+    # other MoE runs' excess, DeepSeek-V2-Lite proxy +2.8, Mixtral TP4 +2.7, OLMoE +1.5 GiB, is not
+    # checked term by term.)
     bytes_fpg_step_transient: float = 2.0
     # fp8 training keeps an fp8 copy (and its transpose, for Hopper's TN-only FP8 GEMMs) of each
     # linear-layer weight (Transformer Engine): 1 + 1 bytes per weight.
