@@ -212,13 +212,26 @@ def check(path: Path) -> int:
     return 0
 
 
+def grid_bias() -> list[dict]:
+    """gpt-oss's experts carry biases (GroupedLinear bias=True: a bias add forward and a bias-gradient
+    reduction per expert backward): its shape with and without them, BF16, 4 / 32 local experts."""
+    pts = []
+    for e in LOCAL_EXPERTS:
+        for n in (512, 2048, 8192):
+            for bias in (False, True):
+                pts.append({"shape": "gpt-oss-120b", "h": 2880, "f": 2880, "e_loc": e, "n": n,
+                            "precision": "bf16", "bias": bias})
+    return pts
+
+
 def measure(torch, te, pt: dict, clock, recipe) -> dict:
     from advisor.runners.kernel_probe import run_profiled, summarize
 
     dev = torch.device("cuda:0")
     e, n, h, f = pt["e_loc"], pt["n"], pt["h"], pt["f"]
-    fc1 = te.GroupedLinear(e, h, 2 * f, bias=False, params_dtype=torch.bfloat16, device=dev)
-    fc2 = te.GroupedLinear(e, f, h, bias=False, params_dtype=torch.bfloat16, device=dev)
+    bias = bool(pt.get("bias", False))
+    fc1 = te.GroupedLinear(e, h, 2 * f, bias=bias, params_dtype=torch.bfloat16, device=dev)
+    fc2 = te.GroupedLinear(e, f, h, bias=bias, params_dtype=torch.bfloat16, device=dev)
     x = torch.randn(e * n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(e * n, h, device=dev, dtype=torch.bfloat16)
     splits = [n] * e
@@ -272,13 +285,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="two token counts per shape")
     ap.add_argument("--list", action="store_true", help="print the grid and exit")
+    ap.add_argument("--bias", action="store_true", help="the gpt-oss shape with and without expert biases "
+                    "(grid_bias), into grouped_gemm_rates_bias.jsonl")
     ap.add_argument("--check", nargs="?", const=str(ROOT / "data/microbench/h200x1-grouped-gemm.jsonl"),
                     help="the model against the measured points (CPU)")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds; the points left are skipped")
     a = ap.parse_args(argv)
     if a.check:
         return check(Path(a.check))
-    pts = grid(a.quick)
+    pts = grid_bias() if a.bias else grid(a.quick)
     if a.list or not a.out:
         for p in pts:
             print(p)
@@ -298,7 +313,7 @@ def main(argv=None) -> int:
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=1024, amax_compute_algo="max")
     clock = ClockSampler()
     start = time.time()
-    path = out / "grouped_gemm_rates.jsonl"
+    path = out / ("grouped_gemm_rates_bias.jsonl" if a.bias else "grouped_gemm_rates.jsonl")
     done = 0
     with path.open("a") as fh:
         for p in pts:
@@ -317,7 +332,7 @@ def main(argv=None) -> int:
             if "error" in r:
                 print(f"{p} ERROR {r['error']}", flush=True)
             else:
-                print(f"{p['shape']:18} E{p['e_loc']:<3} n{p['n']:<6} {p['precision']:4} wall {r['wall_ms']:8.3f} "
+                print(f"{p['shape']:18} E{p['e_loc']:<3} n{p['n']:<6} {p['precision']:4}{' bias' if p.get('bias') else ''} wall {r['wall_ms']:8.3f} "
                       f"gpu {r['gpu_ms']:8.3f} gemm {r['gemm_ms']:8.3f} host {r['host_ms']} ms "
                       f"{r['tflops_wall']:7.1f}/{r['tflops_gemm']} TF/s {r['sm_mhz']} MHz", flush=True)
     return 0

@@ -10,6 +10,7 @@
 #   bash bench/te_device.sh tests     # the GPU runner tests, TE included
 #   bash bench/te_device.sh nccl      # NCCL bandwidth vs size (bench/nccl_bw_gpu.py), 4 GPUs
 #   bash bench/te_device.sh grouped [SECONDS]  # TE GroupedLinear experts kernels alone (#24), 1 GPU
+#   bash bench/te_device.sh sinks     # TE attention with learnable softmax offsets / windows (#24), 1 GPU
 #   bash bench/te_device.sh window    # TE fused attention with sliding windows (#29), 1 GPU
 #   bash bench/te_device.sh outside   # memory outside torch's allocator, step by step (#27), 4 GPUs,
 #                                     # under four NCCL environments (bench/outside_memory_gpu.py)
@@ -83,6 +84,10 @@ outside-mcore)
 nvml)
   pytest_deps || exit 2
   timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/contracts/test_telemetry_contract.py 2>&1 | tail -8
+  ;;
+sinks)
+  timeout 200 python3 bench/attention_sinks_gpu.py "$OUT/h200x1-attention-sinks.jsonl" 2>&1 | grep -v -i warn | tail -30
+  timeout 200 python3 bench/grouped_gemm_rates.py --bias --out "$OUT" --budget 150 2>&1 | grep -v -i warn | tail -14
   ;;
 grouped)
   timeout 560 python3 bench/grouped_gemm_rates.py --out "$OUT" --budget ${2:-450} 2>&1 | grep -v -i warn | tail -200
