@@ -399,7 +399,7 @@ def recommend(model: str | ModelSpec, cluster: str | ClusterSpec, *, seq: int | 
         scs.update(zip(idx, got))
     band = memory_band.band(st.name, m.is_moe)
     for i, (cfg, p) in enumerate(shown):
-        sms = stage_memory(m, cfg, rank_constants)  # each stage's outside and reserved-but-unallocated terms
+        sms = stage_memory(m, cfg, rank_constants, gpu=c.gpu)  # each stage's outside and reserved-but-unallocated terms
         cap, sweep = chosen.get(cfg.key(), (c.power_cap_w, None))
         at = with_power_cap(c, cap)
         sc = scs.get(i)

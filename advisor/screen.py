@@ -43,7 +43,7 @@ def screen(m: ModelSpec, c: ClusterSpec, L_all, constants: Constants, stack: str
     band = MB.band(stack, m.is_moe)
     # each stage with its own outside term; with expandable segments on, the allocator's cache past
     # what it could not give back when pressed is not counted (Band.rf_pressure_expandable_gib)
-    mems, upper, tight, outside = band_upper_many(m, L, band, constants, under_pressure=True)
+    mems, upper, tight, outside = band_upper_many(m, L, band, constants, under_pressure=True, gpu=c.gpu)
     fit = (upper <= MB.usable_gib(c.gpu.memory_gib, margin)).tolist()
     # the layout but its recompute mode (recompute varies fastest): a new group where any other column changes
     fsdp = L.fsdp if L.fsdp is not None else np.zeros(len(L.tp), bool)

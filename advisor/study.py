@@ -240,7 +240,7 @@ def make_plan(s: TuneSettings, options: SpaceOptions = SpaceOptions()) -> Plan:
             left_out[rule] = left_out.get(rule, 0) + 1
             continue
         layouts.append(cfg)
-        mem = max(st.total_gib for st in stage_memory(model, cfg))
+        mem = max(st.total_gib for st in stage_memory(model, cfg, gpu=cluster.gpu))
         if mem > cap:
             screened[key] = ("memory", mem / cap - 1, f"needs {mem:.1f} GiB > {cap:.0f} GiB per GPU")
         elif refusal:

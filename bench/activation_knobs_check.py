@@ -62,11 +62,11 @@ def knob(cfg) -> str:
     return "none"
 
 
-def allocated_gib(model, cfg, c) -> list[float]:
+def allocated_gib(model, cfg, c, gpu=None) -> list[float]:
     """Predicted allocated GiB at each stage's peak (what torch's allocator has handed out)."""
     from advisor.models.memory import stage_memory
 
-    return [s.total_gib - s.reserved_free_gib for s in stage_memory(model, cfg, c)]
+    return [s.total_gib - s.reserved_free_gib for s in stage_memory(model, cfg, c, gpu=gpu)]
 
 
 def rows(records: dict[str, dict], cal=None) -> list[dict]:
@@ -81,7 +81,7 @@ def rows(records: dict[str, dict], cal=None) -> list[dict]:
         out.append({"id": e.id, "knob": knob(cfg), "seq": cfg.seq, "mbs": cfg.mbs, "pp": cfg.pp,
                     "step_s": cal.predict(e.model, cluster, cfg).step_time_s,
                     "meas_step_s": rec["steps"]["median_s"],
-                    "alloc_gib": allocated_gib(e.model, cfg, cal.screening_constants),
+                    "alloc_gib": allocated_gib(e.model, cfg, cal.screening_constants, cluster.gpu),
                     "meas_alloc_gib": list(rec["memory"]["peak_gib_per_stage"])})
     return out
 

@@ -82,12 +82,11 @@ VF_SLOPE_PRIOR = (0.331, 0.2)
 
 
 # What the Blackwell GPUs do differently from the H100 where it is not fitted: settings of the
-# profile, each with its source (models/constants.py).
-# fp8_tensor_scaled_copies: Blackwell's FP8 GEMMs take either operand layout, so TE's per-tensor FP8
-# quantizers (delayed and current scaling) make no transpose copy (TE pytorch/csrc/quantizer.cpp:
-# create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported(), true from SM 10.0):
-# one quantized copy per weight, GEMM input and output gradient, where Hopper keeps two.
-BLACKWELL_SETTINGS: dict[str, float] = {"fp8_tensor_scaled_copies": 1.0}
+# profile, each with its source (models/constants.py). None today: the one difference this held, the
+# single quantized copy of a per-tensor-scaled FP8 operand (Blackwell's FP8 GEMMs take either
+# layout, so TE makes no transpose), is a property of the GPU under every profile
+# (catalog GPUSpec.fp8_transposed_copy, models/quant.py copies), not a profile setting.
+BLACKWELL_SETTINGS: dict[str, float] = {}
 
 
 def priors(h100) -> dict[str, tuple[float, float]]:

@@ -197,10 +197,10 @@ def run(entry: dict):
     if call == "predict":
         cl = with_power_cap(c, entry["cap"]) if "cap" in entry else c
         p = predict(m, cl, cfg, DEFAULT, check_legal=False)
-        out = {"prediction": p.to_dict(), "peak_memory_gib": peak_memory_gib(m, cfg, DEFAULT)}
+        out = {"prediction": p.to_dict(), "peak_memory_gib": peak_memory_gib(m, cfg, DEFAULT, gpu=c.gpu)}
         if "cap" not in entry:  # every stage's times and memory, at the maximum clocks
             out["step"] = step_time(m, c, cfg, DEFAULT).to_dict()
-            out["memory"] = [s.to_dict() for s in stage_memory(m, cfg, DEFAULT)]
+            out["memory"] = [s.to_dict() for s in stage_memory(m, cfg, DEFAULT, gpu=c.gpu)]
         return out
     if call == "estimate_power":
         return estimate_power(m, c, cfg, DEFAULT, caps=entry["caps"]).to_dict()
@@ -214,7 +214,7 @@ def run(entry: dict):
         return step_time(m, c, cfg, DEFAULT, sm_clock=entry["sm_clock"], mem_clock=entry["mem_clock"],
                          stages=stage_times(m, c, cfg, DEFAULT)).to_dict()
     if call == "stage_memory":
-        return [s.to_dict() for s in stage_memory(m, cfg, DEFAULT, layer_counts=entry["layer_counts"])]
+        return [s.to_dict() for s in stage_memory(m, cfg, DEFAULT, layer_counts=entry["layer_counts"], gpu=c.gpu)]
     if call == "stage_heat":
         return [h.to_dict() for h in stage_heat(m, c, cfg, DEFAULT)]
     raise ValueError(call)

@@ -101,7 +101,7 @@ def rows(paths: list[str]) -> list[dict]:
                 cals[stack] = resolve_calibration("default", stack).screening_constants
             c = cals[stack]
             start = max(mem.get("start_allocated_gib_per_rank") or [0.0])
-            top = max(stage_memory(model, cfg, c), key=lambda sm: sm.total_gib)  # the fullest stage
+            top = max(stage_memory(model, cfg, c, gpu=cluster.gpu), key=lambda sm: sm.total_gib)  # the fullest stage
             alloc = measured_gib({k: v for k, v in mem.items() if k.startswith(("peak_allocated", "start_"))})
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
@@ -417,14 +417,14 @@ def recipes(margin: float | None) -> list[dict]:
         m = MB.check_margin(margin) if margin is not None else MB.default_margin(c.memory_margin_gib,
                                                                                   r.cluster.gpu.memory_gib)
         cfg = apply_layout_defaults(r.cfg, "te", r.explicit)
-        pred = peak_memory_gib(r.model, cfg, c)
+        pred = peak_memory_gib(r.model, cfg, c, gpu=r.cluster.gpu)
         outside = outside_allocator_gib(r.model, cfg, None, c)
         b = MB.band("te", r.model.is_moe)
         # each stage's own allocator total with its own outside term: recommend's rule
         # (models.memory_band.band_upper_many); "upper" pairs the fullest stage with the largest outside term
-        per_stage = band_upper_gib(r.model, cfg, b, c, under_pressure=True)  # the verdict's bound (recommend's)
-        unpressed = band_upper_gib(r.model, cfg, b, c)
-        top = max(stage_memory(r.model, cfg, c), key=lambda sm: sm.total_gib)
+        per_stage = band_upper_gib(r.model, cfg, b, c, under_pressure=True, gpu=r.cluster.gpu)  # the verdict's bound (recommend's)
+        unpressed = band_upper_gib(r.model, cfg, b, c, gpu=r.cluster.gpu)
+        top = max(stage_memory(r.model, cfg, c, gpu=r.cluster.gpu), key=lambda sm: sm.total_gib)
         notes = [a for a in r.assumptions if a.startswith("recompute not given") or a.startswith("FSDP")]
         if r.explicit:
             notes.append(f"recipe: {len(r.explicit)} settings")
@@ -467,14 +467,14 @@ def recipe_terms(row_id: str) -> tuple[dict, list[dict]]:
     c = resolve_calibration("default", "te", gpu=r.cluster.gpu).screening_constants
     cfg = apply_layout_defaults(r.cfg, "te", r.explicit)
     b = MB.band("te", r.model.is_moe)
-    copy = weight_copy_bytes(cfg.quant_code, c)
+    copy = weight_copy_bytes(cfg.quant_code, c, r.cluster.gpu)
     layers = stage_layers(r.model, cfg)
     periodic = bool(MB.periodic_layout(r.model, cfg))
     out = []
     # Megatron FSDP shards the quantized copies with the weights: their share of the stage's weights as
     # without it (the same fraction of each weight byte is sharded and gathered, models.memory.fsdp_terms)
-    whole = stage_memory(r.model, cfg.replace(fsdp=False), c) if cfg.fsdp else None
-    for sm in stage_memory(r.model, cfg, c):
+    whole = stage_memory(r.model, cfg.replace(fsdp=False), c, gpu=r.cluster.gpu) if cfg.fsdp else None
+    for sm in stage_memory(r.model, cfg, c, gpu=r.cluster.gpu):
         fp8 = linear_params(r.model, cfg, layers[sm.stage]) * copy / 2**30
         if whole is not None:
             fp8 *= sm.weights_gib / whole[sm.stage].weights_gib

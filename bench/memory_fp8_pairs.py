@@ -43,7 +43,7 @@ def pairs(paths: list[str]) -> list[dict]:
         if r.stack not in consts:
             consts[r.stack] = resolve_calibration("default", r.stack).screening_constants
         c = consts[r.stack]
-        stages = stage_memory(r.model, r.cfg, c)
+        stages = stage_memory(r.model, r.cfg, c, gpu=r.cluster.gpu)
         top = max(stages, key=lambda s: s.total_gib)
         key = (r.model.name, r.stack, r.cfg.replace(precision="bf16").key())
         groups.setdefault(key, {})[r.cfg.precision] = {

@@ -60,7 +60,7 @@ def stage_rows(paths, model_prefix: str = "", stack: str = "", moe: bool | None 
         layers = stage_layers(m, cfg)
         alloc, reserved = mem.get("peak_allocated_gib_per_rank") or [], mem.get("peak_reserved_gib_per_rank") or []
         per_rank = len(alloc) // len(per_stage) if alloc and len(alloc) % len(per_stage) == 0 else 0
-        for st, sm in enumerate(stage_memory(m, cfg, c)[:len(per_stage)]):
+        for st, sm in enumerate(stage_memory(m, cfg, c, gpu=r.cluster.gpu)[:len(per_stage)]):
             kinds = layer_kind_counts(m, layers[st])
             total = sum(k * layer_activation_bytes(m, i, cfg, c) for i, k in kinds.items())
             inflight = in_flight_microbatches(cfg, st)

@@ -51,7 +51,7 @@ def recipe_rows(row_id: str = "161") -> list[dict]:
             cfg = base.replace(fp8_recipe=recipe, cpu_offload_layers=n)
             p = cal.predict(r.model, r.cluster, cfg)
             out.append({"row": row_id, "gpu": r.gpu_type, "recipe": recipe, "offload": n,
-                        "gib": peak_memory_gib(r.model, cfg, c), "usable_of": r.cluster.gpu.memory_gib,
+                        "gib": peak_memory_gib(r.model, cfg, c, gpu=r.cluster.gpu), "usable_of": r.cluster.gpu.memory_gib,
                         "tok_s_gpu": p.tokens_per_s_per_gpu, "measured_tok_s_gpu": r.tokens_per_s_per_gpu,
                         **_copy_terms(r.model, r.cluster, cfg, c)})
     return out
@@ -77,7 +77,7 @@ def campaign_rows(paths: list[str]) -> list[dict]:
         p = cal.predict(e.model, cluster, cfg)
         rec = measured.get(e.id) or {}
         out.append({"id": e.id, "seq": cfg.seq, "mbs": cfg.mbs, "offload": cfg.cpu_offload_layers,
-                    "gib": peak_memory_gib(e.model, cfg, c), "step_s": p.step_time_s,
+                    "gib": peak_memory_gib(e.model, cfg, c, gpu=cluster.gpu), "step_s": p.step_time_s,
                     **_copy_terms(e.model, cluster, cfg, c), "status": rec.get("status", "-"),
                     "meas_gib": (rec.get("memory") or {}).get("max_reserved_gib"),
                     "meas_step_s": (rec.get("steps") or {}).get("median_s")})

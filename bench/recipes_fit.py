@@ -29,7 +29,7 @@ def row_bound(run: P.PublishedRun, constants) -> tuple[float, float]:
     """(upper bound GiB, usable GiB) of a row."""
     cfg = apply_layout_defaults(run.cfg, "te", run.explicit)
     band = MB.band("te", run.model.is_moe)
-    up = MB.band_upper_gib(run.model, cfg, band, constants, under_pressure=True)
+    up = MB.band_upper_gib(run.model, cfg, band, constants, under_pressure=True, gpu=run.cluster.gpu)
     usable = constants.usable_memory_gib(run.cluster.gpu.memory_gib)
     return up, usable
 

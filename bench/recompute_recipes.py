@@ -34,9 +34,9 @@ def main() -> int:
         for rc, mods in [("none", ())] + [("selective", m) for m in MODULES[r.model_key]]:
             cfg = base.replace(recompute=rc, recompute_modules=mods)
             bad = violations(r.model, None, cfg)
-            top = max(stage_memory(r.model, cfg, c), key=lambda s: s.total_gib)
+            top = max(stage_memory(r.model, cfg, c, gpu=r.cluster.gpu), key=lambda s: s.total_gib)
             name = ("+".join(mods) or "(default: core_attn)") if rc == "selective" else ""
-            print(f"  {rc:9} {name:30} peak {peak_memory_gib(r.model, cfg, c):5.1f} GiB (stage {top.stage}: "
+            print(f"  {rc:9} {name:30} peak {peak_memory_gib(r.model, cfg, c, gpu=r.cluster.gpu):5.1f} GiB (stage {top.stage}: "
                   f"activations {top.activations_gib:4.1f})  step {step_time(r.model, r.cluster, cfg, c).step_time_s:6.2f} s"
                   + (f"  illegal: {bad[0]}" if bad else ""))
     return 0

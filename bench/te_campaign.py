@@ -784,10 +784,10 @@ def predict(names: list[str]) -> int:
             if e.refused:
                 print(f"{e.id:18} REFUSED {e.refused}")
                 continue
-            k, g = e.config, peak_memory_gib(e.model, e.config, c)
-            up = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c)  # each stage with its own terms
+            k, g = e.config, peak_memory_gib(e.model, e.config, c, gpu=cluster.gpu)
+            up = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c, gpu=cluster.gpu)  # each stage with its own terms
             # recommend's screen: with expandable segments, less the cache the allocator gives back when pressed
-            upp = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c, under_pressure=True)
+            upp = band_upper_gib(e.model, k, MB.band("te", e.model.is_moe), c, under_pressure=True, gpu=cluster.gpu)
             lay = (f"L{e.model.num_layers} s{k.seq} TP{k.tp} PP{k.pp}v{k.vp} EP{k.ep} DP{k.dp} "
                    f"mbs{k.mbs} rc={k.recompute}")
             p = predict_one(e.model, cluster, k, vm, check_legal=False)

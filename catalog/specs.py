@@ -26,6 +26,9 @@ BLOCK_SCALED: tuple[str, ...] = ("mxfp8", "nvfp4")  # formats only Blackwell's t
 # What the linear layers' GEMMs run in, one name per (precision, fp8 recipe): the code of a layout
 # is its index (models.vectorized carries it as a column; 0 = bf16)
 QUANTS: tuple[str, ...] = ("bf16", "fp8", "fp8-tensorwise", "fp8-blockwise", "mxfp8", "nvfp4")
+# GPU generations (GPUSpec.generation) whose FP8 tensor cores take either operand layout, so that
+# Transformer Engine keeps no transpose of a per-tensor-scaled FP8 operand (GPUSpec.fp8_transposed_copy)
+FP8_ANY_LAYOUT_GENERATIONS: tuple[str, ...] = ("blackwell",)
 # the QUANTS codes whose weights can be kept in FP8 (TrainConfig.fp8_param_gather)
 FP8_PARAM_QUANTS: tuple[int, ...] = (1, 2, 3, 4)
 
@@ -320,6 +323,18 @@ class GPUSpec:
     def power_span_w(self) -> float:
         """Watts above idle the DVFS fractions are of (dynamic_power_w, else tdp_w - idle_w)."""
         return self.dynamic_power_w if self.dynamic_power_w > 0 else self.tdp_w - self.idle_w
+
+    @property
+    def fp8_transposed_copy(self) -> bool:
+        """Whether Transformer Engine keeps a transposed copy of a per-tensor-scaled FP8 operand
+        (delayed / current scaling: weights, GEMM inputs, output gradients) next to its data. The
+        FP8 tensor cores of Hopper and Ada take only the TN layout, so the wgrad / dgrad GEMMs read a
+        transpose TE makes (2 copies); Blackwell's take either layout and TE makes none (1 copy:
+        transformer_engine/pytorch/csrc/quantizer.cpp, Float8 quantizers: create_transpose =
+        columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported(), i.e. compute capability < 10).
+        False where the GPU has no FP8 tensor cores (no FP8 operand to copy). A generation not
+        named in FP8_ANY_LAYOUT_GENERATIONS (MI300X's "cdna3", or none given) counts as TN-only."""
+        return self.fp8_tflops > 0 and self.generation not in FP8_ANY_LAYOUT_GENERATIONS
 
     @property
     def domain_gpus(self) -> int:

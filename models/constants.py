@@ -41,20 +41,18 @@ class Constants:
     # 2.7B DP2 +2.4, the Qwen3 proxy 6L EP2 DP2 +3.4-3.5 (1.97-2.13 B per shard linear parameter;
     # data/measurements/h100x4-te.jsonl, h200x2-te.jsonl); +0.0 on all 31 runs without them. (The
     # other MoE runs' excess, DeepSeek-V2-Lite proxy +2.8, Mixtral TP4 +2.7, OLMoE +1.5 GiB, is not
-    # checked term by term.)
+    # checked term by term.) Measured on Hopper only and applied as it is on every GPU: not scaled
+    # with the copies TE keeps (GPUSpec.fp8_transposed_copy), so on Blackwell, where there is no
+    # transpose, it may be about half of it (unmeasured).
     bytes_fpg_step_transient: float = 2.0
     # fp8 training keeps an fp8 copy (and its transpose, for Hopper's TN-only FP8 GEMMs) of each
-    # linear-layer weight (Transformer Engine): 1 + 1 bytes per weight.
+    # linear-layer weight (Transformer Engine): 1 + 1 bytes per weight. Per copy (half of it) it and
+    # the casts' writes (fp8_cast_*_bytes) scale with the copies TE keeps of a per-tensor-scaled FP8
+    # operand: data + transpose where the GPU's FP8 GEMMs are TN-only (Hopper), data alone where they
+    # take either layout (Blackwell), a property of the GPU (GPUSpec.fp8_transposed_copy), not of a
+    # profile; the block-scaled formats (MXFP8, NVFP4, FP8 blockwise) quantize along each axis apart:
+    # 2 copies on every GPU (models/quant.py copies).
     bytes_fp8_weight_copy: float = 2.0
-    # Quantized copies TE makes of a per-tensor-scaled FP8 operand (delayed and current scaling:
-    # weights, GEMM inputs, output gradients): its data and the transpose the wgrad / dgrad GEMMs read
-    # where the GPU's FP8 GEMMs are TN-only (Hopper): 2. Blackwell's FP8 GEMMs take either layout and
-    # TE makes no transpose (transformer_engine/pytorch/csrc/quantizer.cpp, Float8 quantizers:
-    # create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported()): 1, the te-blackwell
-    # profile's setting (bench/fit_blackwell.py BLACKWELL_SETTINGS). Scales bytes_fp8_weight_copy and
-    # the casts' writes (fp8_cast_*_bytes) per copy (models/quant.py). The block-scaled formats
-    # (MXFP8, NVFP4, FP8 blockwise) quantize along each axis apart: 2 copies on every GPU.
-    fp8_tensor_scaled_copies: float = 2.0
     # Bytes per activation element (bf16).
     bytes_activation: float = 2.0
     # Bytes per saved input of an FP8 GEMM under fp8 (Transformer Engine keeps the FP8 copy it

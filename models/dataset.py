@@ -421,7 +421,7 @@ def simulated_cases(model_names: Sequence[str] = ("llama3-8b", "qwen3-30b-a3b", 
             model, cluster = load_model(name).with_layers(layers), load_cluster(cl)
             opts = SpaceOptions(max_cp=1, uneven_pipeline=False)
             fits = [cfg for cfg in enumerate_layouts(model, cluster, Workload(seq=seq, gbs=gbs), opts)
-                    if peak_memory_gib(model, cfg) < 0.9 * cluster.gpu.memory_gib]
+                    if peak_memory_gib(model, cfg, gpu=cluster.gpu) < 0.9 * cluster.gpu.memory_gib]
             for i in rng.permutation(len(fits))[:per_model]:
                 out.append((model, cluster, fits[i]))
     return out

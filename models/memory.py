@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from advisor.catalog.specs import QUANTS, ModelSpec, TrainConfig
+from advisor.catalog.specs import QUANTS, GPUSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, GIB, Constants
 from advisor.models.flops import embedding_params, layer_params, output_params, qk_norm_width
 from advisor.models.moe import moe_activation_elements, routed_tokens
@@ -310,24 +310,25 @@ def layouts_of(model: ModelSpec, cfg: TrainConfig, layer_counts: list[int] | Non
 # ------------------------------------------------------------------------------------------------
 
 def stage_memory(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT,
-                 layer_counts: list[int] | None = None) -> list[StageMemory]:
+                 layer_counts: list[int] | None = None, gpu: GPUSpec | None = None) -> list[StageMemory]:
     """Memory of one GPU in every pipeline stage, for the config's split or `layer_counts`
-    (contiguous layers per stage; virtual chunks then taken as equal)."""
+    (contiguous layers per stage; virtual chunks then taken as equal). `gpu`: the GPU the copies
+    of the FP8 weights depend on (memory_arrays; None: Hopper-like)."""
     L = layouts_of(model, cfg, layer_counts)
     S = Stages(L)
-    memory_arrays(model, L, c, memo_for(model, None, c), S)
+    memory_arrays(model, L, c, memo_for(model, None, c), S, gpu)
     return stage_memory_of(S, 0, c)
 
 
-def peak_memory_gib(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> float:
+def peak_memory_gib(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT, gpu: GPUSpec | None = None) -> float:
     """The fullest stage's memory per GPU (the total of stage_memory, without building it)."""
     L = Layouts.of(model, [cfg])
-    return float(memory_arrays(model, L, c, memo_for(model, None, c), Stages(L))[0][0])
+    return float(memory_arrays(model, L, c, memo_for(model, None, c), Stages(L), gpu)[0][0])
 
 
-def peak_memory_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT) -> np.ndarray:
+def peak_memory_many(model: ModelSpec, L: Layouts, c: Constants = DEFAULT, gpu: GPUSpec | None = None) -> np.ndarray:
     """peak_memory_gib of every row of L."""
-    return memory_arrays(model, L, c, memo_for(model, None, c), Stages(L))[0]
+    return memory_arrays(model, L, c, memo_for(model, None, c), Stages(L), gpu)[0]
 
 
 def activation_table(memo: Memo, key) -> np.ndarray:
@@ -469,9 +470,12 @@ def stage_param_arrays(L: Layouts, memo: Memo, S: Stages) -> np.ndarray:
     return hit
 
 
-def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Stages) -> tuple[np.ndarray, np.ndarray]:
+def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Stages,
+                  gpu: GPUSpec | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(peak GiB per row, StageMemory.total_gib per stage); S.cache["memory"]: the StageMemory
-    parts per stage (stage_memory_of).
+    parts per stage (stage_memory_of). `gpu`: the GPU, whose FP8 GEMMs decide how many copies TE
+    keeps of a per-tensor-scaled FP8 weight (GPUSpec.fp8_transposed_copy: 2 on Hopper, 1 on
+    Blackwell; None: Hopper-like, 2).
 
     Per stage, bytes: weights = params x bytes_weight + linear params x the quantized copy;
     gradients = params x bytes_grad; optimizer = bytes_optimizer x its shard (params / DP with the
@@ -490,7 +494,7 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     flight = gather_blocks([L.plan, m], lambda i: in_flight_table(memo, plans[L.plan[i]], int(m[i])), S)
     counts = S.counts(memo)
     dense, experts, linear = params[:, 0], params[:, 1], params[:, 2]
-    fp8_copy = np.array([weight_copy_bytes(q, c) for q in range(len(QUANTS))])[L.fp8][r]
+    fp8_copy = np.array([weight_copy_bytes(q, c, gpu) for q in range(len(QUANTS))])[L.fp8][r]
     d = (L.dp * L.cp)[r]
     edp = L.expert_dp[r]
     total = dense + experts
@@ -539,8 +543,8 @@ def memory_arrays(model: ModelSpec, L: Layouts, c: Constants, memo: Memo, S: Sta
     logits = np.where(last, T * model.vocab_size / L.tp[r] * ce + final_norm, 0.0)
     # FP8 primary weights (TrainConfig.fp8_param_gather; megatron-core fp8_param with the distributed
     # optimizer's fp8_param_gather, TE Float8Tensor parameters): the linear layers' weights exist
-    # only as TE's FP8 data + transpose (the copy above), no BF16 weight; the fp32 master copy stays
-    # in the optimizer's shard.
+    # only as TE's FP8 copies (the copy above: data + transpose, data alone on Blackwell), no BF16
+    # weight; the fp32 master copy stays in the optimizer's shard.
     bf16_linear = linear * c.bytes_weight
     if L.fpg is not None:
         bf16_linear = np.where(L.fpg[r], 0.0, bf16_linear)

@@ -73,7 +73,7 @@ from pathlib import Path
 
 import numpy as np
 
-from advisor.catalog.specs import ModelSpec, SpecError, TrainConfig
+from advisor.catalog.specs import GPUSpec, ModelSpec, SpecError, TrainConfig
 from advisor.models.allocator_memory import moe_buffer_bytes
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import memory_arrays
@@ -298,16 +298,17 @@ def fit_line(mf: dict) -> str:
     return line
 
 
-def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT, under_pressure: bool = False
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT, under_pressure: bool = False,
+                    gpu: GPUSpec | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For every row of L: (the fullest stage's allocator peak, the largest band upper bound over its
     stages, and that stage's allocator peak and memory outside the allocator). Each stage's bound is
     the band (Band.interval) on its own allocator peak and reserved-but-unallocated
     term (with the spread of its allocator setting and its schedule, periodic_schedule)
     plus its own memory outside the allocator (the first stage holds more communicators than a middle
-    one), so a layout fits when every stage does."""
+    one), so a layout fits when every stage does. `gpu`: the GPU the FP8 weights' copies depend on
+    (memory.memory_arrays; None: Hopper-like)."""
     S = Stages(L)
-    peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S)
+    peak, total = memory_arrays(model, L, c, memo_for(model, None, c), S, gpu)
     parts = S.cache["memory"][0]
     outside = parts["outside_gib"]
     xseg = L.xseg[S.row] if L.xseg is not None else np.zeros(len(S.row), bool)
@@ -318,6 +319,7 @@ def band_upper_many(model: ModelSpec, L: Layouts, band, c: Constants = DEFAULT, 
     return peak, upper[top], total[top], outside[top]
 
 
-def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT, under_pressure: bool = False) -> float:
+def band_upper_gib(model: ModelSpec, cfg: TrainConfig, band, c: Constants = DEFAULT, under_pressure: bool = False,
+                   gpu: GPUSpec | None = None) -> float:
     """One layout's largest band upper bound over its stages (band_upper_many of one row)."""
-    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c, under_pressure)[1][0])
+    return float(band_upper_many(model, Layouts.of(model, [cfg]), band, c, under_pressure, gpu)[1][0])

@@ -2,7 +2,7 @@
 (models.vectorized.evaluate) on the layout as a Layouts of one."""
 from __future__ import annotations
 
-from advisor.catalog.specs import ClusterSpec, ModelSpec, TrainConfig
+from advisor.catalog.specs import ClusterSpec, GPUSpec, ModelSpec, TrainConfig
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.memory import StageMemory, stage_memory
 from advisor.models.prediction import Prediction, assemble, phase_fractions, power_fields
@@ -12,8 +12,9 @@ from advisor.search_spaces.layout import violations
 __all__ = ["Prediction", "assemble", "memory_only", "phase_fractions", "power_fields", "predict"]
 
 
-def memory_only(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT) -> list[StageMemory]:
-    return stage_memory(model, cfg, c)
+def memory_only(model: ModelSpec, cfg: TrainConfig, c: Constants = DEFAULT, gpu: GPUSpec | None = None
+                ) -> list[StageMemory]:
+    return stage_memory(model, cfg, c, gpu=gpu)
 
 
 def predict(model: ModelSpec, cluster: ClusterSpec, cfg: TrainConfig, c: Constants = DEFAULT,

@@ -6,8 +6,8 @@ BF16 (TE's autocast covers TE modules only). Per quantized GEMM TE writes two co
 (the row-wise one for the forward / dgrad GEMM, the column-wise one for wgrad: a transpose for
 per-tensor FP8, a second quantization along the other axis for the block formats), and in the
 backward the same for the output gradient; each copy carries its scales. Blackwell's FP8 GEMMs take
-either layout, so there TE makes no transpose of a per-tensor FP8 operand: one copy
-(`Constants.fp8_tensor_scaled_copies`, the te-blackwell profile's 1; `copies`). The costs scale the fitted
+either layout, so there TE makes no transpose of a per-tensor FP8 operand: one copy (a property of
+the GPU under every profile: `GPUSpec.fp8_transposed_copy`; `copies`). The costs scale the fitted
 FP8 ones (`Constants.fp8_cast_*`, `bytes_fp8_*`: 1-byte elements, no scales) by the format's bytes
 per element (`constants.QUANT_FORMATS`), plus one read of the BF16 tensor where the scale needs
 the tensor's own amax (current scaling). NVFP4's casts are priced from TE's measured quantize
@@ -55,7 +55,7 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
     b = element_bytes(name)
     amax = c.bytes_activation if QUANT_FORMATS[name][3] else 0.0
     # the casts' writes (fp8_cast_fwd_bytes: the two 1-byte copies) per copy the format makes
-    write = c.fp8_cast_fwd_bytes * b * copies(name, c) / 2.0
+    write = c.fp8_cast_fwd_bytes * b * copies(name, gpu) / 2.0
     fwd = write + amax
     bwd = (c.fp8_cast_bwd_bytes - c.fp8_cast_fwd_bytes) + write + amax
     if name == "nvfp4":  # TE's measured quantize pipelines (Hadamard transform, stochastic rounding)
@@ -66,14 +66,22 @@ def quant(gpu: GPUSpec, code: int, c: Constants) -> Quant | None:
         peak, eff, half = nvfp4_gemm_tflops(gpu, c), c.gemm_efficiency_max_fp4, c.gemm_half_dim_fp4
     else:
         peak, eff, half = gpu.fp8_tflops, c.gemm_efficiency_max_fp8, c.gemm_half_dim_fp8
-    return Quant(name, peak * 1e12, eff, half, b, fwd, bwd, weight_copy_bytes(code, c), c.bytes_fp8_activation * b)
+    return Quant(name, peak * 1e12, eff, half, b, fwd, bwd, weight_copy_bytes(code, c, gpu), c.bytes_fp8_activation * b)
 
 
-def copies(name: str, c: Constants) -> float:
-    """Quantized copies TE keeps of an operand in format `name`: per-tensor FP8 (no block scales)
-    Constants.fp8_tensor_scaled_copies (data + transpose on Hopper, data alone on Blackwell); the
-    block formats one per axis (2)."""
-    return c.fp8_tensor_scaled_copies if not QUANT_FORMATS[name][1] else 2.0
+def fp8_transposed_copy(gpu: GPUSpec | None) -> bool:
+    """GPUSpec.fp8_transposed_copy of `gpu`; None (no GPU given) is Hopper-like: True."""
+    return True if gpu is None else bool(gpu.fp8_transposed_copy)
+
+
+def copies(name: str, gpu: GPUSpec | None = None) -> float:
+    """Quantized copies TE keeps of an operand in format `name` on `gpu`: per-tensor FP8 (no block
+    scales) data + transpose where the GPU's FP8 GEMMs are TN-only (Hopper, Ada: 2), data alone
+    where they take either layout (Blackwell: 1; GPUSpec.fp8_transposed_copy; None: Hopper-like);
+    the block formats one per axis (2) on every GPU."""
+    if QUANT_FORMATS[name][1]:
+        return 2.0
+    return 2.0 if fp8_transposed_copy(gpu) else 1.0
 
 
 def nvfp4_gemm_tflops(gpu: GPUSpec, c: Constants) -> float:
@@ -88,10 +96,11 @@ def nvfp4_gemm_tflops(gpu: GPUSpec, c: Constants) -> float:
     return gpu.fp4_tflops * min(1.0, c.nvfp4_gemm_rate_bf16 / ratio)
 
 
-def weight_copy_bytes(code: int, c: Constants) -> float:
-    """Bytes per linear-layer weight of its quantized copies (0 under bf16)."""
+def weight_copy_bytes(code: int, c: Constants, gpu: GPUSpec | None = None) -> float:
+    """Bytes per linear-layer weight of its quantized copies on `gpu` (0 under bf16; how many
+    copies: `copies`, `gpu` None Hopper-like)."""
     name = QUANTS[int(code)]
-    return 0.0 if name == "bf16" else c.bytes_fp8_weight_copy * element_bytes(name) * copies(name, c) / 2.0
+    return 0.0 if name == "bf16" else c.bytes_fp8_weight_copy * element_bytes(name) * copies(name, gpu) / 2.0
 
 
 def saved_input_bytes(code: int, c: Constants) -> float:

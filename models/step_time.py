@@ -25,7 +25,7 @@ from advisor.models.fsdp_time import FSDPTerms, fsdp_exposed_per_microbatch, fsd
 from advisor.models.memory import outside_layer_params, stage_param_arrays
 from advisor.models.moe import moe_layer_time
 from advisor.models.offload import offload_wait_arrays
-from advisor.models.quant import quant
+from advisor.models.quant import fp8_transposed_copy, quant
 from advisor.models.recompute import recompute_time
 from advisor.models.stages import Memo, Stages, memo_for, quant_fields
 from advisor.search_spaces.columns import Layouts, extra_codes, unique_rows
@@ -631,8 +631,8 @@ class DPTerms:
         return DPTerms(self.grad[sm], self.gather[sm], self.opt_base[sm], self.fsdp.take(sm) if self.fsdp else None)
 
 
-# QUANTS codes whose FP8 primary weights are Float8Tensors whose transposes TE builds on Hopper
-# (delayed and current scaling)
+# QUANTS codes whose FP8 primary weights are Float8Tensors whose transposes TE builds where the GPU's
+# FP8 GEMMs are TN-only (Hopper; GPUSpec.fp8_transposed_copy) (delayed and current scaling)
 FP8_TRANSPOSE_QUANTS = tuple(QUANTS.index(q) for q in ("fp8", "fp8-tensorwise"))
 
 
@@ -662,9 +662,10 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     shard = np.where(dist, params[:, 0] / d + params[:, 1] / edp, params[:, 0] + params[:, 1])
     hbm = cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency
     opt_base = shard * c.optimizer_bytes_per_param / hbm
-    if L.fpg is not None and cluster.gpu.generation == "hopper":
+    if L.fpg is not None and fp8_transposed_copy(cluster.gpu):
         # FP8 primary weights: the transposes TE builds each step of every FP8 weight the stage holds
-        # (Constants.fp8_param_transpose_bytes; Float8Tensor formats: delayed and current scaling)
+        # (Constants.fp8_param_transpose_bytes; Float8Tensor formats: delayed and current scaling),
+        # where it keeps them (the copies of models/quant.py: none on Blackwell)
         tr = L.fpg[r].astype(bool) & np.isin(L.fp8[r], FP8_TRANSPOSE_QUANTS)
         opt_base = opt_base + np.where(tr, params[:, 2] * c.fp8_param_transpose_bytes / hbm, 0.0)
     return DPTerms(grad, gather, opt_base, fsdp)

@@ -77,15 +77,15 @@ class Result:
     def stage_memory(self, i: int) -> list:
         """memory.stage_memory of row i (from the arrays when memory was evaluated)."""
         if self.stages.cache.get("memory") is None:
-            return stage_memory(self.model, self.layouts.config(i), self.constants)
+            return stage_memory(self.model, self.layouts.config(i), self.constants, gpu=self.cluster.gpu)
         return stage_memory_of(self.stages, i, self.constants)
 
 
 def peak_memory_gib(model: ModelSpec, L: Layouts, c: Constants = DEFAULT, cluster: ClusterSpec | None = None
                     ) -> np.ndarray:
-    """memory.peak_memory_gib of every row: the fullest stage's memory per GPU (`cluster`: unused,
-    memory does not depend on it)."""
-    return peak_memory_many(model, L, c)
+    """memory.peak_memory_gib of every row: the fullest stage's memory per GPU (`cluster`: its GPU
+    decides the copies of the FP8 weights, GPUSpec.fp8_transposed_copy; None: Hopper-like)."""
+    return peak_memory_many(model, L, c, cluster.gpu if cluster is not None else None)
 
 
 def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = DEFAULT,
@@ -109,7 +109,7 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants = 
         mfu_peak = np.array([mfu_peak_tflops(model, int(a), gpu, int(b)) for a, b in sq.T])[qinv.reshape(-1)]
         rowd.update(tokens_per_s_per_gpu=tps, tflops_per_gpu=tflops, mfu=tflops / mfu_peak)
         if memory:
-            peak, total_gib = memory_arrays(model, L, c, memo_for(model, cluster, c), S)
+            peak, total_gib = memory_arrays(model, L, c, memo_for(model, cluster, c), S, gpu)
             rowd["memory_gib_per_gpu"] = S.max(total_gib)
         else:
             peak = np.full(len(L), np.nan)

@@ -178,7 +178,7 @@ class LayerCosts:
 
     def memory_gib(self, counts: list[int]) -> list[float]:
         """Per-GPU memory of each stage for any split."""
-        return [m.total_gib for m in stage_memory(self.model, self.cfg, self.c, layer_counts=list(counts))]
+        return [m.total_gib for m in stage_memory(self.model, self.cfg, self.c, layer_counts=list(counts), gpu=self.cluster.gpu)]
 
     def heat(self, counts: list[int] | None = None) -> list[StageHeat]:
         counts = list(counts or self.default_counts())

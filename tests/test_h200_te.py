@@ -81,7 +81,8 @@ def test_the_ooms_were_predicted_not_to_fit_and_the_edge_that_passed_ran():
         model = ModelSpec.from_dict(rec["model"])
         assert rec["stack"] == "te"
         cfg = TrainConfig.from_dict(legacy_config(rec["config"], model, "te"))
-        return MB.band_upper_gib(model, cfg, MB.band("te", model.is_moe), c, under_pressure=True)
+        return MB.band_upper_gib(model, cfg, MB.band("te", model.is_moe), c, under_pressure=True,
+                                 gpu=cluster.gpu)
     for i in ("h2te-l70b-edge-07", "h2te-l8b-rc-11"):
         assert upper(recs[i]) > usable, i
     passed = ["h2te-l8b-edge-12", "h2te-l70b-edge-06", "h2te-qw3-edge-08", "h2te-qw3-edge-09", "h2te-mix-edge-03"]

@@ -1,4 +1,5 @@
 """--precision bf16|fp8|mxfp8|nvfp4 and the FP8 recipes: rates, casts, memory, args, errors."""
+import dataclasses
 import subprocess
 import sys
 
@@ -8,6 +9,7 @@ import pytest
 from advisor.catalog import TrainConfig, load_cluster, load_gpu, load_model
 from advisor.catalog.specs import QUANTS, SpecError, check_precision, quant_parts
 from advisor.models import vectorized as vz
+from advisor.search_spaces.columns import Layouts
 from advisor.models.constants import DEFAULT
 from advisor.models.memory import stage_memory
 from advisor.models.predict import predict
@@ -44,7 +46,7 @@ def test_scale_bytes_per_element():
     assert element_bytes("mxfp8") == pytest.approx(1 + 1 / 32)
     assert element_bytes("nvfp4") == pytest.approx(0.5 + 1 / 16)
     assert element_bytes("fp8") == 1.0
-    g = load_gpu("gb200")
+    g = load_gpu("h100")  # two copies of a per-tensor FP8 operand (Blackwell's one: the next test)
     d = quant(g, QUANTS.index("fp8"), DEFAULT)
     t = quant(g, QUANTS.index("fp8-tensorwise"), DEFAULT)
     assert (d.cast_fwd_bytes, d.cast_bwd_bytes) == (DEFAULT.fp8_cast_fwd_bytes, DEFAULT.fp8_cast_bwd_bytes)
@@ -54,28 +56,86 @@ def test_scale_bytes_per_element():
 
 def test_blackwell_keeps_one_copy_of_a_per_tensor_fp8_operand():
     """TE makes the transpose of a per-tensor FP8 operand only where the FP8 GEMMs are TN-only
-    (Hopper); on Blackwell (fp8_tensor_scaled_copies 1, the te-blackwell profile's setting) one
-    copy, while the block formats quantize along each axis apart everywhere."""
+    (Hopper); on Blackwell (GPUSpec.fp8_transposed_copy False, a property of the GPU, not of a
+    profile) one copy, while the block formats quantize along each axis apart everywhere."""
     from advisor.models.calibrate import resolve_calibration
-    from advisor.models.quant import weight_copy_bytes
+    from advisor.models.quant import copies, weight_copy_bytes
 
-    bw = resolve_calibration("default", "te", gpu=load_gpu("gb200")).screening_constants
-    hop = resolve_calibration("default", "te", gpu=load_gpu("h100")).screening_constants
-    assert bw.fp8_tensor_scaled_copies == 1.0 and hop.fp8_tensor_scaled_copies == 2.0
+    bwg, hopg = load_gpu("gb200"), load_gpu("h100")
+    assert not bwg.fp8_transposed_copy and hopg.fp8_transposed_copy
+    assert load_gpu("h200").fp8_transposed_copy and not load_gpu("b200").fp8_transposed_copy
+    assert not load_gpu("a100-80g").fp8_transposed_copy  # no FP8 tensor cores: nothing to copy
+    assert copies("fp8", None) == 2.0  # no GPU given: Hopper-like
+    bw = resolve_calibration("default", "te", gpu=bwg).screening_constants
+    hop = resolve_calibration("default", "te", gpu=hopg).screening_constants
+    assert not hasattr(bw, "fp8_tensor_scaled_copies") and not hasattr(hop, "fp8_tensor_scaled_copies")
     fp8, cs, mx = (QUANTS.index(q) for q in ("fp8", "fp8-tensorwise", "mxfp8"))
-    assert weight_copy_bytes(fp8, hop) == 2.0 and weight_copy_bytes(cs, hop) == 2.0
-    assert weight_copy_bytes(fp8, bw) == 1.0 and weight_copy_bytes(cs, bw) == 1.0
-    assert weight_copy_bytes(mx, bw) == weight_copy_bytes(mx, hop) == pytest.approx(2 * (1 + 1 / 32))
-    g = load_gpu("gb200")
-    one, two = DEFAULT.replace(fp8_tensor_scaled_copies=1.0), DEFAULT
-    for code in (fp8, cs):  # the casts write one 1-byte copy instead of two
-        assert quant(g, code, two).cast_fwd_bytes - quant(g, code, one).cast_fwd_bytes == pytest.approx(1.0)
-        assert quant(g, code, two).cast_bwd_bytes - quant(g, code, one).cast_bwd_bytes == pytest.approx(1.0)
-    assert quant(g, mx, one) == quant(g, mx, two)
+    for c in (bw, hop, DEFAULT):  # whichever profile: the GPU decides
+        assert weight_copy_bytes(fp8, c, hopg) == 2.0 and weight_copy_bytes(cs, c, hopg) == 2.0
+        assert weight_copy_bytes(fp8, c, bwg) == 1.0 and weight_copy_bytes(cs, c, bwg) == 1.0
+        assert weight_copy_bytes(mx, c, bwg) == weight_copy_bytes(mx, c, hopg) == pytest.approx(2 * (1 + 1 / 32))
+    # the casts write one 1-byte copy instead of two: GB200 against a GB200 that were TN-only
+    g = bwg
+    tn = dataclasses.replace(bwg, generation="hopper")
+    assert tn.fp8_transposed_copy
+    for code in (fp8, cs):
+        assert quant(tn, code, DEFAULT).cast_fwd_bytes - quant(g, code, DEFAULT).cast_fwd_bytes == pytest.approx(1.0)
+        assert quant(tn, code, DEFAULT).cast_bwd_bytes - quant(g, code, DEFAULT).cast_bwd_bytes == pytest.approx(1.0)
+    assert quant(g, mx, DEFAULT) == quant(tn, mx, DEFAULT)
     # memory: the quantized weight copies halve, nothing else moves
-    a, b = (stage_memory(M, cfg(precision="fp8"), c)[0] for c in (one, two))
+    a, b = (stage_memory(M, cfg(precision="fp8"), DEFAULT, gpu=x)[0] for x in (g, tn))
     assert b.weights_gib - a.weights_gib == pytest.approx(a.params * 1.0 / 2**30, rel=0.1)
     assert (a.grads_gib, a.optimizer_gib, a.activations_gib) == (b.grads_gib, b.optimizer_gib, b.activations_gib)
+
+
+def test_b200_keeps_one_fp8_weight_copy_under_the_analytical_profile_where_h100_keeps_two():
+    """Not only the te-blackwell profile: the analytical constants (DEFAULT, --calibration none) and
+    the local profile on a B200 keep one FP8 copy of each linear weight, an H100 two; the memory
+    differs by exactly one 1-byte copy of the stage's linear weights. The FP8 primary weights'
+    transposes (models/step_time.py dp_terms) follow the same property."""
+    from advisor.models.calibrate import resolve_calibration
+    from advisor.models.constants import GIB
+    from advisor.models.memory import linear_params, peak_memory_gib
+    from advisor.models.stages import Stages, memo_for
+    from advisor.models.step_time import dp_terms
+    from advisor.search_spaces.layout import stage_layers
+
+    m = load_model("llama3-8b")
+    x = TrainConfig(tp=1, pp=2, dp=4, mbs=1, gbs=32, seq=4096, precision="fp8")
+    b200, h100 = load_gpu("b200"), load_gpu("h100")
+    layers = stage_layers(m, x)
+    local = resolve_calibration("local")
+    for c in (DEFAULT,) + ((local.constants,) if local is not None else ()):
+        one = stage_memory(m, x, c, gpu=b200)
+        two = stage_memory(m, x, c, gpu=h100)
+        assert stage_memory(m, x, c) == two  # no GPU given: Hopper-like
+        for a, b in zip(one, two):
+            copy = linear_params(m, x, layers[a.stage]) * 1.0 / GIB  # one FP8 copy, 1 byte per weight
+            assert copy > 1.0
+            assert b.weights_gib - a.weights_gib == pytest.approx(copy, rel=1e-12)
+            assert b.total_gib - a.total_gib == pytest.approx(copy, rel=1e-9)
+            assert (a.grads_gib, a.optimizer_gib, a.activations_gib) == (b.grads_gib, b.optimizer_gib, b.activations_gib)
+        assert peak_memory_gib(m, x, c, gpu=h100) > peak_memory_gib(m, x, c, gpu=b200)
+    # the cluster's GPU reaches memory through predict (the array path) the same way
+    pb = predict(m, load_cluster("b200x8"), x, DEFAULT)
+    assert pb.memory_gib_per_gpu == pytest.approx(max(s.total_gib for s in stage_memory(m, x, DEFAULT, gpu=b200)),
+                                                  rel=1e-12)
+    # FP8 primary weights: TE builds their transposes each step only where it keeps a transposed copy
+    on = x.replace(fp8_param_gather=True)
+    L = Layouts.of(m, [on])
+    opt = {}
+    for name in ("h100x8", "b200x8"):
+        cl = load_cluster(name)
+        for tn in (False, True):  # the same cluster with the property flipped
+            g = dataclasses.replace(cl.gpu, generation="hopper" if tn else "blackwell")
+            assert g.fp8_transposed_copy == tn
+            c2 = dataclasses.replace(cl, gpu=g)
+            opt[name, tn] = dp_terms(m, c2, L, DEFAULT, memo_for(m, c2, DEFAULT), Stages(L)).opt_base
+    for name in ("h100x8", "b200x8"):
+        assert (opt[name, True] > opt[name, False]).all()
+    h, bw = load_cluster("h100x8"), load_cluster("b200x8")
+    assert (dp_terms(m, h, L, DEFAULT, memo_for(m, h, DEFAULT), Stages(L)).opt_base == opt["h100x8", True]).all()
+    assert (dp_terms(m, bw, L, DEFAULT, memo_for(m, bw, DEFAULT), Stages(L)).opt_base == opt["b200x8", False]).all()
 
 
 def test_speed_order_and_memory():
