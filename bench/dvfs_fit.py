@@ -1,6 +1,9 @@
 """Fit the DVFS constants (models/dvfs.py) on the H100 load sweep, report in and out of sample.
 
     python bench/dvfs_fit.py [--sweep data/dvfs/h100x1-sweep] [--json OUT.json] [--write-constants]
+    python bench/dvfs_fit.py --sweep data/dvfs/h200x1-sweep --gpu h200    # another GPU's sweep
+    python bench/dvfs_fit.py --sweep data/dvfs/h200x1-sweep --gpu h200 --shipped   # the shipped
+                                                  # constants on it, nothing fitted (out of sample)
 
 Observations, from the sweep's windows (bench/dvfs_sweep.py; mean power = energy counter / window):
   idle                        awake power at the maximum clock
@@ -196,9 +199,21 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default="h100")
     ap.add_argument("--json", default=None)
     ap.add_argument("--write-constants", action="store_true")
+    ap.add_argument("--shipped", action="store_true",
+                    help="no fit: the shipped constants (models/constants.py) and the catalog GPU on the sweep")
     a = ap.parse_args(argv)
     gpu = load_gpu(a.gpu)
     obs = observations(*load(Path(a.sweep)), gpu)
+    if a.shipped:
+        rows = table(obs, DEFAULT, gpu, ())
+        print(f"shipped constants, {gpu.name} (hbm_power_scale {gpu.hbm_power_scale:g}), nothing fitted:")
+        print(f"{'observation':22s} {'what':12s} {'measured':>10s} {'predicted':>10s} {'err %':>7s}")
+        for t in rows:
+            print(f"{t['name']:22s} {t['what']:12s} {t['measured']:10.3f} {t['predicted']:10.3f} {t['error_pct']:+7.2f}")
+        for what in sorted({t["what"] for t in rows}):
+            e = [t["error_pct"] for t in rows if t["what"] == what]
+            print(f"  {what:12s} n={len(e):2d} MAPE {np.mean(np.abs(e)):5.2f}%  bias {np.mean(e):+5.2f}%")
+        return 0
     train = [o for o in obs if o["name"] not in HELD_OUT]
     c, r = fit(train, gpu)
     rows = table(obs, c, gpu, HELD_OUT)
@@ -216,6 +231,11 @@ def main(argv=None) -> int:
     fitted = {n: getattr(c, n) for n in FIT}
     at = [n for n in FIT if min(abs(fitted[n] - FIT[n][0]), abs(fitted[n] - FIT[n][1])) < 1e-6]
     print("fitted:", ", ".join(f"{n}={v:.4g}" for n, v in fitted.items()), "| at a bound:", at or "none")
+    # the memory system's power of this GPU over the H100's, which the shipped constants were fitted
+    # on: GPUSpec.hbm_power_scale (the fit above already multiplies by the catalog's value)
+    print(f"{gpu.name}: memory power over the shipped constants' (GPUSpec.hbm_power_scale) "
+          f"{fitted['memory_hbm_power'] * gpu.hbm_power_scale / DEFAULT.memory_hbm_power:.3f} "
+          f"(catalog: {gpu.hbm_power_scale:g})")
     if a.write_constants:
         for n, v in fitted.items():
             print(f"    {n}: float = {v:.4g}")

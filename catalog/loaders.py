@@ -98,9 +98,9 @@ def _model_from_yaml(data: dict[str, Any], what: str) -> ModelSpec:
 _GPU_FLOATS = ("memory_gib", "hbm_bandwidth_gbs", "bf16_tflops", "fp8_tflops", "tdp_w", "idle_w",
                "slowdown_temp_c", "intra_node_bw_gbs", "network_bw_gbps", "max_operating_temp_c",
                "min_power_limit_w", "max_power_limit_w", "max_sm_clock_mhz", "fp4_tflops",
-               "sfu_exp_tera_per_s", "dynamic_power_w", "host_link_gbs")
+               "sfu_exp_tera_per_s", "dynamic_power_w", "host_link_gbs", "hbm_power_scale")
 _GPU_OPTIONAL = ("max_operating_temp_c", "max_sm_clock_mhz", "fp4_tflops", "sfu_exp_tera_per_s", "dynamic_power_w",
-                 "host_link_gbs")
+                 "host_link_gbs", "hbm_power_scale")
 
 
 def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:

@@ -313,6 +313,11 @@ class GPUSpec:
     # B300 vs B200: the same BF16 / FP8 tensor rates), takes that board's span, so the extra
     # limit buys clock under load instead of scaling the demand with it
     dynamic_power_w: float = 0.0
+    # the memory system's power at a given share of the GPU's HBM bandwidth, relative to the GPU the
+    # DVFS constants were fitted on (H100: Constants.memory_hbm_power, a fraction of the power span
+    # at the full bandwidth): each GPU's own DVFS sweep fits it (bench/dvfs_fit.py --gpu NAME:
+    # memory_hbm_power of its sweep / the H100's). 1 = as the H100 (no sweep of this GPU)
+    hbm_power_scale: float = 1.0
     # the GPU's link to its host's memory, GB/s one direction (PCIe x16, or NVLink-C2C's share on a
     # Grace superchip): what activation offloading (TrainConfig.cpu_offload_layers) copies over;
     # 0 = not known (offloading is then refused: search_spaces.layout.violations)

@@ -9,11 +9,13 @@ Model (CMOS dynamic power, P = C·V²·f per unit of activity), x = f / f_max of
   s_p(x)   = share_p / x + (1 - share_p)                 time of phase p at x over its time at
                                                           f_max: `share_p` of it runs at the SM
                                                           clock, the rest (memory, latency) does not
-  P_p(x)   = P_idle + D·[clock·x + W_p / s_p(x)]·v(x)² + D·hbm_p
+  P_p(x)   = P_idle + D·[clock·x + W_p / s_p(x)]·v(x)² + D·hbm_p·k_hbm
                                                           idle + clock tree + switching (energy per
                                                           operation ∝ V², operations per second
                                                           ∝ 1 / s_p) + HBM, which runs on its own
-                                                          clock and voltage
+                                                          clock and voltage; k_hbm the GPU's memory
+                                                          power over the H100's (GPUSpec.
+                                                          hbm_power_scale: H200's HBM3e 1.32)
   D        = the GPU's dynamic power span (GPUSpec.power_span_w): TDP - P_idle of the board the
              fractions are sized on; a board that runs the same chip at the same clocks under a
              higher limit (GB300: GB200's span, B300: B200's) keeps the chip's span, and its extra
@@ -127,7 +129,8 @@ def phase_power(p: Phase, x, gpu: GPUSpec, c: Constants = DEFAULT, power_scale=1
     span = gpu.power_span_w
     w, hbm = phase_dynamic(p, c)
     v2 = voltage(x, c) ** 2
-    return gpu.idle_w + span * ((c.clock_power * x + w / phase_stretch(p, x, c)) * v2 * power_scale + hbm)
+    return gpu.idle_w + span * ((c.clock_power * x + w / phase_stretch(p, x, c)) * v2 * power_scale
+                                + hbm * gpu.hbm_power_scale)
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ class Load:
         if not isinstance(t, np.ndarray) and t <= 0:
             return gpu.idle_w + span * c.clock_power * x * v2 * power_scale
         e = (c.clock_power * x * t + self.switch + c.wait_power * self.wait_s) * v2 * power_scale
-        e = e + (self.hbm1 / x + self.hbm0)
+        e = e + (self.hbm1 / x + self.hbm0) * gpu.hbm_power_scale
         busy = gpu.idle_w + span * e / t
         if isinstance(t, np.ndarray):
             empty = t <= 0

@@ -33,7 +33,7 @@ REQUIRED_GPUS = ["a100-80g", "h100", "h200", "b200", "mi250x", "mi300x"]
 GPU_NUMBERS = [f.name for f in dataclasses.fields(GPUSpec)
                if f.name not in ("name", "vendor", "sources", "max_operating_temp_c", "max_sm_clock_mhz",
                                  "nvlink_domain_gpus", "fp4_tflops", "sfu_exp_tera_per_s", "dynamic_power_w",
-                                 "sm_count", "host_link_gbs")]
+                                 "sm_count", "host_link_gbs", "hbm_power_scale")]
 
 
 def arch(m: ModelSpec) -> dict:
@@ -65,7 +65,9 @@ def test_required_gpus_present_and_every_number_sourced():
                                     ("sfu_exp_tera_per_s", g.sfu_exp_tera_per_s > 0),
                                     ("dynamic_power_w", g.dynamic_power_w > 0),
                                     ("sm_count", g.sm_count > 0),
-                                    ("host_link_gbs", g.host_link_gbs > 0)) if on and not g.sources.get(f, "").strip()]
+                                    ("host_link_gbs", g.host_link_gbs > 0),
+                                    # a memory power measured off the H100's (its own DVFS sweep)
+                                    ("hbm_power_scale", g.hbm_power_scale != 1.0)) if on and not g.sources.get(f, "").strip()]
         assert not missing, f"{g.name}: no source for {missing}"
         for opt in ("max_operating_temp_c", "max_sm_clock_mhz"):
             if getattr(g, opt) is not None:
