@@ -10,6 +10,7 @@
 #   bash bench/te_device.sh tests     # the GPU runner tests, TE included
 #   bash bench/te_device.sh nccl      # NCCL bandwidth vs size (bench/nccl_bw_gpu.py), 4 GPUs
 #   bash bench/te_device.sh grouped [SECONDS]  # TE GroupedLinear experts kernels alone (#24), 1 GPU
+#   bash bench/te_device.sh casts     # TE's FP8 cast / cast+transpose vs a BF16 copy, TB/s (#22), 1 GPU
 #   bash bench/te_device.sh sinks     # TE attention with learnable softmax offsets / windows (#24), 1 GPU
 #   bash bench/te_device.sh window    # TE fused attention with sliding windows (#29), 1 GPU
 #   bash bench/te_device.sh outside   # memory outside torch's allocator, step by step (#27), 4 GPUs,
@@ -84,6 +85,9 @@ outside-mcore)
 nvml)
   pytest_deps || exit 2
   timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/contracts/test_telemetry_contract.py 2>&1 | tail -8
+  ;;
+casts)
+  timeout 200 python3 bench/fp8_cast_gpu.py "$OUT/fp8-casts.jsonl" 2>&1 | grep -v -i warn | tail -40
   ;;
 sinks)
   timeout 200 python3 bench/attention_sinks_gpu.py "$OUT/h200x1-attention-sinks.jsonl" 2>&1 | grep -v -i warn | tail -30
