@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 # (label, heads, kv groups, head dim, seq, micro-batch)
 SHAPES = [("gpt-oss-120b", 64, 8, 64, 4096, 1), ("gpt-oss-120b", 64, 8, 64, 8192, 1),
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
     import torch
     import transformer_engine
     import transformer_engine.pytorch as te
+
+    from kernel_rates import timed_us
 
     from advisor.runners.kernel_probe import run_profiled, summarize
 
@@ -71,17 +74,7 @@ def main(argv=None) -> int:
                         o = attn(q, k, v)
                         o.backward(g.view_as(o))
 
-                    for _ in range(3):
-                        it()
-                    torch.cuda.synchronize()
-                    reps = 20
-                    a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    for _ in range(reps):
-                        it()
-                    e.record()
-                    torch.cuda.synchronize()
-                    ms = a.elapsed_time(e) / reps
+                    ms = timed_us(torch, it, reps=20) / 1e3
                     events, walls, _ = run_profiled(it, 2, torch.cuda.synchronize)
                     summ = summarize(events, 2, walls, top=6)
                     flops = 4.0 * b * heads * d * attended_pairs(s, window) * 3.5  # fwd 2 GEMMs, bwd 2.5x

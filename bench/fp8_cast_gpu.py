@@ -18,22 +18,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 SHAPES = [(4096, 4096), (8192, 4096), (16384, 4096), (8192, 8192), (4096, 14336), (16384, 14336),
           (8192, 28672), (32768, 4096), (2048, 2048), (1024, 4096)]
-
-
-def timed_us(torch, fn, reps: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps * 1e3
 
 
 def main(argv=None) -> int:
@@ -43,6 +31,8 @@ def main(argv=None) -> int:
     import transformer_engine
     import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    from kernel_rates import timed_us
 
     from advisor.catalog import load_gpu
 

@@ -53,6 +53,21 @@ class ClockSampler:
         self.t.join()
 
 
+def timed_us(torch, fn, reps: int = 50, warmup: int = 3) -> float:
+    """Microseconds per call of `fn`: CUDA events around `reps` back-to-back calls after `warmup`
+    (the larger of its GPU time and its host issue time)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps * 1e3
+
+
 def bursts(torch, fn, flops: float, clock: ClockSampler, n_bursts: int = 6, burst_s: float = 0.25,
            gap_s: float = 0.4) -> dict:
     """Median TFLOP/s of `fn` over bursts of ~burst_s with idle gaps, and the clock during them."""
