@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     from advisor.catalog import load_gpu
 
     name = torch.cuda.get_device_name(0)
-    gpu = load_gpu(name.split()[-1].lower())
+    gpu = load_gpu(name)
     peak = gpu.hbm_bandwidth_gbs * 1e9
     env = {"gpu": name, "torch": torch.__version__, "transformer_engine": getattr(transformer_engine, "__version__", None)}
     dev = torch.device("cuda:0")

@@ -143,7 +143,7 @@ def load_points(path: Path) -> tuple[list[dict], dict]:
     rows = [r for r in rows if "error" not in r]
     consts = {}
     for r in rows:
-        r["gpu_key"] = r["env"]["gpu"].split()[-1].lower()
+        r["gpu_key"] = load_gpu(r["env"]["gpu"]).name
         if r["gpu_key"] not in consts:
             consts[r["gpu_key"]] = MOE.te_moe_constants(
                 resolve_calibration("default", "te", gpu=load_gpu(r["gpu_key"])).constants)
