@@ -193,6 +193,14 @@ def table(obs, c, gpu, held=()):
     return out
 
 
+def print_rows(rows) -> None:
+    """The observation table of `table`'s rows, held-out ones tagged."""
+    print(f"{'observation':22s} {'what':12s} {'measured':>10s} {'predicted':>10s} {'err %':>7s}")
+    for t in rows:
+        tag = " (held out)" if t["held_out"] else ""
+        print(f"{t['name']:22s} {t['what']:12s} {t['measured']:10.3f} {t['predicted']:10.3f} {t['error_pct']:+7.2f}{tag}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", default="data/dvfs/h100x1-sweep")
@@ -207,9 +215,7 @@ def main(argv=None) -> int:
     if a.shipped:
         rows = table(obs, DEFAULT, gpu, ())
         print(f"shipped constants, {gpu.name} (hbm_power_scale {gpu.hbm_power_scale:g}), nothing fitted:")
-        print(f"{'observation':22s} {'what':12s} {'measured':>10s} {'predicted':>10s} {'err %':>7s}")
-        for t in rows:
-            print(f"{t['name']:22s} {t['what']:12s} {t['measured']:10.3f} {t['predicted']:10.3f} {t['error_pct']:+7.2f}")
+        print_rows(rows)
         for what in sorted({t["what"] for t in rows}):
             e = [t["error_pct"] for t in rows if t["what"] == what]
             print(f"  {what:12s} n={len(e):2d} MAPE {np.mean(np.abs(e)):5.2f}%  bias {np.mean(e):+5.2f}%")
@@ -219,10 +225,7 @@ def main(argv=None) -> int:
     rows = table(obs, c, gpu, HELD_OUT)
     print(f"{len(train)} observations fitted, {len(obs) - len(train)} held out; cost {r.cost:.2f}, "
           f"status {r.status}")
-    print(f"{'observation':22s} {'what':12s} {'measured':>10s} {'predicted':>10s} {'err %':>7s}")
-    for t in rows:
-        tag = " (held out)" if t["held_out"] else ""
-        print(f"{t['name']:22s} {t['what']:12s} {t['measured']:10.3f} {t['predicted']:10.3f} {t['error_pct']:+7.2f}{tag}")
+    print_rows(rows)
     for held in (False, True):
         sel = [t for t in rows if t["held_out"] == held]
         for what in sorted({t["what"] for t in sel}):

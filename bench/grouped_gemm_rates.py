@@ -225,6 +225,8 @@ def grid_bias() -> list[dict]:
 
 
 def measure(torch, te, pt: dict, clock, recipe) -> dict:
+    from kernel_rates import reps_for, timed_us
+
     from advisor.runners.kernel_probe import run_profiled, summarize
 
     dev = torch.device("cuda:0")
@@ -244,25 +246,11 @@ def measure(torch, te, pt: dict, clock, recipe) -> dict:
             z = fc2(torch.nn.functional.silu(a) * b, splits)
         z.backward(g)
 
-    sync = torch.cuda.synchronize
-    for _ in range(3):
-        it()
-    sync()
-    t0 = time.perf_counter()
-    it()
-    sync()
-    one = max(time.perf_counter() - t0, 1e-5)
-    reps = max(4, min(200, int(0.25 / one)))
+    reps = reps_for(torch, it, 0.25, lo=4, hi=200, warmup=3)
     time.sleep(0.15)
-    a_ev, b_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with clock:
-        a_ev.record()
-        for _ in range(reps):
-            it()
-        b_ev.record()
-        sync()
-    wall_ms = a_ev.elapsed_time(b_ev) / reps
-    events, walls, _ = run_profiled(it, 3, sync)
+        wall_ms = timed_us(torch, it, reps=reps, warmup=0) / 1e3
+    events, walls, _ = run_profiled(it, 3, torch.cuda.synchronize)
     s = summarize(events, 3, walls)
     gemm_ms = sum(v["ms"] for k, v in s["categories"].items() if k.startswith("gemm"))
     main = s["host"][0] if s["host"] else {}

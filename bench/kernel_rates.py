@@ -68,16 +68,24 @@ def timed_us(torch, fn, reps: int = 50, warmup: int = 3) -> float:
     return a.elapsed_time(b) / reps * 1e3
 
 
-def bursts(torch, fn, flops: float, clock: ClockSampler, n_bursts: int = 6, burst_s: float = 0.25,
-           gap_s: float = 0.4) -> dict:
-    """Median TFLOP/s of `fn` over bursts of ~burst_s with idle gaps, and the clock during them."""
-    fn()
+def reps_for(torch, fn, seconds: float, lo: int, hi: int | None = None, warmup: int = 1) -> int:
+    """Back-to-back calls of `fn` that fill ~`seconds`, between lo and hi: `warmup` calls, then one
+    timed on the host clock (closed by a synchronize)."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     torch.cuda.synchronize()
     one = max(time.perf_counter() - t0, 1e-5)
-    reps = max(3, int(burst_s / one))
+    reps = max(lo, int(seconds / one))
+    return reps if hi is None else min(hi, reps)
+
+
+def bursts(torch, fn, flops: float, clock: ClockSampler, n_bursts: int = 6, burst_s: float = 0.25,
+           gap_s: float = 0.4) -> dict:
+    """Median TFLOP/s of `fn` over bursts of ~burst_s with idle gaps, and the clock during them."""
+    reps = reps_for(torch, fn, burst_s, lo=3)
     rates, clocks = [], []
     for _ in range(n_bursts):
         time.sleep(gap_s)
