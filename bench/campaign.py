@@ -152,6 +152,18 @@ OLMOE_PROXY = {"name": "olmoe-1b-7b-proxy", "num_layers": 16, "hidden_size": 204
                "num_attention_heads": 16, "num_query_groups": 16, "kv_channels": 128, "vocab_size": 32000,
                "moe": {"num_experts": 64, "top_k": 8, "ffn_hidden_size": 1024}, "family": "olmoe",
                "source": "allenai/OLMoE-1B-7B-0924 config.json (QK-norm left out)" + _MOE_SRC.format(v=50304)}
+# gpt-oss-120b at full width with its own features (a 128-token sliding window on every other
+# layer, a learned sink logit per head, the clamped quick-GeGLU, biases on every linear) and 16 of
+# its 128 experts, top-4: on one GPU a micro-batch of 4096 tokens gives each expert 1,024 tokens,
+# the shape one GPU of NVIDIA's published H100 recipe (EP8: 16 local experts, each fed by 8 ranks'
+# 4096 x 4 / 128 tokens) runs (session 34, issue #24)
+GPTOSS_PROXY = {"name": "gpt-oss-120b-proxy", "num_layers": 36, "hidden_size": 2880, "ffn_hidden_size": 2880,
+                "num_attention_heads": 64, "num_query_groups": 8, "kv_channels": 64, "vocab_size": 32000,
+                "add_bias_linear": True, "qkv_bias": True, "window_size": 128, "window_pattern": [1, 0],
+                "attention_sinks": True, "activation_clamp": 7.0,
+                "moe": {"num_experts": 16, "top_k": 4, "ffn_hidden_size": 2880}, "family": "gpt-oss",
+                "source": "openai/gpt-oss-120b config.json, 16 of its 128 experts (EP8's local share)"
+                          + _MOE_SRC.format(v=201088)}
 MOE_RUN = {"seq": 4096, "dp": 1, "distributed_optimizer": False, "overlap_grad_reduce": False,
            "warmup": 2, "steps": 4}
 

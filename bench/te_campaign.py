@@ -29,7 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from campaign import DEEPSEEK_PROXY, GPT3_2_7B, MIXTRAL_PROXY, OLMOE_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
+from campaign import DEEPSEEK_PROXY, GPT3_2_7B, GPTOSS_PROXY, MIXTRAL_PROXY, OLMOE_PROXY, QWEN3_PROXY  # noqa: E402  (beside this file)
 
 CONFIGS = HERE / "campaign_configs"
 RUN = {"warmup": 2, "steps": 5, "stack": "te"}
@@ -688,6 +688,8 @@ def s30e() -> list[dict]:
 # data/measurements/h200x2-te.jsonl); the others on four H100s.
 def where(batch: str) -> tuple[str, int]:
     """(cluster, GPUs) a batch runs on."""
+    if batch.startswith("x1-h200"):
+        return ("h200x1", 1)
     return ("h200x2", 2) if batch.startswith("x2-h200") else ("h100x4", 4)
 
 
@@ -754,6 +756,52 @@ def s32d() -> list[dict]:
             + _jobs(QWEN3_PROXY, "qw3", [("edge", dict(dp=2, ep=2, mbs=32, **st))], 10, h2, layers=6, seq=4096, gbs=64)
             + _jobs(OLMOE_PROXY, "olm", [("edge", dict(dp=2, ep=2, mbs=24, **st))], 4, h2, layers=8, seq=4096, gbs=48))
     return fit + over
+
+
+def s34() -> list[dict]:
+    """Session 34, issue #24: what a gpt-oss layer costs, on one H200 (the device tool lent no more).
+    The published gpt-oss-120b rows are the MoE model's worst (per-shape experts, branch
+    moe-per-shape: +50% too fast on H100); microbenchmarks found its attention sinks and expert biases
+    ~3% of its step. Here the whole layer, its features on and off one at a time: the gpt-oss proxy
+    (campaign.GPTOSS_PROXY: 8 layers, 16 experts top-4, 1,024 tokens per expert per micro-batch as
+    on one GPU of the published EP8 recipe), BF16 micro-batch 1 / 2, the recipe's selective
+    recompute (layernorm, moe_act), FP8, and without the sinks, without the window, with plain
+    SwiGLU for the clamped quick-GeGLU; one kernel-profiled. Predicted before it ran
+    (bench/campaign_configs/x1-h200-te-s34.predicted.txt)."""
+    h1 = "h1te"
+    te = dict(STACK_TE_CE, warmup=6, steps=5)
+    base = dict(GPTOSS_PROXY)
+    plain = {**base, "name": "gpt-oss-120b-proxy-plain", "attention_sinks": False, "window_size": 0,
+             "window_pattern": [], "activation_clamp": 0.0}
+    nosink = {**base, "name": "gpt-oss-120b-proxy-nosinks", "attention_sinks": False}
+    nowin = {**base, "name": "gpt-oss-120b-proxy-nowindow", "window_size": 0, "window_pattern": []}
+    noclamp = {**base, "name": "gpt-oss-120b-proxy-swiglu", "activation_clamp": 0.0}
+    lay = dict(layers=8, seq=4096, gbs=8)
+    rows = [("base", dict(mbs=1, **te)), ("base", dict(mbs=2, **te)),
+            ("rc", dict(mbs=1, recompute="selective", recompute_modules=["layernorm", "moe_act"], **te)),
+            ("fp8", dict(mbs=1, precision="fp8", **FPG, **te)),
+            ("kp", dict(mbs=1, kernel_profile_steps=2, **te))]
+    return (_jobs(base, "oss", rows, 0, h1, **lay)
+            + _jobs(nosink, "oss", [("nosink", dict(mbs=1, **te))], 5, h1, **lay)
+            + _jobs(nowin, "oss", [("nowin", dict(mbs=1, **te))], 6, h1, **lay)
+            + _jobs(noclamp, "oss", [("swiglu", dict(mbs=1, **te))], 7, h1, **lay)
+            + _jobs(plain, "oss", [("plain", dict(mbs=1, **te))], 8, h1, **lay))
+
+
+def s34b() -> list[dict]:
+    """Session 34's second call: the gpt-oss proxy kernel-profiled where the host binds less (micro-
+    batch 2 and 4: one GPU's GPU work by kernel category against the model's terms), its features
+    off at micro-batch 2 (plain: no sinks, no window, SwiGLU), and FP8 at micro-batch 2 (the H200's
+    FP8 / BF16 excess, session 33)."""
+    h1 = "h1te"
+    te = dict(STACK_TE_CE, warmup=6, steps=5, kernel_profile_steps=2)
+    plain = {**GPTOSS_PROXY, "name": "gpt-oss-120b-proxy-plain", "attention_sinks": False, "window_size": 0,
+             "window_pattern": [], "activation_clamp": 0.0}
+    lay = dict(layers=8, seq=4096, gbs=8)
+    rows = [("kp", dict(mbs=2, **te)), ("kp", dict(mbs=4, **te)),
+            ("kp", dict(mbs=2, precision="fp8", **FPG, **te))]
+    return (_jobs(GPTOSS_PROXY, "oss", rows, 9, h1, **lay)
+            + _jobs(plain, "oss", [("kp", dict(mbs=2, **te))], 12, h1, **lay))
 
 
 def predict(names: list[str]) -> int:
@@ -891,7 +939,9 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x2-h200-te-a": lambda: [j for j in s32() if j["id"].startswith(("h2te-l8b", "h2te-gpt3"))],
            "x2-h200-te-b": lambda: [j for j in s32() if j["id"].startswith(("h2te-l70b", "h2te-qw3"))],
            "x2-h200-te-c": lambda: [j for j in s32() if j["id"].startswith(("h2te-olm", "h2te-mix"))],
-           "x2-h200-te-d": s32d}
+           "x2-h200-te-d": s32d,
+           # one H200 (nvidia-h200): the gpt-oss proxy's features in situ
+           "x1-h200-te-s34": s34, "x1-h200-te-s34b": s34b}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
@@ -941,7 +991,9 @@ for job in map(json.loads, sys.stdin):
     tc = dict(job["tc"])
     for k in ("params_dtype", "pipeline_dtype"):
         tc[k] = getattr(torch, tc[k])
-    tc["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu}[tc["activation_func"]]
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    tc["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu,
+                             "quick_gelu": quick_gelu}[tc["activation_func"]]
     tc = {k: v for k, v in tc.items() if v is not None}
     tc.pop("apply_rope_fusion", None)  # megatron-core checks TE's fused RoPE is importable: not on CPU
     try:

@@ -53,7 +53,7 @@ run)
   done
   python3 bench/te_campaign.py run --budget "$budget" --out "$OUT" $([ -n "${CANARY:-}" ] || echo --no-canary) ${1:+--batches "$@"}
   rm -rf "$OUT"/*.runs "$OUT"/prior-*.jsonl
-  python3 bench/te_campaign.py table "$OUT"/x[24]-*.jsonl
+  python3 bench/te_campaign.py table "$OUT"/x[124]-*.jsonl
   ;;
 tests)
   pytest_deps || exit 2

@@ -342,12 +342,20 @@ def _llama4_text(c: _Cfg) -> dict[str, Any]:
     return d
 
 
+def _swiglu_limit(c: _Cfg) -> float:
+    v = c.get("swiglu_limit", 7.0)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise CatalogError(f"{c.origin}: swiglu_limit must be a non-negative number, got {v!r}")
+    return float(v)
+
+
 def _gpt_oss(c: _Cfg) -> dict[str, Any]:
     """gpt-oss: MoE on every layer (biases on the experts too), sliding window on the layers its
-    layer_types mark, a learned attention sink per head."""
+    layer_types mark, a learned attention sink per head, the clamped gated activation (swiglu_limit,
+    7.0 in both released configs)."""
     d = _llama_like(c, "gpt-oss", 131072, windows=lambda i: i % 2 == 0)
     d.update(attention_sinks=True, add_bias_linear=bool(c.get("attention_bias", True)),
-             qkv_bias=bool(c.get("attention_bias", True)))
+             qkv_bias=bool(c.get("attention_bias", True)), activation_clamp=_swiglu_limit(c))
     d["moe"] = MoESpec(num_experts=int(c.req("num_local_experts")),
                        top_k=int(c.get("num_experts_per_tok") or c.req("experts_per_token")),
                        ffn_hidden_size=d["ffn_hidden_size"])

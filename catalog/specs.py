@@ -160,6 +160,12 @@ class ModelSpec:
     final_logit_softcap: float = 0.0  # of the output logits (Gemma 2); 0 = none
     rotary_percent: float = 1.0  # share of the head dim that RoPE rotates (GLM-4: 0.5)
     nope_pattern: tuple[int, ...] = ()  # repeating, 1 = a layer without RoPE (Llama 4's global layers)
+    # gpt-oss's clamped gated activation: quick-GeLU(min(gate, c)) x (clamp(linear, -c, c) + 1), c
+    # this value (7.0); megatron-core's quick_gelu with glu_linear_offset 1 and
+    # activation_func_clamp_value (Megatron-LM: --quick-geglu --glu-linear-offset 1.0
+    # --activation-func-clamp-value C). Priced as the gated activation it is (activation "swiglu");
+    # 0 = none.
+    activation_clamp: float = 0.0
 
     def __post_init__(self) -> None:
         for n in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
@@ -176,6 +182,13 @@ class ModelSpec:
             if getattr(self, n) not in allowed:
                 raise SpecError(f"model {self.name!r}: {n} must be one of {', '.join(allowed)}, "
                                 f"got {getattr(self, n)!r}")
+        if (not isinstance(self.activation_clamp, (int, float)) or isinstance(self.activation_clamp, bool)
+                or not self.activation_clamp >= 0):
+            raise SpecError(f"model {self.name!r}: activation_clamp must be a non-negative number, "
+                            f"got {self.activation_clamp!r}")
+        if self.activation_clamp and self.activation != "swiglu":
+            raise SpecError(f"model {self.name!r}: activation_clamp needs the gated activation (swiglu), "
+                            f"got activation {self.activation!r}")
         if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 0:
             raise SpecError(f"model {self.name!r}: window_size must be a non-negative integer, got {self.window_size!r}")
         for n in ("window_pattern", "nope_pattern"):

@@ -108,9 +108,13 @@ class Dataset:
 
 def shape_key(model: ModelSpec, with_layers: bool = False) -> str:
     """The model's architecture (what sets GEMM shapes), without its name; the layer count only
-    when asked (proxies of one model with different depths share a shape)."""
+    when asked (proxies of one model with different depths share a shape). Variants of one shape
+    that differ only in the attention pattern or the activation's clamp (the gpt-oss proxy with
+    its window, sinks or clamp off: bench/te_campaign.py s34) share it too: leaving one
+    architecture out leaves them all out."""
     d = model.to_dict()
-    for k in ("name", "source", "family"):
+    for k in ("name", "source", "family", "window_size", "window_type", "window_pattern", "attention_sinks",
+              "activation_clamp", "attn_logit_softcap", "final_logit_softcap"):
         d.pop(k, None)
     if not with_layers:
         d.pop("num_layers")

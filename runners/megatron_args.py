@@ -195,6 +195,8 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
     (see ``_te_config``). ``params_dtype`` / ``pipeline_dtype`` are dtype names and
     ``activation_func`` a function name; the worker maps them to torch objects."""
     act, gated = _ACTIVATION[model.activation]
+    if model.activation_clamp:  # gpt-oss: quick-GeGLU, (linear + 1), both halves clamped
+        act = "quick_gelu"
     kw: dict[str, Any] = {
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
@@ -240,6 +242,8 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "cross_entropy_loss_fusion": cfg.cross_entropy_impl != "unfused",
         "cross_entropy_fusion_impl": "native" if cfg.cross_entropy_impl == "unfused" else cfg.cross_entropy_impl,
     }
+    if model.activation_clamp:
+        kw.update(glu_linear_offset=1.0, activation_func_clamp_value=float(model.activation_clamp))
     kw.update(recompute_settings(cfg))
     if model.mla is not None:
         # megatron.core's MLATransformerConfig (the worker builds that class when it sees
@@ -301,6 +305,17 @@ def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str,
         "persist_layer_norm": True,
         "gradient_accumulation_fusion": False,
     }
+    # per-layer attention through TE's DotProductAttention (the local spec's SDPA has neither): the
+    # sliding window (a query sees itself and window_size - 1 keys before it) on the layers
+    # window_pattern marks (megatron-core's window_attn_skip_freq list: 1 = windowed), and the
+    # learned sink logit per head (softmax_type "learnable")
+    if model.window_size and model.window_type == "sliding":
+        kw["window_size"] = (model.window_size - 1, 0)
+        per_layer = [1 if model.layer_window(i) else 0 for i in range(model.num_layers)]
+        if not all(per_layer):
+            kw["window_attn_skip_freq"] = per_layer
+    if model.attention_sinks:
+        kw["softmax_type"] = "learnable"
     if cfg.precision == "fp8":
         kw.update(fp8="hybrid", fp8_recipe=fp8_recipe, fp8_amax_history_len=1024,
                   fp8_amax_compute_algo="max")
@@ -398,7 +413,10 @@ def _architecture_flags(model: ModelSpec) -> list[str]:
     a: list[str] = []
     if model.kv_heads != model.num_attention_heads:
         a += ["--group-query-attention", "--num-query-groups", str(model.kv_heads)]
-    if model.activation == "swiglu":
+    if model.activation_clamp:  # gpt-oss's clamped gated activation
+        a += ["--quick-geglu", "--glu-linear-offset", "1.0", "--activation-func-clamp-value",
+              f"{model.activation_clamp:g}"]
+    elif model.activation == "swiglu":
         a.append("--swiglu")
     elif model.activation == "relu2":
         a.append("--squared-relu")

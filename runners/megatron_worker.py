@@ -152,6 +152,9 @@ def _activation(name):
     if name == "squared_relu":
         from megatron.core.activations import squared_relu
         return squared_relu
+    if name == "quick_gelu":  # the object TransformerConfig and the MoE experts compare against
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        return quick_gelu
     return {"silu": F.silu, "gelu": F.gelu}[name]
 
 
@@ -194,6 +197,8 @@ def build(job):
     for k in ("params_dtype", "pipeline_dtype"):
         tc[k] = getattr(torch, tc[k])
     tc["activation_func"] = _activation(tc["activation_func"])
+    if tc.get("window_size") is not None:  # JSON made the (left, right) tuple a list
+        tc["window_size"] = tuple(tc["window_size"])
     tc = {k: v for k, v in tc.items() if v is not None}
     if job["vp"] > 1 and INTERLEAVED_P2P == "overlap":
         tc.update(overlap_p2p_comm=True, batch_p2p_comm=False)

@@ -184,3 +184,13 @@ def test_window_attention_check_predicts_what_step_time_prices():
         st = stage_times(m, cl, TrainConfig(tp=1, dp=8, gbs=8, seq=16384), DEFAULT)[0]
         assert pred == pytest.approx(st.attention_s, rel=1e-12)
     assert check.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+
+
+def test_gpt_oss_clamp_from_config():
+    """swiglu_limit (7.0 in the released configs) becomes the activation's clamp; a bad one is a
+    one-line error."""
+    cfg = json.loads((HF / "gpt-oss-120b.json").read_text())
+    assert load_model(str(HF / "gpt-oss-120b.json")).activation_clamp == load_model("gpt-oss-120b").activation_clamp == 7.0
+    assert model_from_hf_config({**cfg, "swiglu_limit": 10}, "x").activation_clamp == 10.0
+    with pytest.raises(CatalogError, match="swiglu_limit must be a non-negative number"):
+        model_from_hf_config({**cfg, "swiglu_limit": "seven"}, "x")

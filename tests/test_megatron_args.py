@@ -435,3 +435,37 @@ def test_moe_knob_combinations_megatron_refuses(changes, needle):
     base = dict(dp=8, ep=8, gbs=64)
     cfg = TrainConfig(**{**base, **changes})
     assert any(needle in v for v in violations(load_model("deepseek-v3").with_layers(8), None, cfg))
+
+
+def test_gpt_oss_features_reach_the_runner_and_the_args():
+    """gpt-oss's clamped quick-GeGLU, sliding window on every other layer and learned sinks: the te
+    runner's TransformerConfig carries all three (TE's DotProductAttention takes the window and the
+    softmax type; megatron-core's quick_gelu with glu_linear_offset 1 and the clamp), the local
+    spec's SDPA gets neither attention feature, and the printed args say --quick-geglu (with its
+    offset and clamp) instead of --swiglu."""
+    oss = load_model("gpt-oss-120b").with_layers(4)
+    assert oss.activation_clamp == 7.0
+    cfg = TrainConfig(ep=8, dp=8)
+    te = MA.transformer_config_kwargs(oss, cfg, "te")
+    assert te["activation_func"] == "quick_gelu" and te["gated_linear_unit"]
+    assert (te["glu_linear_offset"], te["activation_func_clamp_value"]) == (1.0, 7.0)
+    assert te["window_size"] == (127, 0) and te["window_attn_skip_freq"] == [1, 0, 1, 0]
+    assert te["softmax_type"] == "learnable" and te["bias_activation_fusion"]
+    local = MA.transformer_config_kwargs(oss, cfg, "local")
+    assert "window_size" not in local and "softmax_type" not in local
+    a = MA.megatron_lm_args(oss, cfg)
+    i = a.index("--quick-geglu")
+    assert a[i + 1:i + 5] == ["--glu-linear-offset", "1.0", "--activation-func-clamp-value", "7"]
+    assert "--swiglu" not in a
+    plain = dataclasses.replace(oss, activation_clamp=0.0, attention_sinks=False, window_size=0, window_pattern=())
+    kw = MA.transformer_config_kwargs(plain, cfg, "te")
+    assert kw["activation_func"] == "silu" and "glu_linear_offset" not in kw and "window_size" not in kw
+    assert "--swiglu" in MA.megatron_lm_args(plain, cfg)
+
+
+def test_activation_clamp_is_checked():
+    base = load_model("llama3-8b")
+    with pytest.raises(Exception, match="activation_clamp must be a non-negative number"):
+        dataclasses.replace(base, activation_clamp=-1.0)
+    with pytest.raises(Exception, match="activation_clamp needs the gated activation"):
+        dataclasses.replace(load_model("nemotron4-15b"), activation_clamp=7.0)
