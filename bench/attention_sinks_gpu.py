@@ -38,8 +38,11 @@ def attended_pairs(s: int, window) -> float:
 
 
 def main(argv=None) -> int:
-    out = Path((argv or sys.argv[1:])[0])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from kernel_rates import te_out_path
+
+    out = te_out_path(__doc__, Path(__file__).name, "sinks", argv)
+    if out is None:
+        return 2
     import torch
     import transformer_engine
     import transformer_engine.pytorch as te

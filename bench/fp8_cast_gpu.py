@@ -25,8 +25,11 @@ SHAPES = [(4096, 4096), (8192, 4096), (16384, 4096), (8192, 8192), (4096, 14336)
 
 
 def main(argv=None) -> int:
-    out = Path((argv or sys.argv[1:])[0])
-    out.parent.mkdir(parents=True, exist_ok=True)
+    from kernel_rates import te_out_path
+
+    out = te_out_path(__doc__, Path(__file__).name, "casts", argv)
+    if out is None:
+        return 2
     import torch
     import transformer_engine
     import transformer_engine_torch as tex

@@ -53,6 +53,23 @@ class ClockSampler:
         self.t.join()
 
 
+def te_out_path(doc: str, script: str, step: str, argv=None) -> Path | None:
+    """The OUT argument of a one-GPU Transformer Engine microbenchmark (`--help` prints `doc`), or
+    None after a one-line error where torch or TE is missing (the te_device.sh step that runs it)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path, help="the JSONL file to write")
+    out = ap.parse_args(argv).out
+    try:
+        import torch  # noqa: F401
+        import transformer_engine  # noqa: F401
+    except ImportError as e:
+        print(f"error: {script} runs on a GPU with torch and Transformer Engine ({e}); on a lent one: "
+              f"bash bench/te_device.sh {step}", file=sys.stderr)
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def timed_us(torch, fn, reps: int = 50, warmup: int = 3) -> float:
     """Microseconds per call of `fn`: CUDA events around `reps` back-to-back calls after `warmup`
     (the larger of its GPU time and its host issue time)."""

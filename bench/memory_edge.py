@@ -105,7 +105,7 @@ def rows(paths: list[str]) -> list[dict]:
             alloc = measured_gib({k: v for k, v in mem.items() if k.startswith(("peak_allocated", "start_"))})
             out.append({"id": rec.get("id", f"{Path(path).name}:{n}"), "status": rec["status"], "stack": stack,
                         "model": model.name, "moe": model.is_moe, "arch": shape_key(model), "gpu": cluster.gpu.name,
-                        "gpu_gib": cluster.gpu.memory_gib, "predicted": top.total_gib,
+                        "gpu_gib": cluster.gpu.memory_gib, "gpu_spec": cluster.gpu, "predicted": top.total_gib,
                         "rf": top.reserved_free_gib, "rf_off": top.reserved_free_off_gib, "x": cfg.expandable_segments, "measured_alloc": alloc,
                         "periodic": MB.periodic_layout(model, cfg),
                         "outside_pred": outside_allocator_gib(model, cfg, None, c),
@@ -618,7 +618,7 @@ def allocator_stages(rs: list[dict]) -> list[dict]:
         for k in ALLOC_KEYS:
             basis = dataclasses.replace(resolve_calibration("default", r["stack"]).screening_constants,
                                         **{x: float(x == k) for x in ALLOC_KEYS})
-            feats.append([s.reserved_free_gib for s in stage_memory(r["model_spec"], cfg, basis)])
+            feats.append([s.reserved_free_gib for s in stage_memory(r["model_spec"], cfg, basis, gpu=r["gpu_spec"])])
         for st in range(cfg.pp):
             meas = max(res[i] - al[i] for i in range(st * per, (st + 1) * per))
             out.append({"id": r["id"], "stack": r["stack"], "arch": r["arch"], "moe": r["moe"], "stage": st,

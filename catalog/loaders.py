@@ -113,6 +113,8 @@ def _gpu_from_yaml(data: dict[str, Any], what: str) -> GPUSpec:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise CatalogError(f"{what}: {k} must be a non-negative number (finite), got {v!r}")
         d[k] = float(v)
+    if d.get("hbm_power_scale") is not None and d["hbm_power_scale"] <= 0:  # a multiplier of the HBM power
+        raise CatalogError(f"{what}: hbm_power_scale must be a positive number, got {data['hbm_power_scale']!r}")
     if d.get("vendor") not in ("nvidia", "amd"):
         raise CatalogError(f"{what}: vendor must be nvidia or amd, got {d.get('vendor')!r}")
     gpn = d.get("gpus_per_node")

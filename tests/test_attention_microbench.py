@@ -24,7 +24,9 @@ def test_plain_causal_attention_matches_the_kernels(shape, seq):
     rows = [json.loads(x) for x in DATA.open() if x.strip()]
     row = next(r for r in rows if r["shape"] == shape and r["seq"] == seq and r["softmax_type"] == "vanilla"
                and r["window"] is None)
-    kernels_ms = sum(row["categories"].values())
+    # the attention kernels alone: the harness's own elementwise / memset passes (2-5% here) are not
+    # attention and are left out
+    kernels_ms = row["categories"]["attention fwd"] + row["categories"]["attention bwd"]
     model, gpu = load_model(shape), load_gpu("h200")
     c = resolve_calibration("default", "te", gpu=gpu).constants
     flops = 4.0 * row["heads"] * row["head_dim"] * seq * keys_per_query(seq, 0, model.window_type)

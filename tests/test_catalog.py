@@ -527,3 +527,17 @@ def test_model_alias_says_what_it_resolved_to():
                       "--account-for-embedding", "--account-for-loss", "--json")
     assert err == ["note: model 'llama-3-405b' is llama3.1-405b (an alias in the catalog)"]
     assert _cli_stderr("predict", "-m", "Llama3-70B", "-c", "h100x64", "--tp", "8", "--json") == []
+
+
+def test_gpu_hbm_power_scale_must_be_positive():
+    """GPUSpec.hbm_power_scale multiplies the HBM power term (models/dvfs.py): 0 would silently drop
+    it, so the loader refuses it in one line."""
+    import yaml
+
+    from advisor.catalog import loaders as L
+
+    data = yaml.safe_load((Path(L.__file__).parent / "data" / "gpus" / "h200.yaml").read_text())
+    assert L._gpu_from_yaml(dict(data), "h200.yaml").hbm_power_scale == pytest.approx(1.317)
+    for bad, says in ((0, "a positive number"), (0.0, "a positive number"), (-1, "a non-negative number")):
+        with pytest.raises(CatalogError, match=f"hbm_power_scale must be {says}"):
+            L._gpu_from_yaml({**data, "hbm_power_scale": bad}, "h200.yaml")
