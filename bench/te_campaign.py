@@ -804,6 +804,21 @@ def s34b() -> list[dict]:
             + _jobs(plain, "oss", [("kp", dict(mbs=2, **te))], 12, h1, **lay))
 
 
+def s34c() -> list[dict]:
+    """Session 34's third call, issue #22: the H200's FP8 / BF16 excess (2 x H200, session 32: the te
+    profile predicts FP8's speed-up 5-6% high on llama3-8b / 70b although the clocks (within 2%), the
+    GEMM rates and the casts' bandwidth are right) on one H200, kernel by kernel: llama3-8b 8L,
+    micro-batch 4, BF16 and FP8 (FP8 primary weights, the stack's), kernel-profiled; and micro-batch
+    8 both ways without the profiler (the ratio itself on one GPU)."""
+    h1 = "h1te"
+    te = dict(STACK_TE_CE, warmup=4, steps=6)
+    f8 = dict(precision="fp8", **FPG)
+    rows = [("kp", dict(dp=1, mbs=4, kernel_profile_steps=2, **te)),
+            ("kp", dict(dp=1, mbs=4, kernel_profile_steps=2, **f8, **te)),
+            ("fp8", dict(dp=1, mbs=8, **te)), ("fp8", dict(dp=1, mbs=8, **f8, **te))]
+    return _on(("llama3-8b", "l8b", dict(layers=8, seq=4096, gbs=32)), rows, 0, h1)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (models.memory's fullest stage), the
     te band's upper bound, as pressed (recommend's screen, its verdict) and the usable memory of the
@@ -941,7 +956,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x2-h200-te-c": lambda: [j for j in s32() if j["id"].startswith(("h2te-olm", "h2te-mix"))],
            "x2-h200-te-d": s32d,
            # one H200 (nvidia-h200): the gpt-oss proxy's features in situ
-           "x1-h200-te-s34": s34, "x1-h200-te-s34b": s34b}
+           "x1-h200-te-s34": s34, "x1-h200-te-s34b": s34b,
+           "x1-h200-te-s34c": s34c}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
