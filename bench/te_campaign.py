@@ -819,6 +819,20 @@ def s34c() -> list[dict]:
     return _on(("llama3-8b", "l8b", dict(layers=8, seq=4096, gbs=32)), rows, 0, h1)
 
 
+def s34d() -> list[dict]:
+    """Session 34's fourth call, issue #24: the gpt-oss proxy at micro-batch 4 (the GPU binds) with
+    NVIDIA's recipe settings for MoE (TE's fused permute / unpermute and fused router: the published
+    H100 rows' "rfuse-pfuse"), with the aux-loss router and with forced load balancing (the
+    published rows' routing), kernel-profiled: how much of the 269 ms of memory-bound kernels a step
+    (s34b's h1te-oss-kp-10, unfused) the recipe's kernels remove."""
+    h1 = "h1te"
+    te = dict(STACK_TE_CE, warmup=6, steps=5, kernel_profile_steps=2, moe_permute_fusion=True,
+              moe_router_fusion=True)
+    lay = dict(layers=8, seq=4096, gbs=8)
+    rows = [("fuse", dict(mbs=4, **te)), ("fuse", dict(mbs=4, moe_router="forced", **te))]
+    return _jobs(GPTOSS_PROXY, "oss", rows, 13, h1, **lay)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (models.memory's fullest stage), the
     te band's upper bound, as pressed (recommend's screen, its verdict) and the usable memory of the
@@ -957,7 +971,7 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x2-h200-te-d": s32d,
            # one H200 (nvidia-h200): the gpt-oss proxy's features in situ
            "x1-h200-te-s34": s34, "x1-h200-te-s34b": s34b,
-           "x1-h200-te-s34c": s34c}
+           "x1-h200-te-s34c": s34c, "x1-h200-te-s34d": s34d}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]

@@ -226,6 +226,16 @@ class Constants:
     # head dim 128; models/attention.py prices other shapes from the kernels' tiles relative to it).
     attention_efficiency: float = 0.55
     attention_backward_factor: float = 2.5
+    # Learned attention sinks (ModelSpec.attention_sinks, gpt-oss; TE softmax_type "learnable"): the
+    # backward's extra time per query token per attention head (a GPU's local heads), whatever the
+    # head dim and window. cuDNN 9.14 runs them as a separate dO.O pass
+    # (cudnn::fusion::compute_dot_do_o_specialized) far below HBM bandwidth. Measured, not fitted:
+    # one H200 (the H100's GH100 die), TE 2.20.2 attention alone, learnable minus vanilla backward
+    # (`bash bench/te_device.sh sinks`, data/microbench/h200x1-attention-sinks.jsonl): 1.31-1.57 ns over
+    # gpt-oss's 64 x 64 and llama3-8b's 32 x 128 heads at 4K / 8K, full and 128-token windows, mean
+    # 1.46; in the gpt-oss proxy's steps (data/measurements/h200x1-te.jsonl) the dO.O kernel alone
+    # 1.6-1.8 ns. Hopper only: Blackwell's kernel is not measured.
+    attention_sink_bwd_s: float = 1.46e-9
     # Fixed cost of one fused-attention thread block besides its tiles, in tile-times: pipeline fill
     # and drain, its Q (forward) / K, V (backward) load and O / dK, dV store, and the per-row
     # memory-bound passes (dO.O preprocess, dQ accumulator clear + convert, GQA dK / dV reduction:

@@ -69,6 +69,9 @@ class StageTime:
     # counted in memory_bound_s, kept apart for the breakdown
     fp8_fwd_s: float = 0.0
     fp8_bwd_s: float = 0.0
+    # attention work of the backward only (per microbatch, inside attention_s once combined): the
+    # learned sinks' dO.O pass (Constants.attention_sink_bwd_s)
+    attention_bwd_extra_s: float = 0.0
     forward_s: float = 0.0  # compute part of the forward pass (for DP overlap windows)
     backward_s: float = 0.0
     gemm_utilization: float = 0.0  # achieved / best GEMM rate, time-weighted (drives power)
@@ -113,7 +116,7 @@ _MOE_PARTS = ("moe_router_compute_s", "moe_router_memory_s", "moe_permute_memory
               "moe_expert_memory_s")
 _EP_IDLE = ("moe_ep_idle_compute_s", "moe_ep_idle_memory_s")
 ADDITIVE_TERMS = ("gemm_s", "attention_s", "memory_bound_s", "tp_comm_s", "cp_comm_s", "ep_comm_s", "overhead_s",
-             "fp8_fwd_s", "fp8_bwd_s") + _MOE + _MOE_PARTS + _EP_IDLE + ("host_s",)
+             "fp8_fwd_s", "fp8_bwd_s", "attention_bwd_extra_s") + _MOE + _MOE_PARTS + _EP_IDLE + ("host_s",)
 
 
 @dataclass
@@ -306,6 +309,8 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
         full, chunk = cfg.seq, cfg.seq / cfg.cp
         attn *= (full / (full + c.attention_half_tokens)) / (chunk / (chunk + c.attention_half_tokens))
     st.attention_s += attn
+    if model.attention_sinks:  # the sinks' dO.O pass in the backward, per query token and local head
+        st.attention_bwd_extra_s += T * (a / t) * c.attention_sink_bwd_s
     # memory-bound kernels; norms beyond the two pre-norms (post-norms) and the q / k norms each
     # read and write their input once
     sp = t if cfg.sequence_parallel else 1
@@ -492,11 +497,12 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
     fp8_f, fp8_b = out["fp8_fwd_s"], out["fp8_bwd_s"]
     comm_f = out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"]
     out["forward_s"] = gemm_f + attn_f + mb_f + fp8_f
-    backward = 2 * gemm_f + c.attention_backward_factor * attn_f + 2 * mb_f + fp8_b
+    attn_b = out["attention_bwd_extra_s"]
+    backward = 2 * gemm_f + c.attention_backward_factor * attn_f + attn_b + 2 * mb_f + fp8_b
     # the transformer layers' forward and backward with their collectives (no loss, no recompute yet)
     layers_f, layers_b = out["forward_s"] + comm_f, backward + comm_f
     out["gemm_s"] = 3 * gemm_f
-    out["attention_s"] = attn_f * (1 + c.attention_backward_factor)
+    out["attention_s"] = attn_f * (1 + c.attention_backward_factor) + attn_b
     mb = 3 * mb_f + fp8_f + fp8_b
     for name in ("tp_comm_s", "cp_comm_s", "ep_comm_s"):  # the backward's collectives mirror the forward's
         out[name] = out[name] * 2

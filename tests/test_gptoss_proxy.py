@@ -42,7 +42,7 @@ def runs():
 
 
 def test_records_name_their_stack_and_features(runs):
-    assert len(runs) == 13 and all(r["status"] == "ok" for r, _, _ in runs)
+    assert len(runs) == 15 and all(r["status"] == "ok" for r, _, _ in runs)
     for r, m, _ in runs:
         assert r["stack"] == "te" and r["env"]["transformer_engine"] == "2.20.2"
         assert r["env"]["megatron_core"] == "0.19.2" and r["env"]["gpu_name"] == "NVIDIA H200"
