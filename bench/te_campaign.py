@@ -833,6 +833,17 @@ def s34d() -> list[dict]:
     return _jobs(GPTOSS_PROXY, "oss", rows, 13, h1, **lay)
 
 
+def s34e() -> list[dict]:
+    """Session 34's fifth call, issue #22: llama3-70b 4L on one H200, BF16 and FP8 (FP8 primary
+    weights) at micro-batch 2: on 2 x H200 its TP2 SP FP8 / BF16 ratio was 5.7% under the predicted
+    one (h2te-l70b-sp-01 / fp8-04); llama3-8b's alone is within 0.4% (s34c). The 70b shape alone
+    says whether its excess needs a second GPU."""
+    h1 = "h1te"
+    te = dict(STACK_TE_CE, warmup=4, steps=6)
+    rows = [("fp8", dict(dp=1, mbs=2, **te)), ("fp8", dict(dp=1, mbs=2, precision="fp8", **FPG, **te))]
+    return _on(("llama3-70b", "l70b", dict(layers=4, seq=4096, gbs=16)), rows, 0, h1)
+
+
 def predict(names: list[str]) -> int:
     """Each job's predicted peak GiB per GPU with the te profile (models.memory's fullest stage), the
     te band's upper bound, as pressed (recommend's screen, its verdict) and the usable memory of the
@@ -971,7 +982,8 @@ BATCHES = {"x4-te-dense-a": llama8b, "x4-te-dense-b": lambda: llama70b() + gpt3(
            "x2-h200-te-d": s32d,
            # one H200 (nvidia-h200): the gpt-oss proxy's features in situ
            "x1-h200-te-s34": s34, "x1-h200-te-s34b": s34b,
-           "x1-h200-te-s34c": s34c, "x1-h200-te-s34d": s34d}
+           "x1-h200-te-s34c": s34c, "x1-h200-te-s34d": s34d,
+           "x1-h200-te-s34e": s34e}
 # One job per feature, first: a feature whose canary fails is not tried again in the call.
 CANARY_IDS = ["te-l8b-dp-00", "te-l8b-sp-06", "te-l8b-cp-03", "te-l8b-fp8-16", "te-l8b-pp-12",
               "te-mix-ep-00", "te-mix-moetp-03"]
