@@ -17,8 +17,7 @@ import numpy as np
 
 from advisor.catalog.specs import MOE_KNOBS, QUANTS, ClusterSpec, ModelSpec, TrainConfig
 from advisor.models.attention import attention_seconds, softmax_stretch  # noqa: F401  (their home was here)
-from advisor.models.collectives import (COLLECTIVES, Link, bus_factor, collective_time, group_link,  # noqa: F401
-                                         group_links)  # (their home was here)
+from advisor.models.collectives import COLLECTIVES, Link, bus_factor, collective_time, group_link, group_links  # noqa: F401, E501
 from advisor.models.constants import DEFAULT, Constants
 from advisor.models.flops import attention_core_flops_per_token, qk_norm_width
 from advisor.models.fsdp_time import FSDPTerms, fsdp_exposed_per_microbatch, fsdp_stage_terms
@@ -69,9 +68,7 @@ class StageTime:
     # counted in memory_bound_s, kept apart for the breakdown
     fp8_fwd_s: float = 0.0
     fp8_bwd_s: float = 0.0
-    # attention work of the backward only (per microbatch, inside attention_s once combined): the
-    # learned sinks' dO.O pass (Constants.attention_sink_bwd_s)
-    attention_bwd_extra_s: float = 0.0
+    attention_bwd_extra_s: float = 0.0  # backward-only attention (the sinks' dO.O pass), in attention_s
     forward_s: float = 0.0  # compute part of the forward pass (for DP overlap windows)
     backward_s: float = 0.0
     gemm_utilization: float = 0.0  # achieved / best GEMM rate, time-weighted (drives power)
@@ -309,8 +306,7 @@ def layer_forward(model: ModelSpec, layer: int, cfg: TrainConfig, cluster: Clust
         full, chunk = cfg.seq, cfg.seq / cfg.cp
         attn *= (full / (full + c.attention_half_tokens)) / (chunk / (chunk + c.attention_half_tokens))
     st.attention_s += attn
-    if model.attention_sinks:  # the sinks' dO.O pass in the backward, per query token and local head
-        st.attention_bwd_extra_s += T * (a / t) * c.attention_sink_bwd_s
+    st.attention_bwd_extra_s += T * (a / t) * c.attention_sink_bwd_s if model.attention_sinks else 0.0
     # memory-bound kernels; norms beyond the two pre-norms (post-norms) and the q / k norms each
     # read and write their input once
     sp = t if cfg.sequence_parallel else 1
@@ -494,10 +490,9 @@ def stage_time_arrays(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Con
         util0 = util0 + cols[j] * UT[:, j, 0][key]
         util1 = util1 + cols[j] * UT[:, j, 1][key]
     attn_f, gemm_f, mb_f = out["attention_s"], out["gemm_s"], out["memory_bound_s"]
-    fp8_f, fp8_b = out["fp8_fwd_s"], out["fp8_bwd_s"]
+    fp8_f, fp8_b, attn_b = out["fp8_fwd_s"], out["fp8_bwd_s"], out["attention_bwd_extra_s"]
     comm_f = out["tp_comm_s"] + out["cp_comm_s"] + out["ep_comm_s"]
     out["forward_s"] = gemm_f + attn_f + mb_f + fp8_f
-    attn_b = out["attention_bwd_extra_s"]
     backward = 2 * gemm_f + c.attention_backward_factor * attn_f + attn_b + 2 * mb_f + fp8_b
     # the transformer layers' forward and backward with their collectives (no loss, no recompute yet)
     layers_f, layers_b = out["forward_s"] + comm_f, backward + comm_f
