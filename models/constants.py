@@ -150,14 +150,17 @@ class Constants:
     # OOM record in data/ was checked with; those records need none (python bench/memory_edge.py
     # --margin 0: 0 of 26 OOMs predicted to fit). As a share it was 9 GiB on a GB200, 14 on a GB300.
     memory_margin_gib: float = 4.0
-    # FP8 primary weights (TrainConfig.fp8_param_gather) on Hopper: every step TE builds the transpose
-    # of each FP8 linear weight it holds (cast_transpose_general_kernel, one per weight, on the compute
-    # stream), whose time is this many bytes per weight at the GPU's HBM bandwidth x hbm_efficiency:
-    # 2 B moved at ~3% of the bandwidth. Measured on 4 x H100 (kernel profiles, x4-te-s27d / -s27e,
-    # python bench/kernel_profile.py): llama3-70b[4L] +65.4 ms per step for 3.42 B weights per GPU,
-    # llama3-8b[8L] +33.6 ms for 1.75 B: 19.1 / 19.2 ps per weight = 45 B at 3,350 GB/s x 0.7.
+    # FP8 primary weights (TrainConfig.fp8_param_gather) on Hopper: every step TE casts the rank's
+    # shard of each linear weight from the fp32 master to FP8 with its transpose
+    # (cast_transpose_general_kernel, one call per weight, on the compute stream): seconds per weight of
+    # the rank's optimizer shard (all of them without the distributed optimizer), not bandwidth-bound
+    # (the same time on an H100 and an H200). Measured, kernel profiles: llama3-8b[8L] / llama3-70b[4L]
+    # on one H200 (DP1, session 34: x1-h200-te-s34c / -s34f) 129.5 / 248.7 ms a step for 1.745 / 3.423 B
+    # weights = 74.2 / 72.7 ps; on 4 x H100 with DP4 (session 27: x4-te-s27d / -s27e, the with / without
+    # pairs) 33.6 / 65.4 ms for a quarter of them = 77.0 / 76.4 ps; mean 75.1. Session 27 had read the
+    # H100 pairs as 45 B per weight held at HBM bandwidth, which one GPU (DP1) puts 5.5x low.
     # Blackwell's FP8 GEMMs take either layout (no transpose): not applied there.
-    fp8_param_transpose_bytes: float = 45.0
+    fp8_param_cast_s: float = 7.5e-11
 
     # ---- compute ------------------------------------------------------------------------------
     # Best sustained fraction of dense bf16 peak for large GEMMs before power capping:

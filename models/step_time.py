@@ -664,11 +664,11 @@ def dp_terms(model: ModelSpec, cluster: ClusterSpec, L: Layouts, c: Constants, m
     hbm = cluster.gpu.hbm_bandwidth_gbs * 1e9 * c.hbm_efficiency
     opt_base = shard * c.optimizer_bytes_per_param / hbm
     if L.fpg is not None and fp8_transposed_copy(cluster.gpu):
-        # FP8 primary weights: the transposes TE builds each step of every FP8 weight the stage holds
-        # (Constants.fp8_param_transpose_bytes; Float8Tensor formats: delayed and current scaling),
-        # where it keeps them (the copies of models/quant.py: none on Blackwell)
+        # FP8 primary weights: each step the rank's shard of every FP8 linear weight cast from its master
+        # with its transpose (Constants.fp8_param_cast_s; delayed / current scaling; none on Blackwell)
         tr = L.fpg[r].astype(bool) & np.isin(L.fp8[r], FP8_TRANSPOSE_QUANTS)
-        opt_base = opt_base + np.where(tr, params[:, 2] * c.fp8_param_transpose_bytes / hbm, 0.0)
+        lin_shard = np.where(dist, (params[:, 2] - params[:, 1]) / d + params[:, 1] / edp, params[:, 2])
+        opt_base = opt_base + np.where(tr, lin_shard * c.fp8_param_cast_s, 0.0)
     return DPTerms(grad, gather, opt_base, fsdp)
 
 

@@ -92,12 +92,12 @@ def test_the_runner_builds_fp8_primary_weights_where_a_batch_line_asks():
 
 
 def test_fp8_weight_transposes_cost_what_the_measured_pairs_lost():
-    """On Hopper TE builds the transpose of every FP8 primary weight each step
-    (Constants.fp8_param_transpose_bytes): the two same-machine pairs of session 27 (x4-te-s27d / -s27e:
-    llama3-70b[4L] DP4 mbs2 -8.2%, llama3-8b[8L] DP4 mbs4 -5.0% with them) predicted within 2.5% of their
-    measured ratio (1.5% and 0.6% at session 27's profile; 2.2% for the 70B pair after session 28's
-    refit, whose faster step leaves the transposes' fixed time a larger share: the term itself is the
-    kernel profile's time); nothing on Blackwell, nothing without FP8 primary weights."""
+    """On Hopper TE casts the rank's shard of every FP8 primary weight from its master with its
+    transpose each step (Constants.fp8_param_cast_s, 75 ps per shard weight: kernel profiles on one H200
+    and on 4 x H100): the two same-machine pairs of session 27 (x4-te-s27d / -s27e: llama3-70b[4L] DP4
+    mbs2 -8.2%, llama3-8b[8L] DP4 mbs4 -5.0% with them) predicted within 2.5% of their measured ratio;
+    the term is the shard's weights x 75 ps (an eighth of them over DP8, all of them on one GPU);
+    nothing on Blackwell, nothing without FP8 primary weights."""
     import json
     from pathlib import Path
 
@@ -105,7 +105,7 @@ def test_fp8_weight_transposes_cost_what_the_measured_pairs_lost():
     from advisor.models.dataset import load
     from advisor.models.profile_fit import on_vm
 
-    assert DEFAULT.fp8_param_transpose_bytes == 45.0
+    assert DEFAULT.fp8_param_cast_s == 7.5e-11
     runs = Path(__file__).resolve().parent.parent / "data" / "measurements" / "h100x4-te.jsonl"
     recs = {r.id: r for r in load([str(runs)]).records}
     cal = on_vm(resolve_calibration("default", "te"))
@@ -117,12 +117,34 @@ def test_fp8_weight_transposes_cost_what_the_measured_pairs_lost():
         assert measured < 0.96 and abs((pb / pa) / measured - 1) < 0.025, (with_, pb / pa, measured)
     m, cfg = load_model("llama3-8b"), TrainConfig(dp=8, mbs=2, gbs=64, seq=4096, precision="fp8")
     on = cfg.replace(fp8_param_gather=True)
-    for cl, slower in (("h100x8", True), ("b200x8", False)):
+    n = linear_params(m, on, range(m.num_layers))
+    for cl, x_cfg, shard in (("h100x8", on, n / 8), ("h200x1", on.replace(dp=1, gbs=8), n),
+                             ("b200x8", on, 0.0)):
         c = load_cluster(cl)
         opt = []
-        for x in (cfg, on):
+        for x in (x_cfg.replace(fp8_param_gather=False), x_cfg):
             L = layouts_of(m, x)
             opt.append(float(dp_terms(m, c, L, DEFAULT, memo_for(m, c, DEFAULT), Stages(L)).opt_base[0]))
-        assert (opt[1] > opt[0] + 0.01) == slower, cl
-        if slower:  # every linear weight: 45 B at the HBM bandwidth x hbm_efficiency
-            assert opt[1] - opt[0] == pytest.approx(linear_params(m, on, range(m.num_layers)) * 45.0 / (c.gpu.hbm_bandwidth_gbs * 1e9 * DEFAULT.hbm_efficiency), rel=0.05)
+        assert opt[1] - opt[0] == pytest.approx(shard * 7.5e-11, rel=0.02, abs=1e-9), (cl, x_cfg.dp)
+
+
+def test_fp8_primary_weight_cast_is_per_shard_weight_on_one_h200():
+    """One H200 (DP1: the shard is every weight; session 34, data/measurements/h200x1-te.jsonl): the
+    step's cast_transpose_general_kernel calls, one per FP8 linear weight, take 75 ps per weight within
+    5% on llama3-8b[8L] and llama3-70b[4L] (1.7 and 3.4 B weights), what 4 x H100 with DP4 gave per
+    weight of its quarter shard; the bandwidth reading (45 B per weight held) put them 5.5x lower."""
+    import json
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parent.parent / "data" / "measurements" / "h200x1-te.jsonl"
+    recs = {r["id"]: r for r in (json.loads(x) for x in runs.read_text().splitlines() if x.strip())}
+    for rid, name, layers in (("h1te-l8b-kp-01", "llama3-8b", 8), ("h1te-l70b-kp-03", "llama3-70b", 4)):
+        r = recs[rid]
+        assert r["config"]["fp8_param_gather"] and r["config"]["dp"] == 1
+        m = load_model(name).with_layers(layers)
+        n = linear_params(m, TrainConfig(), range(layers))
+        k = next(x for x in r["kernel_profile"]["top"] if "cast_transpose_general_kernel" in x["name"])
+        assert k["count"] == 4 * layers  # qkv, proj, fc1, fc2 of each layer, once a step
+        assert k["ms"] * 1e-3 / n == pytest.approx(DEFAULT.fp8_param_cast_s, rel=0.05), rid
+        held = n * 45.0 / (load_cluster("h200x1").gpu.hbm_bandwidth_gbs * 1e9 * DEFAULT.hbm_efficiency)
+        assert k["ms"] * 1e-3 > 4 * held
