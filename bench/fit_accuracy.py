@@ -136,7 +136,7 @@ def grids(ds, min_size: int):
 
     by = defaultdict(dict)
     for r in ds.records:
-        key = (shape_key(r.model, True), r.cluster.name, r.cluster.power_cap_w, r.cfg.seq, r.cfg.gbs,
+        key = (shape_key(r.model, True), r.model.name, r.cluster.name, r.cluster.power_cap_w, r.cfg.seq, r.cfg.gbs,
                r.cfg.precision)
         knobs = tuple(getattr(r.cfg, k) for k in KNOBS)
         by[key].setdefault(knobs, []).append(r)

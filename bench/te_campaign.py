@@ -1043,6 +1043,8 @@ for job in map(json.loads, sys.stdin):
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
     tc["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "squared_relu": squared_relu,
                              "quick_gelu": quick_gelu}[tc["activation_func"]]
+    if tc.get("window_size") is not None:  # the worker's JSON list -> tuple
+        tc["window_size"] = tuple(tc["window_size"])
     tc = {k: v for k, v in tc.items() if v is not None}
     tc.pop("apply_rope_fusion", None)  # megatron-core checks TE's fused RoPE is importable: not on CPU
     try:

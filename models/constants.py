@@ -237,7 +237,8 @@ class Constants:
     # (`bash bench/te_device.sh sinks`, data/microbench/h200x1-attention-sinks.jsonl): 1.31-1.57 ns over
     # gpt-oss's 64 x 64 and llama3-8b's 32 x 128 heads at 4K / 8K, full and 128-token windows, mean
     # 1.46; in the gpt-oss proxy's steps (data/measurements/h200x1-te.jsonl) the dO.O kernel alone
-    # 1.6-1.8 ns. Hopper only: Blackwell's kernel is not measured.
+    # 1.6-1.8 ns. Measured on Hopper, applied on every GPU and stack: Blackwell's kernel is not
+    # measured (the Blackwell gpt-oss rows' change rests on it), and the local runner drops the sinks.
     attention_sink_bwd_s: float = 1.46e-9
     # Fixed cost of one fused-attention thread block besides its tiles, in tile-times: pipeline fill
     # and drain, its Q (forward) / K, V (backward) load and O / dK, dV store, and the per-row

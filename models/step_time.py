@@ -599,8 +599,8 @@ def at_clocks_arrays(full: dict[str, np.ndarray], x: np.ndarray, c: Constants, y
     put("memory_bound_s", full["memory_bound_s"] * fm)
     put("forward_s", full["forward_s"] * mix)
     put("backward_s", full["backward_s"] * mix)
-    put("fp8_fwd_s", full["fp8_fwd_s"] * fm)
-    put("fp8_bwd_s", full["fp8_bwd_s"] * fm)
+    for name, f in (("fp8_fwd_s", fm), ("fp8_bwd_s", fm), ("attention_bwd_extra_s", fc)):
+        put(name, full[name] * f)
     # the host's wait at these clocks: what the host's issue time exceeds the slower GPU work by
     wait = np.maximum(0.0, full["host_s"] - (total_arrays(out) - full["host_wait_s"]))
     put("overhead_s", full["overhead_s"] - full["host_wait_s"] + wait)

@@ -12,6 +12,9 @@ Stacks (advisor.models.profiles):
          The runner turns sequence parallelism off itself (`runs_sequence_parallel`), so a dense
          layout with TP > 1 runs without it.
   te     Megatron-Core with Transformer Engine: none of the above is refused.
+Every stack: learned attention sinks (gpt-oss) with CP > 1 (MODEL_RULES): Transformer Engine runs a
+non-vanilla softmax under context parallelism only with cp_comm_type a2a (its CP tests skip the
+others), which neither the printed arguments (p2p / all_gather) nor the step model price.
 This project's runner, whatever the stack, does not run Megatron FSDP (RUNNER_RULES: its worker
 builds megatron-core's DistributedDataParallel itself, runners.megatron_args.runner_config): the
 local stack (which is that runner) leaves FSDP out of recommend, and `advisor tune` with the megatron
@@ -41,10 +44,16 @@ RUNNER_RULES = (
              "DistributedDataParallel, not MegatronFSDP); measure it with --runner command"),
 )
 LOCAL_RULES = LOCAL_RULES + RUNNER_RULES
+# what no stack runs as the advisor would print and price it
+MODEL_RULES = (
+    ("sinks_cp", "learned attention sinks with context parallelism (cp > 1) run in Transformer Engine only "
+                 "with cp_comm_type a2a, which the advisor does not price or print; use cp 1"),
+)
+LOCAL_RULES = LOCAL_RULES + MODEL_RULES
 # short labels of the rules for the one line that counts what was left out
 LABELS = {"fp8": "FP8", "sequence_parallel": "sequence parallelism", "cp": "CP > 1",
           "tp_comm_overlap": "TP comm overlap", "moe_tp": "MoE with TP > 1", "cpu_offload": "CPU offloading",
-          "fsdp": "Megatron FSDP"}
+          "fsdp": "Megatron FSDP", "sinks_cp": "sinks with CP > 1"}
 RESTRICTED_STACKS = ("local",)
 
 
@@ -56,12 +65,13 @@ def runs_sequence_parallel(stack: str) -> bool:
 def _broken(model: ModelSpec, tp, cp, sp, fp8, tpo, offload=0, fsdp=False) -> dict:
     """Each rule of the local stack: True (or a boolean array) where the layout breaks it."""
     return {"fp8": fp8, "sequence_parallel": sp, "cp": cp > 1, "tp_comm_overlap": tpo,
-            "moe_tp": model.is_moe & (tp > 1), "cpu_offload": np.asarray(offload) > 0, "fsdp": fsdp}
+            "moe_tp": model.is_moe & (tp > 1), "cpu_offload": np.asarray(offload) > 0, "fsdp": fsdp,
+            "sinks_cp": model.attention_sinks & (np.asarray(cp) > 1)}
 
 
 def _rules(stack: str, runner: bool) -> tuple:
     """The rules that apply: the local stack's, or this project's runner's with another stack's layers."""
-    return LOCAL_RULES if stack in RESTRICTED_STACKS else RUNNER_RULES if runner else ()
+    return LOCAL_RULES if stack in RESTRICTED_STACKS else RUNNER_RULES + MODEL_RULES if runner else MODEL_RULES
 
 
 def first_broken_rule(model: ModelSpec, cfg: TrainConfig, stack: str, runner: bool = False) -> str | None:

@@ -4,7 +4,7 @@ gpt-oss-120b at full width with its window, sinks, clamped quick-GeGLU and biase
 (1,024 tokens per expert per 4096-token micro-batch, one GPU's share of NVIDIA's EP8 recipe).
 
 What the runs pin down: at micro-batch 4 the GPU binds (86% busy), and there the step's memory-bound
-kernels (elementwise, permute / unpermute, norms, RoPE, loss: 269 ms of its 762 ms) are what the te
+kernels (elementwise, permute / unpermute, norms, RoPE, loss, copies: 271 ms of its 762 ms) are what the te
 profile prices as memory_bound_s (273 ms). Pricing the experts at their own GEMM shape alone (branch
 moe-per-shape, 108 ms memory-bound) leaves ~160 ms of them out: that model is 37% too fast here, as
 it is on NVIDIA's published gpt-oss rows (+50%)."""
@@ -24,7 +24,7 @@ from advisor.models.profile_fit import on_vm
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "measurements" / "h200x1-te.jsonl"
 MEMORY_BOUND = ("elementwise/reduce", "index/permute/sort", "norm", "rope", "loss/softmax", "other",
-                "memcpy/memset")
+                "memcpy/memset", "activation")  # as bench/moe_kernels.py counts them
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def runs():
 
 
 def test_records_name_their_stack_and_features(runs):
-    assert len(runs) == 15 and all(r["status"] == "ok" for r, _, _ in runs)
+    assert len(runs) >= 15 and all(r["status"] == "ok" for r, _, _ in runs)
     for r, m, _ in runs:
         assert r["stack"] == "te" and r["env"]["transformer_engine"] == "2.20.2"
         assert r["env"]["megatron_core"] == "0.19.2" and r["env"]["gpu_name"] == "NVIDIA H200"
@@ -70,8 +70,8 @@ def test_memory_of_every_run(runs):
     vm = on_vm(resolve_calibration("te")).constants
     for r, _, p in runs:
         # the fullest stage's peak, the analytical runtime overhead left out (as te_check compares),
-        # against the measured peak reserved; the micro-batch 4 run's activations are under-predicted
-        # (72.5 vs 79.2 GiB), the rest sit under the optimizer step's transient (within 1.3%)
+        # against the measured peak reserved (memory.max_gib); the micro-batch 4 runs' activations are
+        # under-predicted (72.3 vs 77.75 GiB here, -7%), the rest sit under the optimizer step's transient
         pred = p.memory_gib_per_gpu - vm.runtime_overhead_gib
         meas = r["memory"]["max_gib"]
         assert abs(pred / meas - 1) < (0.10 if r["config"]["mbs"] >= 4 else 0.02), r["id"]

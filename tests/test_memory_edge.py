@@ -359,3 +359,24 @@ def test_expandable_segments_spread_follows_the_schedule():
     assert sm.reserved_free_off_gib > sm.reserved_free_gib
     off = max(stage_memory(m, cfg.replace(expandable_segments=False), DEFAULT), key=lambda s: s.total_gib)
     assert sm.reserved_free_off_gib == pytest.approx(off.reserved_free_gib)
+
+
+def test_learned_sinks_with_cp_are_refused_on_every_stack():
+    """Transformer Engine runs a learned-sink softmax under CP only over cp_comm_type a2a, which the
+    advisor neither prints (p2p / all_gather) nor prices: every stack leaves gpt-oss with CP > 1 out,
+    per layout, on columns and in the runner, and keeps CP 1 and models without sinks."""
+    from advisor.search_spaces.runnable import left_out_line
+
+    oss = load_model("gpt-oss-120b").with_layers(4)
+    cp2 = TrainConfig(cp=2, dp=4, ep=8, mbs=1, gbs=32, seq=8192)
+    assert "cp_comm_type a2a" in refusal(oss, cp2, "te")
+    assert refusal(oss, cp2, "local") is not None  # the local stack's own CP rule comes first
+    assert refusal(oss, cp2.replace(cp=1, dp=8), "te") is None
+    assert refusal(load_model("llama3-8b"), TrainConfig(cp=2, dp=4, gbs=32), "te") is None
+    assert "cp_comm_type a2a" in MA.refusal_reason(oss, cp2, stack="te")
+    c = load_cluster("h100x64")
+    L = enumerate_columns(oss, c, default_workload(oss, c), SpaceOptions())
+    bad, counts = refused(oss, L, "te")
+    cps = np.array([L.config(i).cp for i in range(len(L))])
+    assert (cps > 1).any() and bad.tolist() == (cps > 1).tolist() and counts == {"sinks_cp": int((cps > 1).sum())}
+    assert "sinks with CP > 1" in left_out_line("te", counts)
