@@ -116,4 +116,6 @@ def left_out_line(stack: str, counts: dict[str, int]) -> str:
     if not total:
         return ""
     parts = ", ".join(f"{LABELS[k]} {v:,}" for k, v in counts.items())
-    return f"left out {total:,} layout(s) the {stack} stack's runner cannot run ({parts})"
+    # a model rule (MODEL_RULES) is the stack's own limit, not its runner's
+    who = f"the {stack} stack" if set(counts) <= set(dict(MODEL_RULES)) else f"the {stack} stack's runner"
+    return f"left out {total:,} layout(s) {who} cannot run ({parts})"

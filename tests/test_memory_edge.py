@@ -379,4 +379,5 @@ def test_learned_sinks_with_cp_are_refused_on_every_stack():
     bad, counts = refused(oss, L, "te")
     cps = np.array([L.config(i).cp for i in range(len(L))])
     assert (cps > 1).any() and bad.tolist() == (cps > 1).tolist() and counts == {"sinks_cp": int((cps > 1).sum())}
-    assert "sinks with CP > 1" in left_out_line("te", counts)
+    assert left_out_line("te", counts).startswith(f"left out {counts['sinks_cp']:,} layout(s) the te stack cannot run")
+    assert "the local stack's runner cannot run" in left_out_line("local", {"cp": 3, "sinks_cp": 1})
