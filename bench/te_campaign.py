@@ -758,6 +758,18 @@ def s32d() -> list[dict]:
     return fit + over
 
 
+# the gpt-oss proxy's batches (session 34): 8 layers, 8 sequences of 4096 a step, ids h1te-oss-*, and
+# the proxy with features of its own turned off (each a model of its own name)
+OSS = dict(layers=8, seq=4096, gbs=8)
+
+
+def _oss(suffix: str = "", **off) -> dict:
+    return {**GPTOSS_PROXY, "name": f"gpt-oss-120b-proxy{suffix}", **off} if suffix else GPTOSS_PROXY
+
+
+OSS_PLAIN = _oss("-plain", attention_sinks=False, window_size=0, window_pattern=[], activation_clamp=0.0)
+
+
 def s34() -> list[dict]:
     """Session 34, issue #24: what a gpt-oss layer costs, on one H200 (the device tool lent no more).
     The published gpt-oss-120b rows are the MoE model's worst (per-shape experts, branch
@@ -768,24 +780,17 @@ def s34() -> list[dict]:
     recompute (layernorm, moe_act), FP8, and without the sinks, without the window, with plain
     SwiGLU for the clamped quick-GeGLU; one kernel-profiled. Predicted before it ran
     (bench/campaign_configs/x1-h200-te-s34.predicted.txt)."""
-    h1 = "h1te"
     te = dict(STACK_TE_CE, warmup=6, steps=5)
-    base = dict(GPTOSS_PROXY)
-    plain = {**base, "name": "gpt-oss-120b-proxy-plain", "attention_sinks": False, "window_size": 0,
-             "window_pattern": [], "activation_clamp": 0.0}
-    nosink = {**base, "name": "gpt-oss-120b-proxy-nosinks", "attention_sinks": False}
-    nowin = {**base, "name": "gpt-oss-120b-proxy-nowindow", "window_size": 0, "window_pattern": []}
-    noclamp = {**base, "name": "gpt-oss-120b-proxy-swiglu", "activation_clamp": 0.0}
-    lay = dict(layers=8, seq=4096, gbs=8)
     rows = [("base", dict(mbs=1, **te)), ("base", dict(mbs=2, **te)),
             ("rc", dict(mbs=1, recompute="selective", recompute_modules=["layernorm", "moe_act"], **te)),
             ("fp8", dict(mbs=1, precision="fp8", **FPG, **te)),
             ("kp", dict(mbs=1, kernel_profile_steps=2, **te))]
-    return (_jobs(base, "oss", rows, 0, h1, **lay)
-            + _jobs(nosink, "oss", [("nosink", dict(mbs=1, **te))], 5, h1, **lay)
-            + _jobs(nowin, "oss", [("nowin", dict(mbs=1, **te))], 6, h1, **lay)
-            + _jobs(noclamp, "oss", [("swiglu", dict(mbs=1, **te))], 7, h1, **lay)
-            + _jobs(plain, "oss", [("plain", dict(mbs=1, **te))], 8, h1, **lay))
+    variants = [(_oss("-nosinks", attention_sinks=False), "nosink"),
+                (_oss("-nowindow", window_size=0, window_pattern=[]), "nowin"),
+                (_oss("-swiglu", activation_clamp=0.0), "swiglu"), (OSS_PLAIN, "plain")]
+    return _jobs(GPTOSS_PROXY, "oss", rows, 0, "h1te", **OSS) + [
+        j for n, (model, feature) in enumerate(variants, 5)
+        for j in _jobs(model, "oss", [(feature, dict(mbs=1, **te))], n, "h1te", **OSS)]
 
 
 def s34b() -> list[dict]:
@@ -793,15 +798,11 @@ def s34b() -> list[dict]:
     batch 2 and 4: one GPU's GPU work by kernel category against the model's terms), its features
     off at micro-batch 2 (plain: no sinks, no window, SwiGLU), and FP8 at micro-batch 2 (the H200's
     FP8 / BF16 excess, session 33)."""
-    h1 = "h1te"
     te = dict(STACK_TE_CE, warmup=6, steps=5, kernel_profile_steps=2)
-    plain = {**GPTOSS_PROXY, "name": "gpt-oss-120b-proxy-plain", "attention_sinks": False, "window_size": 0,
-             "window_pattern": [], "activation_clamp": 0.0}
-    lay = dict(layers=8, seq=4096, gbs=8)
     rows = [("kp", dict(mbs=2, **te)), ("kp", dict(mbs=4, **te)),
             ("kp", dict(mbs=2, precision="fp8", **FPG, **te))]
-    return (_jobs(GPTOSS_PROXY, "oss", rows, 9, h1, **lay)
-            + _jobs(plain, "oss", [("kp", dict(mbs=2, **te))], 12, h1, **lay))
+    return (_jobs(GPTOSS_PROXY, "oss", rows, 9, "h1te", **OSS)
+            + _jobs(OSS_PLAIN, "oss", [("kp", dict(mbs=2, **te))], 12, "h1te", **OSS))
 
 
 def s34c() -> list[dict]:
@@ -825,12 +826,10 @@ def s34d() -> list[dict]:
     H100 rows' "rfuse-pfuse"), with the aux-loss router and with forced load balancing (the
     published rows' routing), kernel-profiled: how much of the 269 ms of memory-bound kernels a step
     (s34b's h1te-oss-kp-10, unfused) the recipe's kernels remove."""
-    h1 = "h1te"
     te = dict(STACK_TE_CE, warmup=6, steps=5, kernel_profile_steps=2, moe_permute_fusion=True,
               moe_router_fusion=True)
-    lay = dict(layers=8, seq=4096, gbs=8)
     rows = [("fuse", dict(mbs=4, **te)), ("fuse", dict(mbs=4, moe_router="forced", **te))]
-    return _jobs(GPTOSS_PROXY, "oss", rows, 13, h1, **lay)
+    return _jobs(GPTOSS_PROXY, "oss", rows, 13, "h1te", **OSS)
 
 
 def s34e() -> list[dict]:
@@ -838,17 +837,20 @@ def s34e() -> list[dict]:
     weights) at micro-batch 2: on 2 x H200 its TP2 SP FP8 / BF16 ratio was 5.7% under the predicted
     one (h2te-l70b-sp-01 / fp8-04); llama3-8b's alone is within 0.4% (s34c). The 70b shape alone
     says whether its excess needs a second GPU."""
-    h1 = "h1te"
-    te = dict(STACK_TE_CE, warmup=4, steps=6)
-    rows = [("fp8", dict(dp=1, mbs=2, **te)), ("fp8", dict(dp=1, mbs=2, precision="fp8", **FPG, **te))]
-    return _on(("llama3-70b", "l70b", dict(layers=4, seq=4096, gbs=16)), rows, 0, h1)
+    return _l70b_pair("fp8", 0, steps=6)
 
 
 def s34f() -> list[dict]:
     """Session 34's sixth call, issue #22: s34e's llama3-70b 4L pair (its FP8 4.0% slower than predicted
     on one H200, at the predicted clock) again, kernel-profiled: which kernels FP8 spends the 4% on."""
-    return [dict(j, id=j["id"].replace("-fp8-", "-kp-").replace("-00", "-02").replace("-01", "-03"),
-                 kernel_profile_steps=2, steps=4) for j in s34e()]
+    return _l70b_pair("kp", 2, steps=4, kernel_profile_steps=2)
+
+
+def _l70b_pair(feature: str, first: int, **run) -> list[dict]:
+    """llama3-70b 4L on one H200, micro-batch 2, BF16 then FP8 with FP8 primary weights (s34e / s34f)."""
+    te = dict(STACK_TE_CE, warmup=4, **run)
+    rows = [(feature, dict(dp=1, mbs=2, **te)), (feature, dict(dp=1, mbs=2, precision="fp8", **FPG, **te))]
+    return _on(("llama3-70b", "l70b", dict(layers=4, seq=4096, gbs=16)), rows, first, "h1te")
 
 
 def predict(names: list[str]) -> int:

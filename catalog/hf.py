@@ -342,20 +342,13 @@ def _llama4_text(c: _Cfg) -> dict[str, Any]:
     return d
 
 
-def _swiglu_limit(c: _Cfg) -> float:
-    v = c.get("swiglu_limit", 7.0)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise CatalogError(f"{c.origin}: swiglu_limit must be a non-negative number, got {v!r}")
-    return float(v)
-
-
 def _gpt_oss(c: _Cfg) -> dict[str, Any]:
     """gpt-oss: MoE on every layer (biases on the experts too), sliding window on the layers its
     layer_types mark, a learned attention sink per head, the clamped gated activation (swiglu_limit,
     7.0 in both released configs)."""
     d = _llama_like(c, "gpt-oss", 131072, windows=lambda i: i % 2 == 0)
     d.update(attention_sinks=True, add_bias_linear=bool(c.get("attention_bias", True)),
-             qkv_bias=bool(c.get("attention_bias", True)), activation_clamp=_swiglu_limit(c))
+             qkv_bias=bool(c.get("attention_bias", True)), activation_clamp=float(c.get("swiglu_limit", 7.0)))
     d["moe"] = MoESpec(num_experts=int(c.req("num_local_experts")),
                        top_k=int(c.get("num_experts_per_tok") or c.req("experts_per_token")),
                        ffn_hidden_size=d["ffn_hidden_size"])
@@ -373,6 +366,7 @@ _INT_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_k
                "max_window_layers", "attention_chunk_size", "intermediate_size_mlp", "interleave_moe_layer_step",
                "no_rope_layer_interval", "experts_per_token")
 _BOOL_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_qk_norm")
+_NONNEGATIVE_FIELDS = ("swiglu_limit",)
 
 
 def _check_types(cfg: Mapping[str, Any], origin: str) -> None:
@@ -386,6 +380,10 @@ def _check_types(cfg: Mapping[str, Any], origin: str) -> None:
         v = cfg.get(k)
         if v is not None and not isinstance(v, bool):
             raise CatalogError(f"{origin}: {k} must be true or false, got {v!r}")
+    for k in _NONNEGATIVE_FIELDS:
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise CatalogError(f"{origin}: {k} must be a non-negative number, got {v!r}")
     for k in ("mlp_only_layers",):
         v = cfg.get(k)
         if v is not None and (not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) for x in v)):

@@ -195,8 +195,6 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
     (see ``_te_config``). ``params_dtype`` / ``pipeline_dtype`` are dtype names and
     ``activation_func`` a function name; the worker maps them to torch objects."""
     act, gated = _ACTIVATION[model.activation]
-    if model.activation_clamp:  # gpt-oss: quick-GeGLU, (linear + 1), both halves clamped
-        act = "quick_gelu"
     kw: dict[str, Any] = {
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
@@ -242,8 +240,9 @@ def transformer_config_kwargs(model: ModelSpec, cfg: TrainConfig, stack: str = "
         "cross_entropy_loss_fusion": cfg.cross_entropy_impl != "unfused",
         "cross_entropy_fusion_impl": "native" if cfg.cross_entropy_impl == "unfused" else cfg.cross_entropy_impl,
     }
-    if model.activation_clamp:
-        kw.update(glu_linear_offset=1.0, activation_func_clamp_value=float(model.activation_clamp))
+    if model.activation_clamp:  # gpt-oss: quick-GeGLU x (linear + 1), both halves clamped
+        kw.update(activation_func="quick_gelu", glu_linear_offset=1.0,
+                  activation_func_clamp_value=float(model.activation_clamp))
     kw.update(recompute_settings(cfg))
     if model.mla is not None:
         # megatron.core's MLATransformerConfig (the worker builds that class when it sees
@@ -311,7 +310,7 @@ def _te_config(model: ModelSpec, cfg: TrainConfig, fp8_recipe: str) -> dict[str,
     # learned sink logit per head (softmax_type "learnable")
     if model.window_size and model.window_type == "sliding":
         kw["window_size"] = (model.window_size - 1, 0)
-        per_layer = [1 if model.layer_window(i) else 0 for i in range(model.num_layers)]
+        per_layer = windowed_layers(model)
         if not all(per_layer):
             kw["window_attn_skip_freq"] = per_layer
     if model.attention_sinks:
@@ -445,6 +444,11 @@ def pattern_expression(per_layer: list[int]) -> str:
     return f"({body})*{reps}" + (f"+{runs(per_layer[:tail])}" if tail else "")
 
 
+def windowed_layers(model: ModelSpec) -> list[int]:
+    """Per layer, 1 where it is windowed (megatron-core's window_attn_skip_freq list form)."""
+    return [1 if model.layer_window(i) else 0 for i in range(model.num_layers)]
+
+
 def _attention_args(model: ModelSpec) -> list[str]:
     """Per-layer attention and its details, as megatron-core's flags (megatron/training/
     arguments.py): --window-size (TE's (left, right) window: a query sees itself and `left` keys
@@ -454,7 +458,7 @@ def _attention_args(model: ModelSpec) -> list[str]:
     a: list[str] = []
     if model.window_size and model.window_type == "sliding":
         a += ["--window-size", f"{model.window_size - 1},0"]
-        per_layer = [1 if model.layer_window(i) else 0 for i in range(model.num_layers)]
+        per_layer = windowed_layers(model)
         if not all(per_layer):
             a += ["--window-attn-skip-freq", pattern_expression(per_layer)]
     if model.attention_sinks:
